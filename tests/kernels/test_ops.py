@@ -1,0 +1,32 @@
+"""get_kernel_ops hands out the reference ops on CPU."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from kernels import KernelOps, get_kernel_ops
+from kernels.paged_attention import paged_attention
+from kernels.rms_norm import rms_norm
+
+
+def test_cpu_gets_reference_ops():
+    ops = get_kernel_ops(torch.device("cpu"))
+    assert isinstance(ops, KernelOps)
+    assert ops.rms_norm is rms_norm and ops.paged_attention is paged_attention
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        ops.rms_norm = None  # type: ignore[misc]
+
+
+def test_kernels_imports_no_other_top_level_folder():
+    import ast
+    import pathlib
+
+    root = pathlib.Path(__file__).resolve().parents[2] / "kernels"
+    for path in root.glob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+                top = node.module.split(".")[0]
+                assert top not in {"workers", "router", "kvtransfer", "cluster", "proto"}, path

@@ -1,0 +1,124 @@
+"""The model architecture, read once from a Hugging Face ``config.json``.
+
+Accepts both the transformers 4.x keys found in checkpoints on the Hub (``rope_theta`` +
+``rope_scaling``, ``torch_dtype``) and the 5.x keys that ``save_pretrained`` writes now
+(``rope_parameters`` holding ``rope_theta`` and the scaling, ``dtype``).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+# Kept here rather than read from the registry so that this module imports no model code;
+# tests check the two agree.
+SUPPORTED_ARCHITECTURES = (
+    "LlamaForCausalLM",
+    "MistralForCausalLM",
+    "Qwen2ForCausalLM",
+    "Qwen3ForCausalLM",
+)
+
+_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+@dataclass(frozen=True)
+class ArchConfig:
+    architecture: str  # e.g. "LlamaForCausalLM"
+    model_type: str  # e.g. "llama"
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    rope_scaling: dict[str, Any] | None  # None for plain RoPE; else has "rope_type"
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    attention_bias: bool  # bias on q/k/v (always on for Qwen2)
+    mlp_bias: bool  # bias on gate/up/down (Llama's ``mlp_bias``)
+    sliding_window: int | None  # None when every layer attends to the full context
+    torch_dtype: torch.dtype | None  # the checkpoint's dtype, if config.json names one
+
+    @classmethod
+    def from_model_dir(cls, path: str | Path) -> ArchConfig:
+        """Parse ``path/config.json``; ValueError for an unsupported architecture."""
+        config_path = Path(path) / "config.json"
+        if not config_path.is_file():
+            raise ValueError(f"no config.json in {path}")
+        return cls.from_dict(json.loads(config_path.read_text()))
+
+    @classmethod
+    def from_dict(cls, cfg: dict[str, Any]) -> ArchConfig:
+        architectures = cfg.get("architectures") or []
+        if len(architectures) != 1 or architectures[0] not in SUPPORTED_ARCHITECTURES:
+            raise ValueError(
+                f"unsupported architecture {architectures or '(none given)'}; "
+                f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
+            )
+        architecture = architectures[0]
+        num_heads = cfg["num_attention_heads"]
+        rope_theta, rope_scaling = _parse_rope(cfg)
+        return cls(
+            architecture=architecture,
+            model_type=cfg.get("model_type", ""),
+            vocab_size=cfg["vocab_size"],
+            hidden_size=cfg["hidden_size"],
+            intermediate_size=cfg["intermediate_size"],
+            num_hidden_layers=cfg["num_hidden_layers"],
+            num_attention_heads=num_heads,
+            num_key_value_heads=cfg.get("num_key_value_heads") or num_heads,
+            head_dim=cfg.get("head_dim") or cfg["hidden_size"] // num_heads,
+            rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
+            rope_theta=rope_theta,
+            rope_scaling=rope_scaling,
+            max_position_embeddings=cfg.get("max_position_embeddings", 2048),
+            tie_word_embeddings=cfg.get("tie_word_embeddings", False),
+            # Qwen2 hard-codes q/k/v bias; its config has no attention_bias key.
+            attention_bias=architecture == "Qwen2ForCausalLM" or cfg.get("attention_bias", False),
+            mlp_bias=cfg.get("mlp_bias", False),
+            sliding_window=_parse_sliding_window(architecture, cfg),
+            torch_dtype=_parse_dtype(cfg.get("dtype") or cfg.get("torch_dtype")),
+        )
+
+
+def _parse_rope(cfg: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
+    params = cfg.get("rope_parameters")
+    if params is not None:  # transformers 5.x: one dict with theta and scaling
+        params = dict(params)
+        rope_theta = params.pop("rope_theta", cfg.get("rope_theta", 10000.0))
+    else:  # transformers 4.x
+        rope_theta = cfg.get("rope_theta", 10000.0)
+        params = dict(cfg.get("rope_scaling") or {})
+    if "type" in params and "rope_type" not in params:
+        params["rope_type"] = params.pop("type")
+    if params.get("rope_type", "default") == "default":
+        return float(rope_theta), None
+    return float(rope_theta), params
+
+
+def _parse_sliding_window(architecture: str, cfg: dict[str, Any]) -> int | None:
+    # Qwen2/Qwen3 configs carry a sliding_window value that is off unless use_sliding_window.
+    if architecture in ("Qwen2ForCausalLM", "Qwen3ForCausalLM") and not cfg.get(
+        "use_sliding_window", False
+    ):
+        return None
+    if architecture == "LlamaForCausalLM":
+        return None
+    return cfg.get("sliding_window")
+
+
+def _parse_dtype(name: str | None) -> torch.dtype | None:
+    if name is None:
+        return None
+    name = name.removeprefix("torch.")
+    if name not in _DTYPES:
+        raise ValueError(f"unsupported dtype {name!r} in config.json; supported: {list(_DTYPES)}")
+    return _DTYPES[name]

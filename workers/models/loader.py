@@ -1,0 +1,149 @@
+"""Build a model from a Hugging Face directory and load its safetensors weights.
+
+Tensors are read one at a time (``safe_open``), so peak host memory is one tensor, and
+each goes through its parameter's ``weight_loader``, which checks the shape, takes this
+rank's shard and converts the dtype. HF's separate q/k/v and gate/up tensors are packed
+into ``qkv_proj`` / ``gate_up_proj`` through the model's ``packed_modules_mapping``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from torch import nn
+
+from kernels import KernelOps, get_kernel_ops
+from workers.models.arch_config import ArchConfig
+from workers.models.base import CausalLM
+from workers.models.parallel import ParallelContext
+from workers.models.registry import get_model_class
+
+# Buffers some old checkpoints saved; recomputed here.
+_IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+
+
+def load_model(
+    model_dir: str | Path,
+    dtype: torch.dtype,
+    device: torch.device,
+    parallel: ParallelContext | None = None,
+    ops: KernelOps | None = None,
+) -> tuple[CausalLM, ArchConfig]:
+    """Build the model for ``model_dir`` on ``device`` in ``dtype`` and load its weights.
+
+    ``parallel`` defaults to a single rank, ``ops`` to ``get_kernel_ops(device)``.
+    Raises ValueError for an unsupported architecture, a directory without weights, and
+    missing, unexpected or wrongly shaped tensors (named in the message).
+    """
+    config = ArchConfig.from_model_dir(model_dir)
+    model_cls = get_model_class(config.architecture)
+    files = _weight_files(Path(model_dir))
+    device = torch.device(device)
+    parallel = parallel or ParallelContext()
+    ops = ops or get_kernel_ops(device)
+    with torch.device(device), _default_dtype(dtype):
+        model = model_cls(config, parallel, ops)
+    with torch.no_grad():
+        load_weights(model, _iter_tensors(files), config)
+    model.eval()
+    return model, config  # type: ignore[return-value]
+
+
+def load_weights(
+    model: nn.Module, weights: Iterator[tuple[str, torch.Tensor]], config: ArchConfig
+) -> None:
+    """Copy checkpoint tensors (HF names) into ``model``'s parameters; mutates the model."""
+    params = dict(model.named_parameters())
+    packed: tuple[tuple[str, str, str | int], ...] = getattr(model, "packed_modules_mapping", ())
+    loaded: set[str] = set()
+    unexpected: list[str] = []
+    for name, tensor in weights:
+        if name.endswith(_IGNORED_SUFFIXES):
+            continue
+        if name == "lm_head.weight" and config.tie_word_embeddings:
+            continue  # tied: the embedding is the output projection
+        param_name, shard_id = _to_param_name(name, packed)
+        param = params.get(param_name)
+        if param is None:
+            unexpected.append(name)
+            continue
+        try:
+            param.weight_loader(param, tensor, shard_id)  # type: ignore[attr-defined]
+        except ValueError as e:
+            raise ValueError(f"checkpoint tensor {name!r}: {e}") from None
+        loaded.add(name)
+    missing = sorted(_expected_names(params, packed) - loaded)
+    problems = []
+    if missing:
+        problems.append(f"missing tensors: {_short_list(missing)}")
+    if unexpected:
+        problems.append(f"unexpected tensors: {_short_list(sorted(unexpected))}")
+    if problems:
+        raise ValueError(
+            f"checkpoint does not match {type(model).__name__}: " + "; ".join(problems)
+        )
+
+
+def _to_param_name(
+    name: str, packed: tuple[tuple[str, str, str | int], ...]
+) -> tuple[str, str | int | None]:
+    for param_part, ckpt_part, shard_id in packed:
+        if f".{ckpt_part}." in name:
+            return name.replace(f".{ckpt_part}.", f".{param_part}."), shard_id
+    return name, None
+
+
+def _expected_names(
+    params: dict[str, nn.Parameter], packed: tuple[tuple[str, str, str | int], ...]
+) -> set[str]:
+    """The checkpoint names that together fill every parameter."""
+    names = set()
+    for param_name in params:
+        parts = [(p, c) for p, c, _ in packed if f".{p}." in param_name]
+        if parts:
+            names.update(param_name.replace(f".{p}.", f".{c}.") for p, c in parts)
+        else:
+            names.add(param_name)
+    return names
+
+
+def _weight_files(model_dir: Path) -> list[Path]:
+    index = model_dir / "model.safetensors.index.json"
+    if index.is_file():
+        weight_map: dict[str, str] = json.loads(index.read_text())["weight_map"]
+        return [model_dir / f for f in sorted(set(weight_map.values()))]
+    single = model_dir / "model.safetensors"
+    if single.is_file():
+        return [single]
+    raise ValueError(
+        f"no weights found in {model_dir}: expected model.safetensors or "
+        "model.safetensors.index.json"
+    )
+
+
+def _iter_tensors(files: list[Path]) -> Iterator[tuple[str, torch.Tensor]]:
+    for path in files:
+        with safe_open(path, framework="pt", device="cpu") as f:
+            for name in f.keys():  # noqa: SIM118 (safe_open is not a dict)
+                yield name, f.get_tensor(name)
+
+
+def _short_list(names: list[str], limit: int = 10) -> str:
+    shown = ", ".join(names[:limit])
+    return shown if len(names) <= limit else f"{shown}, ... ({len(names)} in all)"
+
+
+@contextlib.contextmanager
+def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
+    # Parameters are created directly in the target dtype (no float32 copy of the model).
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(previous)

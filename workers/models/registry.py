@@ -1,0 +1,31 @@
+"""Architecture name (``config.json`` "architectures") -> model class."""
+
+from __future__ import annotations
+
+from types import MappingProxyType
+
+from torch import nn
+
+from workers.models.arch_config import SUPPORTED_ARCHITECTURES
+from workers.models.llama import LlamaForCausalLM, MistralForCausalLM
+from workers.models.qwen2 import Qwen2ForCausalLM
+from workers.models.qwen3 import Qwen3ForCausalLM
+
+MODEL_CLASSES: MappingProxyType[str, type[nn.Module]] = MappingProxyType(
+    {
+        "LlamaForCausalLM": LlamaForCausalLM,
+        "MistralForCausalLM": MistralForCausalLM,
+        "Qwen2ForCausalLM": Qwen2ForCausalLM,
+        "Qwen3ForCausalLM": Qwen3ForCausalLM,
+    }
+)
+
+
+def get_model_class(architecture: str) -> type[nn.Module]:
+    """The class for ``architecture``; ValueError listing the supported ones otherwise."""
+    if architecture not in MODEL_CLASSES:
+        raise ValueError(
+            f"unsupported architecture {architecture!r}; "
+            f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
+        )
+    return MODEL_CLASSES[architecture]
