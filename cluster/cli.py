@@ -1,0 +1,197 @@
+"""The ``baton`` command line: one subcommand per function, heavy imports inside each.
+
+Each subcommand is a ``_Command``: a function that adds its arguments to a subparser
+and a function that runs it, returning the exit code. Adding one (``serve``, ``status``,
+``bench``) is adding two functions and a line in ``_COMMANDS``.
+
+Exit codes: 0 ok, 1 failure at run time (I/O), 2 bad arguments or configuration
+(argparse's own errors and every ``ValueError``, printed as ``baton: error: ...``),
+130 interrupted.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+_PROG = "baton"
+_EXIT_USAGE = 2
+# Literals, not imports from workers: building the parser must not load torch.
+_ARCHS = ("llama", "qwen2", "qwen3", "mistral")
+_SIZES = ("tiny", "small")
+_DTYPES = ("float32", "bfloat16", "float16")
+
+
+@dataclass(frozen=True)
+class _Command:
+    name: str
+    help: str
+    add_arguments: Callable[[argparse.ArgumentParser], None]
+    run: Callable[[argparse.Namespace], int]
+
+
+# ---- make-model -----------------------------------------------------------------------
+
+
+def _add_make_model_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("dir", metavar="DIR", help="directory to write the model to")
+    parser.add_argument("--arch", choices=_ARCHS, default="llama", help="architecture (llama)")
+    parser.add_argument("--size", choices=_SIZES, default="tiny", help="tiny or small (tiny)")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the random weights (0)")
+    parser.add_argument(
+        "--dtype",
+        choices=_DTYPES,
+        default=None,
+        help="dtype of the stored weights (float32 for tiny, bfloat16 for small)",
+    )
+    parser.add_argument(
+        "--overwrite", action="store_true", help="replace the model files in a non-empty DIR"
+    )
+
+
+def _run_make_model(args: argparse.Namespace) -> int:
+    from workers.make_model import make_config, make_model, num_parameters
+
+    config = make_config(args.arch, args.size, dtype=args.dtype)
+    out = make_model(
+        args.dir,
+        args.arch,
+        args.size,
+        seed=args.seed,
+        overwrite=args.overwrite,
+        dtype=args.dtype,
+        progress=True,
+    )
+    print(
+        f"wrote {args.arch} {args.size} ({num_parameters(config) / 1e6:.1f}M parameters, "
+        f"{config['dtype']}, vocab {config['vocab_size']}) to {out}"
+    )
+    return 0
+
+
+# ---- generate -------------------------------------------------------------------------
+
+
+def _add_generate_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("prompt", metavar="PROMPT", help="the prompt ('-' reads stdin)")
+    parser.add_argument("--model", required=True, metavar="DIR", help="Hugging Face model dir")
+    parser.add_argument(
+        "--dtype",
+        choices=_DTYPES,
+        default=None,
+        help="compute dtype (default: bfloat16 on CUDA, float32 on CPU)",
+    )
+    parser.add_argument("--max-tokens", type=int, default=None, metavar="N")
+    parser.add_argument("--temperature", type=float, default=None, metavar="T")
+    parser.add_argument("--top-p", type=float, default=None, metavar="P")
+    parser.add_argument("--top-k", type=int, default=None, metavar="K")
+    parser.add_argument("--seed", type=int, default=None, metavar="S")
+    parser.add_argument(
+        "--stop",
+        action="append",
+        default=None,
+        metavar="STR",
+        help="stop string, not included in the output (repeat for several)",
+    )
+    parser.add_argument("--ignore-eos", action="store_true", help="generate past EOS")
+
+
+def _run_generate(args: argparse.Namespace) -> int:
+    from workers import LLM, SamplingParams
+
+    prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
+    # Only what the user set: SamplingParams and the engine own the defaults.
+    options = {
+        "max_tokens": args.max_tokens,
+        "temperature": args.temperature,
+        "top_p": args.top_p,
+        "top_k": args.top_k,
+        "seed": args.seed,
+        "stop": args.stop,
+    }
+    params = SamplingParams(
+        **{k: v for k, v in options.items() if v is not None}, ignore_eos=args.ignore_eos
+    )
+    engine_args = {} if args.dtype is None else {"dtype": args.dtype}
+    llm = LLM(args.model, **engine_args)
+
+    start = time.perf_counter()
+    first_token_time: float | None = None
+    num_tokens = 0
+    finish_reason = None
+    for delta in llm.stream(prompt, params):
+        if delta.token_ids and first_token_time is None:
+            first_token_time = time.perf_counter()
+        num_tokens += len(delta.token_ids)
+        if delta.text:
+            sys.stdout.write(delta.text)
+            sys.stdout.flush()
+        if delta.finished:
+            finish_reason = delta.finish_reason
+    elapsed = time.perf_counter() - start
+    sys.stdout.write("\n")
+    sys.stdout.flush()
+
+    reason = getattr(finish_reason, "value", finish_reason)  # a str enum or a plain str
+    ttft = "" if first_token_time is None else f", ttft {1e3 * (first_token_time - start):.0f} ms"
+    rate = num_tokens / elapsed if elapsed > 0 else 0.0
+    print(
+        f"[{num_tokens} tokens, finish: {reason}, {rate:.1f} tokens/s{ttft}]",
+        file=sys.stderr,
+    )
+    return 0
+
+
+_COMMANDS = (
+    _Command(
+        "make-model",
+        "write a random-weight Hugging Face model directory (offline)",
+        _add_make_model_arguments,
+        _run_make_model,
+    ),
+    _Command(
+        "generate",
+        "generate from a prompt with a local model, streaming to stdout",
+        _add_generate_arguments,
+        _run_generate,
+    ),
+)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog=_PROG, description="Baton: disaggregated prefill/decode LLM serving."
+    )
+    subparsers = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    for command in _COMMANDS:
+        sub = subparsers.add_parser(command.name, help=command.help, description=command.help)
+        command.add_arguments(sub)
+        sub.set_defaults(run=command.run)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run ``baton`` with ``argv`` (default: ``sys.argv[1:]``); return the exit code."""
+    parser = build_parser()
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as exc:  # argparse has printed usage + the error (or --help)
+        return exc.code if isinstance(exc.code, int) else _EXIT_USAGE
+    try:
+        return args.run(args)
+    except ValueError as exc:
+        print(f"{_PROG}: error: {exc}", file=sys.stderr)
+        return _EXIT_USAGE
+    except OSError as exc:
+        print(f"{_PROG}: error: {exc}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print(f"{_PROG}: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

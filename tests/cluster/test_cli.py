@@ -1,0 +1,118 @@
+import json
+import subprocess
+import sys
+
+import pytest
+
+from cluster import cli
+from workers import make_model as make_model_module
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory):
+    out = tmp_path_factory.mktemp("cli") / "llama"
+    assert cli.main(["make-model", str(out), "--arch", "llama", "--size", "tiny"]) == 0
+    return out
+
+
+def test_make_model(tmp_path, capsys):
+    out = tmp_path / "m"
+    argv = ["make-model", str(out), "--arch", "qwen2", "--size", "tiny", "--seed", "3"]
+    assert cli.main(argv) == 0
+    assert "wrote qwen2 tiny" in capsys.readouterr().out
+    config = json.loads((out / "config.json").read_text())
+    assert config["model_type"] == "qwen2"
+    assert (out / "model.safetensors").is_file()
+
+    # A non-empty directory is refused, then replaced with --overwrite.
+    assert cli.main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("baton: error: ") and "not empty" in err
+    assert "Traceback" not in err
+    assert cli.main([*argv, "--overwrite"]) == 0
+
+
+def test_parser_choices_match_make_model():
+    assert cli._ARCHS == make_model_module.ARCHS
+    assert cli._SIZES == make_model_module.SIZES
+    assert cli._DTYPES == make_model_module.DTYPES
+
+
+@pytest.mark.parametrize(
+    ("argv", "named"),
+    [
+        (["make-model", "x", "--arch", "gpt2"], "--arch"),
+        (["make-model", "x", "--size", "huge"], "--size"),
+        (["make-model", "x", "--seed", "one"], "--seed"),
+        (["make-model"], "DIR"),
+        (["generate", "hi"], "--model"),
+        (["generate", "--model", "m", "--max-tokens", "many", "hi"], "--max-tokens"),
+        (["generate", "--model", "m", "--dtype", "int4", "hi"], "--dtype"),
+        (["frobnicate"], "frobnicate"),
+        ([], "COMMAND"),
+    ],
+)
+def test_bad_arguments(argv, named, capsys):
+    assert cli.main(argv) == 2
+    err = capsys.readouterr().err
+    assert "error" in err and named in err
+
+
+def test_help_exits_zero(capsys):
+    assert cli.main(["--help"]) == 0
+    out = capsys.readouterr().out
+    assert "make-model" in out and "generate" in out
+
+
+def test_generate_streams_and_summarises(tiny_model, capsys):
+    argv = ["generate", "--model", str(tiny_model), "--dtype", "float32"]
+    argv += ["--max-tokens", "12", "--temperature", "0", "--ignore-eos", "Hello, world!"]
+    assert cli.main(argv) == 0
+    captured = capsys.readouterr()
+    summary = captured.err.strip().splitlines()[-1]
+    assert "12 tokens" in summary and "finish: length" in summary and "tokens/s" in summary
+
+    from workers import LLM, SamplingParams
+
+    llm = LLM(str(tiny_model), dtype="float32", num_kv_blocks=256)
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    expected = llm.generate(["Hello, world!"], params)[0].text
+    assert captured.out == expected + "\n"
+
+
+def test_generate_stop_string(tiny_model, capsys):
+    base = ["generate", "--model", str(tiny_model), "--dtype", "float32", "--temperature", "0"]
+    base += ["--max-tokens", "16", "--ignore-eos"]
+    assert cli.main([*base, "Once upon a time"]) == 0
+    full = capsys.readouterr().out.rstrip("\n")
+    stop = full[len(full) // 2 : len(full) // 2 + 2]
+    assert stop.strip(), full  # a visible stop string from the middle of the output
+    assert cli.main([*base, "--stop", stop, "--stop", "\x00never", "Once upon a time"]) == 0
+    captured = capsys.readouterr()
+    assert captured.out == full[: full.find(stop)] + "\n"
+    assert "finish: stop" in captured.err
+
+
+def test_generate_bad_sampling_params(tiny_model, capsys):
+    argv = ["generate", "--model", str(tiny_model), "--temperature", "-1", "hi"]
+    assert cli.main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("baton: error: ") and "temperature" in err
+    assert "Traceback" not in err
+
+
+def test_generate_missing_model(tmp_path, capsys):
+    assert cli.main(["generate", "--model", str(tmp_path / "nope"), "hi"]) in (1, 2)
+    assert capsys.readouterr().err.startswith("baton: error: ")
+
+
+def test_console_entry_point_runs(tmp_path):
+    # `python -m cluster.cli` is the same function the `baton` script calls.
+    result = subprocess.run(
+        [sys.executable, "-m", "cluster.cli", "make-model", str(tmp_path / "m"), "--arch", "x"],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert result.returncode == 2
+    assert "invalid choice" in result.stderr
