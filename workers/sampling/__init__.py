@@ -1,0 +1,1 @@
+"""Helpers of the sampler (`workers/sampler.py`)."""

@@ -1,0 +1,171 @@
+"""Continuous batching with a token budget: decodes and prefill chunks in one step.
+
+The scheduler decides which requests run this step and how many of their tokens
+(``num_tokens - num_computed_tokens``, capped by the budget) — it never touches
+tensors. Running requests go first, in arrival order; when blocks run out the
+most recently admitted running request is preempted (its blocks freed, its
+tokens recomputed later, usually mostly from the prefix cache). Waiting requests
+are admitted FCFS only in a step without preemption, so a request admitted this
+step is never preempted in the same step.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from workers.block_manager import BlockManager
+from workers.request import FinishReason, Request, RequestStatus
+
+
+@dataclass(frozen=True)
+class ScheduledChunk:
+    """Tokens of one request computed this step."""
+
+    request_id: str
+    start_pos: int  # num_computed_tokens before the step
+    num_tokens: int  # query length this step
+    block_ids: tuple[int, ...]  # the request's block table
+    needs_sample: bool  # the chunk reaches the request's last known token: sample the next
+
+
+@dataclass(frozen=True)
+class SchedulerOutput:
+    chunks: tuple[ScheduledChunk, ...]  # decodes (one token) first, then longer chunks
+    block_copies: tuple[tuple[int, int], ...]  # (src, dst) copy-on-write pairs, before the step
+    preempted_ids: tuple[str, ...]
+
+    @property
+    def num_batched_tokens(self) -> int:
+        return sum(c.num_tokens for c in self.chunks)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.chunks
+
+
+class Scheduler:
+    def __init__(
+        self,
+        block_manager: BlockManager,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+    ):
+        self.block_manager = block_manager
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.requests: dict[str, Request] = {}
+        self.num_preemptions = 0
+
+    # ---- requests in and out -----------------------------------------------------
+    def add(self, req: Request) -> None:
+        if req.request_id in self.requests:
+            raise ValueError(f"request_id {req.request_id!r} is already in use")
+        self.requests[req.request_id] = req
+        self.waiting.append(req)
+
+    def finish(self, req: Request, reason: FinishReason) -> None:
+        """End a request for any reason; frees its blocks. Idempotent."""
+        if req.is_finished:
+            return
+        req.status = RequestStatus.FINISHED
+        req.finish_reason = reason
+        if req in self.running:
+            self.running.remove(req)
+        elif req in self.waiting:
+            self.waiting.remove(req)
+        self.block_manager.free(req.request_id)
+        del self.requests[req.request_id]
+
+    def abort(self, request_ids: Iterable[str]) -> list[Request]:
+        """Abort requests at any moment between steps; unknown ids are ignored."""
+        aborted = []
+        for request_id in request_ids:
+            req = self.requests.get(request_id)
+            if req is not None:
+                self.finish(req, FinishReason.ABORT)
+                aborted.append(req)
+        return aborted
+
+    @property
+    def num_unfinished(self) -> int:
+        return len(self.requests)
+
+    # ---- the step ----------------------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        budget = self.max_num_batched_tokens
+        chunks: list[ScheduledChunk] = []
+        preempted: list[str] = []
+        bm = self.block_manager
+
+        index = 0
+        while index < len(self.running) and budget > 0:
+            req = self.running[index]
+            num_new = min(req.num_tokens - req.num_computed_tokens, budget)
+            while not bm.allocate_slots(req.request_id, req.num_computed_tokens, num_new):
+                victim = self.running.pop()
+                self._preempt(victim)
+                preempted.append(victim.request_id)
+                if victim is req:
+                    break
+            else:
+                chunks.append(self._chunk(req, num_new))
+                budget -= num_new
+                index += 1
+                continue
+            break  # req itself was preempted: nothing after it is running
+
+        while (
+            not preempted
+            and self.waiting
+            and budget > 0
+            and len(self.running) < self.max_num_seqs
+        ):
+            req = self.waiting[0]
+            prefix = bm.find_prefix(req.token_ids)
+            num_cached = prefix.num_blocks * bm.block_size
+            num_new = min(req.num_tokens - num_cached, budget)
+            if not bm.allocate_slots(req.request_id, num_cached, num_new, prefix):
+                break  # FCFS: no one overtakes the head of the queue
+            self.waiting.popleft()
+            if req.first_scheduled_time is None:
+                req.first_scheduled_time = time.monotonic()
+                req.num_cached_tokens = num_cached
+            req.num_computed_tokens = num_cached
+            req.status = RequestStatus.RUNNING
+            self.running.append(req)
+            chunks.append(self._chunk(req, num_new))
+            budget -= num_new
+
+        chunks.sort(key=lambda c: c.num_tokens != 1)  # stable: decodes first
+        return SchedulerOutput(tuple(chunks), tuple(bm.take_copies()), tuple(preempted))
+
+    def _chunk(self, req: Request, num_new: int) -> ScheduledChunk:
+        start = req.num_computed_tokens
+        return ScheduledChunk(
+            request_id=req.request_id,
+            start_pos=start,
+            num_tokens=num_new,
+            block_ids=tuple(self.block_manager.block_table(req.request_id)),
+            needs_sample=start + num_new == req.num_tokens,
+        )
+
+    def _preempt(self, req: Request) -> None:
+        """Recompute-style preemption: drop the KV, keep the tokens, requeue at the front."""
+        self.block_manager.free(req.request_id)
+        req.num_computed_tokens = 0
+        req.num_preemptions += 1
+        req.status = RequestStatus.WAITING
+        self.waiting.appendleft(req)
+        self.num_preemptions += 1
+
+    def update_computed(self, chunk: ScheduledChunk) -> Request:
+        """After the step ran: advance the request and publish its newly full blocks."""
+        req = self.requests[chunk.request_id]
+        req.num_computed_tokens += chunk.num_tokens
+        self.block_manager.commit_computed(req.request_id, req.token_ids, req.num_computed_tokens)
+        return req
