@@ -12,11 +12,17 @@ position ``<= L - q + i``. The new tokens' K/V must already be in the cache (``s
 
 Query head ``h`` reads KV head ``h // (num_heads // num_kv_heads)`` (grouped-query attention).
 
-Decodes run as one batched ``scaled_dot_product_attention``: the context is gathered
-through the block tables into [num_decodes, Hkv, max_ctx, D] and the ``G`` query heads that
-share a KV head are laid out as ``G`` query rows, so GQA needs no K/V expansion and a
-length mask is the only mask. Extends run one sequence at a time (their lengths vary a
-lot), causally, with a bottom-right-aligned mask when part of the context is cached.
+Precondition: every slot of the cache holds a finite value (the engine zero-fills the cache
+when it allocates it). Positions past a sequence's length are gathered along with their block
+and masked out of the softmax; a weight of exactly zero times a finite value adds nothing.
+
+Context is gathered **by whole blocks** through the block table: indexing the layer view
+permuted to [2, Hkv, num_blocks, block_size, D] copies contiguous block_size*D tiles and yields,
+per (kv head, sequence), a [context, D] matrix with a uniform row stride — ready for ``bmm``
+with no second copy. Decodes run as one batched pair of ``bmm``s where the G query heads that
+share a KV head are G query rows (GQA without expanding K/V). Extends run one sequence at a
+time (their lengths vary a lot), causally, with a bottom-right-aligned mask when part of the
+context is cached.
 """
 
 from __future__ import annotations
@@ -27,14 +33,12 @@ import torch.nn.functional as F
 from kernels.attention_metadata import AttentionMetadata
 
 
-def _gather_context(
-    kv_cache_layer: torch.Tensor, block_tables: torch.Tensor, positions: torch.Tensor
-) -> torch.Tensor:
-    """Gather K/V at ``positions`` [num_seqs, ctx_len] -> [num_seqs, ctx_len, 2, Hkv, D]."""
-    block_size = kv_cache_layer.shape[3]
-    block_ids = torch.gather(block_tables, 1, positions // block_size).long()
-    # Advanced indices on dims 0 and 3 around two slices put them first.
-    return kv_cache_layer[block_ids, :, :, positions % block_size]
+def _gather_blocks(kv_cache_layer: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:
+    """Copy whole blocks: [num_blocks, 2, Hkv, bs, D] by ids [..., nb] -> [2, Hkv, ..., nb, bs, D]."""
+    _, two, num_kv_heads, block_size, head_dim = kv_cache_layer.shape
+    by_head = kv_cache_layer.permute(1, 2, 0, 3, 4)  # a view: [2, Hkv, num_blocks, bs, D]
+    gathered = by_head.index_select(2, block_ids.reshape(-1).long())
+    return gathered.view(two, num_kv_heads, *block_ids.shape, block_size, head_dim)
 
 
 def _decode_attention(
@@ -44,21 +48,23 @@ def _decode_attention(
     scale: float,
 ) -> torch.Tensor:
     num_decodes, num_heads, head_dim = query.shape
-    num_kv_heads = kv_cache_layer.shape[2]
-    max_ctx_len = max(metadata.seq_lens_cpu[:num_decodes])
-    seq_lens = metadata.seq_lens[:num_decodes].to(torch.int64)
-    ctx_positions = torch.arange(max_ctx_len, device=query.device)  # [max_ctx]
-    # Padding positions re-read the last real token, so no unwritten slot (which may hold
-    # NaN/Inf garbage) ever enters the product; the mask then gives them zero weight.
-    positions = torch.minimum(ctx_positions[None, :], seq_lens[:, None] - 1)
-    kv = _gather_context(kv_cache_layer, metadata.block_tables[:num_decodes], positions)
-    key = kv[:, :, 0].transpose(1, 2)  # [num_decodes, Hkv, max_ctx, D]
-    value = kv[:, :, 1].transpose(1, 2)  # [num_decodes, Hkv, max_ctx, D]
-    # [num_decodes, Hkv, G, D]: the query heads of one KV group become G query rows.
-    q = query.reshape(num_decodes, num_kv_heads, num_heads // num_kv_heads, head_dim)
-    mask = (ctx_positions[None, :] < seq_lens[:, None])[:, None, None, :]  # [N, 1, 1, max_ctx]
-    out = F.scaled_dot_product_attention(q, key, value, attn_mask=mask, scale=scale)
-    return out.view(num_decodes, num_heads, head_dim)
+    num_kv_heads, block_size = kv_cache_layer.shape[2], kv_cache_layer.shape[3]
+    group = num_heads // num_kv_heads
+    num_blocks = -(-max(metadata.seq_lens_cpu[:num_decodes]) // block_size)
+    ctx_len = num_blocks * block_size
+    batch = num_kv_heads * num_decodes
+    kv = _gather_blocks(kv_cache_layer, metadata.block_tables[:num_decodes, :num_blocks])
+    kv = kv.view(2, batch, ctx_len, head_dim)  # [2, Hkv * N, ctx, D], kv-head-major
+    # [Hkv * N, G, D]: the query heads of one KV group become G query rows.
+    q = query.view(num_decodes, num_kv_heads, group, head_dim).transpose(0, 1)
+    scores = torch.bmm(q.reshape(batch, group, head_dim), kv[0].transpose(1, 2))
+    scores = scores.view(num_kv_heads, num_decodes, group, ctx_len).mul_(scale)
+    positions = torch.arange(ctx_len, device=query.device)
+    beyond = positions[None, :] >= metadata.seq_lens[:num_decodes, None]  # [N, ctx]
+    scores.masked_fill_(beyond[None, :, None, :], float("-inf"))
+    probs = torch.softmax(scores, dim=-1).view(batch, group, ctx_len)
+    out = torch.bmm(probs, kv[1]).view(num_kv_heads, num_decodes, group, head_dim)
+    return out.transpose(0, 1).reshape(num_decodes, num_heads, head_dim)
 
 
 def _extend_attention(
@@ -68,11 +74,12 @@ def _extend_attention(
     seq_len: int,
     scale: float,
 ) -> torch.Tensor:
-    query_len = query.shape[0]
-    ctx_positions = torch.arange(seq_len, device=query.device)  # [seq_len]
-    kv = _gather_context(kv_cache_layer, block_table[None, :], ctx_positions[None, :])[0]
-    key = kv[:, 0].transpose(0, 1)  # [Hkv, seq_len, D]
-    value = kv[:, 1].transpose(0, 1)  # [Hkv, seq_len, D]
+    query_len, _, head_dim = query.shape
+    block_size = kv_cache_layer.shape[3]
+    num_blocks = -(-seq_len // block_size)
+    kv = _gather_blocks(kv_cache_layer, block_table[:num_blocks])  # [2, Hkv, nb, bs, D]
+    kv = kv.view(2, kv.shape[1], num_blocks * block_size, head_dim)[:, :, :seq_len]
+    key, value = kv[0], kv[1]  # [Hkv, seq_len, D]
     q = query.transpose(0, 1)  # [Hq, query_len, D]
     if query_len == seq_len:
         out = F.scaled_dot_product_attention(
@@ -80,6 +87,7 @@ def _extend_attention(
         )
     else:
         # Bottom-right aligned: query i sits at position seq_len - query_len + i.
+        ctx_positions = torch.arange(seq_len, device=query.device)
         query_positions = ctx_positions[seq_len - query_len :]
         mask = ctx_positions[None, :] <= query_positions[:, None]  # [query_len, seq_len]
         out = F.scaled_dot_product_attention(

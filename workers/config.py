@@ -48,9 +48,13 @@ class EngineConfig:
         if self.num_kv_blocks is not None and self.num_kv_blocks <= 0:
             raise ValueError(f"num_kv_blocks must be positive, got {self.num_kv_blocks}")
         if self.kv_cache_memory_gib <= 0:
-            raise ValueError(f"kv_cache_memory_gib must be positive, got {self.kv_cache_memory_gib}")
+            raise ValueError(
+                f"kv_cache_memory_gib must be positive, got {self.kv_cache_memory_gib}"
+            )
         if not 0.0 < self.gpu_memory_fraction <= 1.0:
-            raise ValueError(f"gpu_memory_fraction must be in (0, 1], got {self.gpu_memory_fraction}")
+            raise ValueError(
+                f"gpu_memory_fraction must be in (0, 1], got {self.gpu_memory_fraction}"
+            )
 
     def resolve_device(self) -> torch.device:
         if self.device == "auto":

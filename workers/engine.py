@@ -16,6 +16,7 @@ import torch
 
 from workers.block_manager import BlockManager
 from workers.config import EngineConfig
+from workers.cpu_memory import keep_freed_memory_mapped
 from workers.detokenizer import IncrementalDetokenizer
 from workers.kv_cache import allocate_kv_cache, bytes_per_block
 from workers.model_runner import ModelRunner
@@ -37,6 +38,8 @@ class LLMEngine:
         self.config = config
         self.device = config.resolve_device()
         self.dtype = config.resolve_dtype(self.device)
+        if self.device.type == "cpu":
+            keep_freed_memory_mapped()
         self.model, self.arch = load_model(config.model, dtype=self.dtype, device=self.device)
         self.tokenizer = tokenizer if tokenizer is not None else Tokenizer.from_dir(config.model)
         self.max_model_len = _resolve_max_model_len(config, self.arch)

@@ -9,6 +9,9 @@ ids merge into one), instead of ``num_layers * 2`` descriptors per block.
 
 from __future__ import annotations
 
+import math
+
+import numpy as np
 import torch
 
 
@@ -28,12 +31,15 @@ def allocate_kv_cache(
     dtype: torch.dtype,
     device: torch.device,
 ) -> torch.Tensor:
-    # empty, not zeros: zero-filling gigabytes costs seconds at start-up, and the
-    # attention ops never read a slot past a sequence's length (their tests poison
-    # the cache with NaN to hold them to that).
-    return torch.empty(
-        (num_blocks, num_layers, 2, num_kv_heads, block_size, head_dim), dtype=dtype, device=device
-    )
+    shape = (num_blocks, num_layers, 2, num_kv_heads, block_size, head_dim)
+    # Zero-filled, so every slot holds a finite value: the attention ops gather whole blocks
+    # and rely on masked slots weighing exactly zero (see kernels/paged_attention.py).
+    if device.type == "cpu":
+        # calloc'ed by numpy: the OS hands out zero pages lazily, so a multi-GiB cache costs
+        # nothing at start-up (torch.zeros would memset it all: ~3 s for 2 GiB here).
+        num_bytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+        return torch.from_numpy(np.zeros(num_bytes, dtype=np.uint8)).view(dtype).view(shape)
+    return torch.zeros(shape, dtype=dtype, device=device)
 
 
 def copy_blocks(kv_cache: torch.Tensor, copies: list[tuple[int, int]] | tuple) -> None:

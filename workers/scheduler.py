@@ -120,10 +120,7 @@ class Scheduler:
             break  # req itself was preempted: nothing after it is running
 
         while (
-            not preempted
-            and self.waiting
-            and budget > 0
-            and len(self.running) < self.max_num_seqs
+            not preempted and self.waiting and budget > 0 and len(self.running) < self.max_num_seqs
         ):
             req = self.waiting[0]
             prefix = bm.find_prefix(req.token_ids)

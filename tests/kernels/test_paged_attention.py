@@ -10,6 +10,10 @@ import torch
 from kernels.paged_attention import paged_attention
 from tests.kernels.paged_batch import build_metadata, random_block_tables
 
+# Finite (the cache's contract) yet huge: an unmasked read of an unowned slot is obvious.
+# Below float16's maximum, so the poison itself stays finite in every dtype we test.
+POISON = 3.0e4
+
 
 def naive_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float
@@ -42,8 +46,9 @@ def make_case(
     gen = torch.Generator().manual_seed(seed)
     num_blocks = sum(-(-s // block_size) for s in seq_lens) + 7
     tables = random_block_tables(seq_lens, block_size, num_blocks, gen, shared_prefix_lens)
-    # Poison: every slot no sequence owns stays NaN, so reading one unmasked shows up.
-    cache = torch.full((num_blocks, 2, num_kv_heads, block_size, head_dim), math.nan, dtype=dtype)
+    # Poison: every slot no sequence owns holds a huge finite value, so reading one
+    # unmasked shows up (the cache contract: slots are finite, masked ones weigh zero).
+    cache = torch.full((num_blocks, 2, num_kv_heads, block_size, head_dim), POISON, dtype=dtype)
     for seq_len, table in zip(seq_lens, tables, strict=True):
         for pos in range(seq_len):
             block, offset = table[pos // block_size], pos % block_size
