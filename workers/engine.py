@@ -256,6 +256,10 @@ class LLMEngine:
         else:
             num_blocks = int(config.kv_cache_memory_gib * 2**30 // per_block)
         min_blocks = -(-self.max_model_len // config.block_size)
+        if config.num_kv_blocks is None:
+            # More than max_num_seqs full-length requests can never be in use at once; as
+            # much again is kept for the prefix cache. Beyond that, memory buys nothing.
+            num_blocks = min(num_blocks, 2 * config.max_num_seqs * min_blocks)
         if num_blocks < min_blocks:
             raise ValueError(
                 f"KV cache of {num_blocks} blocks cannot hold one request of "
