@@ -118,7 +118,7 @@ def test_preemption_recomputes_to_the_same_tokens(tmp_path):
 def tiny_llm(tmp_path_factory):
     path = tmp_path_factory.mktemp("tiny")
     make_model(path, "qwen2", "tiny", overwrite=True)
-    return LLM(str(path), dtype="float32", block_size=8, max_num_batched_tokens=32)
+    return LLM(str(path), dtype="float32", block_size=8, max_num_batched_tokens=32, max_num_seqs=16)
 
 
 def test_seeded_sampling_is_independent_of_batch_neighbours(tiny_llm):
@@ -235,3 +235,20 @@ def test_bad_input_is_a_clear_value_error(tiny_llm, prompt, kwargs, field):
         tiny_llm.generate([prompt], SamplingParams(**kwargs))
     assert_no_leak(tiny_llm)  # and the engine still works:
     assert len(tiny_llm.generate(["hi"], SamplingParams(max_tokens=2))[0].token_ids) >= 1
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "field"),
+    [
+        ({"max_num_batched_tokens": 8, "max_num_seqs": 16}, "max_num_batched_tokens"),
+        ({"dtype": "float8"}, "dtype"),
+        ({"block_size": 0}, "block_size"),
+        ({"max_model_len": 10**7}, "max_model_len"),
+        ({"num_kv_blocks": 1}, "max_model_len"),
+        ({"bogus": 1}, "bogus"),
+    ],
+)
+def test_bad_engine_config_is_a_clear_value_error(tiny_llm, kwargs, field):
+    model_dir = tiny_llm.engine.config.model
+    with pytest.raises(ValueError, match=field):
+        LLM(model_dir, **kwargs)
