@@ -28,7 +28,7 @@ from __future__ import annotations
 import hashlib
 from array import array
 from collections import OrderedDict, deque
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 NONE_HASH = 0
@@ -228,9 +228,14 @@ class BlockManager:
         self._hashes.pop(req_id, None)
         if table is None:
             return
-        # Tail first, so LRU eviction takes a request's last blocks before its shared prefix.
+        # Tail first into the cached LRU, so eviction takes a request's last blocks before
+        # its shared prefix; uncached blocks return to the free list in ascending order, so
+        # later requests get runs of consecutive ids (which merge into one KV transfer).
+        uncached: list[int] = []
         for block_id in reversed(table):
-            self._release(block_id)
+            if self._release(block_id, to_free_list=False):
+                uncached.append(block_id)
+        self._free.extend(reversed(uncached))
 
     def evict(self, num_blocks: int | None = None) -> int:
         """Drop up to ``num_blocks`` cached blocks (all when None), LRU first; returns how many."""
@@ -270,14 +275,18 @@ class BlockManager:
             del self._cached[block_id]
         block.ref_count += 1
 
-    def _release(self, block_id: int) -> None:
+    def _release(self, block_id: int, to_free_list: bool = True) -> bool:
+        """Drop one reference; returns True when the block became free (not cached)."""
         block = self._blocks[block_id]
         block.ref_count -= 1
-        if block.ref_count == 0:
-            if block.block_hash is not None:
-                self._cached[block_id] = None
-            else:
-                self._free.append(block_id)
+        if block.ref_count > 0:
+            return False
+        if block.block_hash is not None:
+            self._cached[block_id] = None
+            return False
+        if to_free_list:
+            self._free.append(block_id)
+        return True
 
     def _forget_hash(self, block_id: int) -> None:
         block = self._blocks[block_id]
@@ -313,6 +322,3 @@ class BlockManager:
         assert len(free) + len(cached) + in_use == self.num_blocks
         for req_id, hashes in self._hashes.items():
             assert len(hashes) <= len(self._tables[req_id])
-
-    def request_ids(self) -> Iterable[str]:
-        return self._tables.keys()

@@ -91,15 +91,14 @@ class IncrementalDetokenizer:
     def step(self, new_token_ids: Sequence[int], check_stop: bool = True) -> DetokenizerDelta:
         """Add newly generated ids; return the text they release (maybe none yet).
 
-        ``check_stop=False`` (before ``min_tokens`` is reached) neither matches nor holds
-        back stop strings: the text is released as it completes.
+        ``check_stop=False`` (before ``min_tokens`` is reached) does not match stop strings
+        but still holds back text that could begin one, so a stop string that straddles
+        the ``min_tokens`` boundary is found once matching starts.
         """
         if self._is_finished or not new_token_ids:
             return DetokenizerDelta("")
         self._ids.extend(new_token_ids)
-        return self._release(
-            self._decode_new(final=False), final=not check_stop, check_stop=check_stop
-        )
+        return self._release(self._decode_new(final=False), final=False, check_stop=check_stop)
 
     def flush(self) -> str:
         """End the stream (EOS, length, abort): return every held-back character.

@@ -111,20 +111,25 @@ class LLMEngine:
 
     # ---- the step --------------------------------------------------------------------
     def step(self) -> list[StreamDelta]:
-        deltas, self._pending = self._pending, []
+        """One engine step. If the model or sampler raises, no request advances (their
+        blocks stay allocated for a retry) and the finals of aborted requests are kept."""
         t0 = time.perf_counter()
         sched = self.scheduler.schedule()
         if sched.is_empty:
+            deltas, self._pending = self._pending, []
             return deltas
         t1 = time.perf_counter()
         logits = self.runner.execute(sched, self.scheduler.requests)
         t2 = time.perf_counter()
         sampled = self.sampler(logits, self._sampling_rows(sched))
         t3 = time.perf_counter()
+        deltas, self._pending = self._pending, []
         deltas.extend(self._update(sched, sampled))
         t4 = time.perf_counter()
         self.step_times.add(
-            len(sched.chunks), t1 - t0, self.runner.last_prepare_s, t2 - t1, t3 - t2, t4 - t3
+            len(sched.chunks),
+            sched.num_batched_tokens,
+            (t1 - t0, self.runner.last_prepare_s, t2 - t1, t3 - t2, t4 - t3),
         )
         return deltas
 
@@ -140,7 +145,7 @@ class LLMEngine:
                     prompt_token_ids=req.prompt_token_ids,
                     output_token_ids=req.output_token_ids,
                     generator=req.generator,
-                    eos_token_ids=self.tokenizer.eos_token_ids,
+                    eos_token_ids=req.eos_token_ids,  # empty under ignore_eos
                 )
             )
         return rows
@@ -226,15 +231,17 @@ class LLMEngine:
             isinstance(t, int) and not isinstance(t, bool) for t in prompt
         ):
             token_ids = list(prompt)
-            bad = [t for t in token_ids if not 0 <= t < self.vocab_size]
-            if bad:
-                raise ValueError(
-                    f"prompt token ids out of vocabulary [0, {self.vocab_size}): {bad[:5]}"
-                )
         else:
             raise ValueError("prompt must be a string or a list of int token ids")
         if not token_ids:
             raise ValueError("prompt is empty")
+        # Also for text: a tokenizer with ids past the model's embedding would otherwise
+        # fail inside a step, for every request in the batch.
+        bad = [t for t in token_ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise ValueError(
+                f"prompt token ids out of vocabulary [0, {self.vocab_size}): {bad[:5]}"
+            )
         return token_ids
 
     def _resolve_num_blocks(self) -> int:

@@ -21,7 +21,8 @@ class LLM:
     """Offline generation over the paged, continuously batched engine.
 
     ``LLM("dir", dtype="float32", max_num_seqs=32, ...)`` takes every
-    ``EngineConfig`` field as a keyword.
+    ``EngineConfig`` field as a keyword. Not thread-safe: one caller drives it at a time
+    (a ``generate`` call, or one ``stream`` iterated to its end or closed).
     """
 
     def __init__(self, model: str, **engine_args: object):
@@ -65,6 +66,8 @@ class LLM:
             try:
                 while len(done) < len(order):
                     for delta in self.engine.step():
+                        if delta.request_id not in collected:
+                            continue  # e.g. the final of an earlier, abandoned stream
                         collected[delta.request_id].append(delta)
                         if delta.finished:
                             done[delta.request_id] = _completion(

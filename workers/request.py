@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import enum
-import time
 from dataclasses import dataclass, field
 
 import torch
@@ -37,7 +36,6 @@ class Request:
     max_tokens: int  # resolved: params.max_tokens capped by max_model_len
     eos_token_ids: frozenset[int]
     generator: torch.Generator | None = None
-    arrival_time: float = field(default_factory=time.monotonic)
     token_ids: list[int] = field(init=False)
     num_computed_tokens: int = 0
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache on first admission
@@ -46,7 +44,6 @@ class Request:
     finish_reason: FinishReason | None = None
     stop_reason: str | int | None = None  # the stop string or stop token that ended it
     first_scheduled_time: float | None = None
-    first_token_time: float | None = None
 
     def __post_init__(self) -> None:
         self.token_ids = list(self.prompt_token_ids)

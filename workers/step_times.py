@@ -1,7 +1,9 @@
-"""Where an engine step's time goes, accumulated per batch size (for benchmarks).
+"""Where an engine step's time goes, per batch size, for decode-only steps (benchmarks).
 
-``forward`` includes input preparation (``prepare``) — the runner's whole call;
-non-model overhead = schedule + prepare + sample + update.
+Only steps in which every scheduled request computes exactly one token are recorded, so
+a prefill chunk never inflates the per-step model time of a batch size. ``execute`` is
+the runner's whole call and includes input preparation (``prepare``); the non-model
+overhead is schedule + prepare + sample + update.
 """
 
 from __future__ import annotations
@@ -14,25 +16,20 @@ STAGES = ("schedule", "prepare", "execute", "sample", "update")
 
 @dataclass
 class StepTimes:
-    # batch size (number of scheduled requests) -> stage -> [count, total seconds]
+    # batch size -> stage -> total seconds (and "steps" -> count), decode-only steps
     by_batch: dict[int, dict[str, float]] = field(default_factory=lambda: defaultdict(dict))
 
-    def add(
-        self,
-        batch: int,
-        schedule: float,
-        prepare: float,
-        execute: float,
-        sample: float,
-        update: float,
-    ) -> None:
+    def add(self, batch: int, num_tokens: int, seconds: tuple[float, ...]) -> None:
+        """Record one step: ``seconds`` per stage, in ``STAGES`` order."""
+        if num_tokens != batch:
+            return  # carries prefill tokens: not a decode step
         row = self.by_batch[batch]
         row["steps"] = row.get("steps", 0) + 1
-        for name, value in zip(STAGES, (schedule, prepare, execute, sample, update), strict=True):
+        for name, value in zip(STAGES, seconds, strict=True):
             row[name] = row.get(name, 0.0) + value
 
     def overhead_share(self, batch: int) -> dict[str, float]:
-        """Mean seconds per stage at this batch size, the model's share and the overhead share."""
+        """Mean seconds per stage at this batch size, the model's part and the overhead share."""
         row = self.by_batch.get(batch)
         if not row:
             return {}

@@ -50,6 +50,16 @@ def test_exact_ids_prefix_hit_and_eviction_order():
     bm.check_integrity()
 
 
+def test_freed_blocks_come_back_as_ascending_runs():
+    # Consecutive ids merge into one region in a KV transfer: a request allocated after
+    # another one finished must get them in ascending order, not reversed.
+    bm = BlockManager(num_blocks=4, block_size=BS, enable_prefix_caching=False)
+    assert bm.allocate_slots("a", 0, 4 * BS)
+    bm.free("a")
+    assert bm.allocate_slots("b", 0, 4 * BS)
+    assert bm.block_table("b") == [0, 1, 2, 3]
+
+
 def test_prefix_leaves_last_token_to_compute():
     bm = BlockManager(num_blocks=4, block_size=BS)
     tokens = list(range(8))

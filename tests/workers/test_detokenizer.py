@@ -170,6 +170,23 @@ def test_stop_string_spanning_tokens(byte_level):
     assert detok.flush() == ""
 
 
+def test_stop_string_straddling_min_tokens_is_found(byte_level):
+    """Before min_tokens stops don't match, but their possible starts are still held back."""
+    prompt_ids, ids = _split(byte_level, "Tell me:", " The quick brown fox jumps over")
+    stop = "brown fox"
+    detok = IncrementalDetokenizer(byte_level, prompt_ids, stop=[stop])
+    texts = []
+    for i, token_id in enumerate(ids):
+        # Matching starts exactly when "brown" has been emitted but not " fox".
+        check = byte_level.decode(ids[: i + 1]).endswith(" fox") or i > len(ids) - 3
+        delta = detok.step([token_id], check_stop=check)
+        texts.append(delta.text)
+        if delta.stop_matched:
+            break
+    assert detok.stop_matched == stop
+    assert "".join(texts) == " The quick "
+
+
 def test_stop_string_at_the_very_start(byte_level):
     prompt_ids, ids = _split(byte_level, "Q:", " Paris is the capital")
     detok = IncrementalDetokenizer(byte_level, prompt_ids, stop=[" Paris"])

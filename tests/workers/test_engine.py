@@ -78,6 +78,8 @@ def test_greedy_matches_transformers_with_chunking_and_prefix_hits(hf_model):
     llm = LLM(str(path), dtype="float32", block_size=8, max_num_batched_tokens=24, max_num_seqs=8)
     prompts = make_prompts(model.config.vocab_size)
     expected = [hf_greedy(model, p, NUM_NEW) for p in prompts]
+    # The reference must not be degenerate (one token repeated would match trivially).
+    assert all(len(set(want)) > 4 for want in expected)
     params = SamplingParams(max_tokens=NUM_NEW, temperature=0.0, ignore_eos=True, logprobs=2)
 
     first = llm.generate(prompts, params)
@@ -252,3 +254,33 @@ def test_bad_engine_config_is_a_clear_value_error(tiny_llm, kwargs, field):
     model_dir = tiny_llm.engine.config.model
     with pytest.raises(ValueError, match=field):
         LLM(model_dir, **kwargs)
+
+
+def test_a_failing_step_loses_nothing(tiny_llm):
+    """The model raising mid-step: no request advances, aborted finals are kept, and the
+    engine carries on from the same state once the fault is gone."""
+    engine = tiny_llm.engine
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    want = tiny_llm.generate(["a retry"], params)[0].token_ids
+    victim = engine.add_request("to be aborted", params)
+    survivor = engine.add_request("a retry", params)
+    engine.abort_request(victim)
+    real_execute = engine.runner.execute
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("device fault")
+
+    engine.runner.execute = broken
+    try:
+        with pytest.raises(RuntimeError, match="device fault"):
+            engine.step()
+    finally:
+        engine.runner.execute = real_execute
+    deltas = []
+    while engine.has_unfinished_requests():
+        deltas.extend(engine.step())
+    finals = {d.request_id: d for d in deltas if d.finished}
+    assert finals[victim].finish_reason is FinishReason.ABORT
+    got = tuple(t for d in deltas if d.request_id == survivor for t in d.token_ids)
+    assert got == want
+    assert_no_leak(tiny_llm)
