@@ -1,0 +1,58 @@
+"""Render docs/config.md from the config definitions (one source of truth).
+
+    python -m cluster.config_docs > docs/config.md
+
+tests/cluster/test_config.py fails when docs/config.md is stale.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import typing
+
+from cluster.config import ClusterConfig
+
+HEADER = """# Cluster config reference
+
+Generated from `cluster/config.py` by `python -m cluster.config_docs > docs/config.md`;
+a test fails when this file is stale. Every key is optional. Unknown keys and bad values are
+refused at load time with the key path in the message. Example: `configs/example.yaml`.
+"""
+
+
+def _type_name(tp: typing.Any) -> str:
+    origin = typing.get_origin(tp)
+    if origin is typing.Literal:
+        return " \\| ".join(f"`{a}`" for a in typing.get_args(tp))
+    args = [a for a in typing.get_args(tp) if a is not type(None)]
+    if args:  # Optional[X]
+        return f"{_type_name(args[0])} or unset"
+    return tp.__name__
+
+
+def _bounds(meta: typing.Mapping[str, typing.Any]) -> str:
+    signs = {"ge": ">=", "gt": ">", "le": "<=", "lt": "<"}
+    return ", ".join(f"{signs[k]} {meta[k]}" for k in signs if meta.get(k) is not None)
+
+
+def render() -> str:
+    lines = [HEADER]
+    hints = typing.get_type_hints(ClusterConfig)
+    for top in dataclasses.fields(ClusterConfig):
+        cls = hints[top.name]
+        lines += [f"## `{top.name}` — {top.metadata['doc']}", ""]
+        lines += ["| key | type | default | meaning |", "|---|---|---|---|"]
+        sub_hints = typing.get_type_hints(cls)
+        for f in dataclasses.fields(cls):
+            kind = _type_name(sub_hints[f.name])
+            bounds = _bounds(f.metadata)
+            if bounds:
+                kind += f" ({bounds})"
+            default = "unset" if f.default is None else f"`{f.default}`"
+            lines.append(f"| `{top.name}.{f.name}` | {kind} | {default} | {f.metadata['doc']} |")
+        lines.append("")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    print(render(), end="")

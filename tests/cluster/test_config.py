@@ -1,0 +1,100 @@
+"""Cluster config: the documented example loads, every bad value names its key path."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from cluster.config import ClusterConfig, config_json_schema, load_config, parse_config
+from cluster.config_schema import ConfigError
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_example_config_loads_with_its_values():
+    config = load_config(ROOT / "configs" / "example.yaml")
+    assert config.prefill.tensor_parallel == 2 and config.decode.replicas == 4
+    assert config.model.dtype == "bfloat16" and config.kv_cache.gpu_memory_fraction == 0.9
+    assert config.router.policy == "kv_aware" and config.kv_transfer.lease_seconds == 30.0
+
+
+def test_empty_and_missing_config_are_the_defaults():
+    assert parse_config(None) == ClusterConfig() == load_config(None)
+    assert ClusterConfig().router.host == "127.0.0.1"
+
+
+@pytest.mark.parametrize(
+    ("data", "message"),
+    [
+        ({"prefil": {}}, "prefil: unknown key"),
+        ({"router": {"portt": 1}}, "router.portt: unknown key"),
+        ({"router": {"port": 70000}}, "router.port: must be <= 65535, got 70000"),
+        ({"router": {"port": "50051"}}, "router.port: expected an integer"),
+        ({"prefill": {"tensor_parallel": 0}}, "prefill.tensor_parallel: must be >= 1"),
+        ({"prefill": {"replicas": True}}, "prefill.replicas: expected an integer"),
+        ({"kv_cache": {"gpu_memory_fraction": 1.5}}, "kv_cache.gpu_memory_fraction: must be <= 1"),
+        ({"kv_cache": {"gpu_memory_fraction": 0}}, "kv_cache.gpu_memory_fraction: must be > 0"),
+        ({"kv_transfer": {"backend": "rdma"}}, "kv_transfer.backend: must be one of nixl, local"),
+        ({"router": {"policy": None}}, "router.policy: must be one of"),
+        ({"model": {"path": ""}}, "model.path: expected a non-empty string"),
+        ({"model": "x"}, "model: expected a mapping"),
+        ({"decode": {"replicas": 0}}, "decode.replicas: must be >= 1"),
+        ({"prefill": {"replicas": 0}}, "disaggregation: never"),
+        ([1, 2], "config: expected a mapping"),
+    ],
+)
+def test_bad_values_name_the_key_path(data, message):
+    with pytest.raises(ConfigError, match=message.replace("(", r"\(")):
+        parse_config(data)
+
+
+def test_zero_prefill_replicas_allowed_when_aggregated():
+    config = parse_config({"prefill": {"replicas": 0}, "router": {"disaggregation": "never"}})
+    assert config.prefill.replicas == 0
+
+
+def test_file_errors_name_the_file(tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("router: [unclosed\n")
+    with pytest.raises(ConfigError, match=r"bad\.yaml: not valid YAML"):
+        load_config(bad)
+    with pytest.raises(ConfigError, match="cannot read config"):
+        load_config(tmp_path / "missing.yaml")
+    bad.write_text("router:\n  port: -1\n")
+    with pytest.raises(ConfigError, match=r"bad\.yaml: router\.port: must be >= 0"):
+        load_config(bad)
+
+
+def test_json_schema_covers_every_field_with_docs_and_defaults():
+    schema = config_json_schema()
+    router = schema["properties"]["router"]
+    assert router["additionalProperties"] is False
+    port = router["properties"]["port"]
+    assert port == {
+        "type": "integer",
+        "description": port["description"],
+        "default": 50051,
+        "minimum": 0,
+        "maximum": 65535,
+    }
+    assert port["description"]
+    assert schema["properties"]["model"]["properties"]["path"]["type"] == ["string", "null"]
+    policy = router["properties"]["policy"]
+    assert policy["enum"] == ["round_robin", "least_loaded", "kv_aware"]
+
+    def walk(node):
+        for prop in node["properties"].values():
+            assert prop["description"], prop
+            if "properties" in prop:
+                walk(prop)
+
+    walk(schema)
+
+
+def test_config_docs_are_fresh():
+    from cluster.config_docs import render
+
+    assert (ROOT / "docs" / "config.md").read_text() == render(), (
+        "docs/config.md is stale: python -m cluster.config_docs > docs/config.md"
+    )
