@@ -1,0 +1,134 @@
+"""Edge validation: a ``GenerateRequest`` becomes a prompt and ``SamplingParams``, or an
+``InvalidRequest`` whose message names the proto field (the router answers INVALID_ARGUMENT).
+
+Checks that need the tokenizer (prompt length against the context) happen in
+:func:`check_length`, after tokenization, so that text and token-id prompts are judged alike.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+from proto.baton.v1 import inference_pb2 as pb
+from workers.sampling_params import SamplingParams
+
+# SamplingParams field -> the proto field path a client sees.
+_FIELD_PATHS = {
+    "temperature": "sampling.temperature",
+    "top_p": "sampling.top_p",
+    "top_k": "sampling.top_k",
+    "min_p": "sampling.min_p",
+    "seed": "sampling.seed",
+    "repetition_penalty": "sampling.repetition_penalty",
+    "presence_penalty": "sampling.presence_penalty",
+    "frequency_penalty": "sampling.frequency_penalty",
+    "max_tokens": "stopping.max_tokens",
+    "min_tokens": "stopping.min_tokens",
+    "stop": "stopping.stop",
+    "stop_token_ids": "stopping.stop_token_ids",
+    "logprobs": "output.logprobs",
+}
+_MAX_STOP_STRINGS = 16
+_MAX_STOP_LEN = 256
+
+
+class InvalidRequest(ValueError):
+    """The request is malformed; the message starts with the offending field."""
+
+
+@dataclass(frozen=True)
+class ValidRequest:
+    request_id: str
+    prompt: str | list[int]
+    params: SamplingParams
+    return_text: bool
+    return_timing: bool
+    disaggregation: str | None  # "always" | "never" | "auto" | None (router default)
+
+
+def validate(req: pb.GenerateRequest, served_model: str, request_id: str) -> ValidRequest:
+    """Everything that can be judged without the tokenizer."""
+    if req.model and req.model != served_model:
+        raise InvalidRequest(f"model: unknown model {req.model!r} (serving {served_model!r})")
+    kind = req.WhichOneof("prompt")
+    if kind is None:
+        raise InvalidRequest("prompt: set either text or token_ids")
+    prompt: str | list[int] = req.text if kind == "text" else list(req.token_ids.ids)
+    if not prompt:
+        raise InvalidRequest(f"{kind}: the prompt is empty")
+    stop = list(req.stopping.stop)
+    if len(stop) > _MAX_STOP_STRINGS:
+        raise InvalidRequest(f"stopping.stop: at most {_MAX_STOP_STRINGS} stop strings")
+    if any(len(s) > _MAX_STOP_LEN for s in stop):
+        raise InvalidRequest(f"stopping.stop: stop strings are at most {_MAX_STOP_LEN} chars")
+    return ValidRequest(
+        request_id=request_id,
+        prompt=prompt,
+        params=_sampling_params(req),
+        return_text=req.output.return_text if req.output.HasField("return_text") else True,
+        return_timing=req.output.return_timing,
+        disaggregation=_DISAGGREGATION[req.disaggregation],
+    )
+
+
+_DISAGGREGATION = {
+    pb.DISAGGREGATION_UNSPECIFIED: None,
+    pb.DISAGGREGATION_ALWAYS: "always",
+    pb.DISAGGREGATION_NEVER: "never",
+    pb.DISAGGREGATION_AUTO: "auto",
+}
+
+
+def _sampling_params(req: pb.GenerateRequest) -> SamplingParams:
+    kwargs: dict[str, object] = {}
+    sampling, stopping = req.sampling, req.stopping
+    for name in (
+        "temperature",
+        "top_p",
+        "top_k",
+        "min_p",
+        "seed",
+        "repetition_penalty",
+        "presence_penalty",
+        "frequency_penalty",
+    ):
+        if sampling.HasField(name):
+            kwargs[name] = getattr(sampling, name)
+    # Unset max_tokens: up to the context length (the engine resolves None).
+    kwargs["max_tokens"] = stopping.max_tokens if stopping.HasField("max_tokens") else None
+    if stopping.HasField("min_tokens"):
+        kwargs["min_tokens"] = stopping.min_tokens
+    if req.output.HasField("logprobs"):
+        kwargs["logprobs"] = req.output.logprobs
+    try:
+        return SamplingParams(
+            stop=tuple(stopping.stop),
+            stop_token_ids=tuple(stopping.stop_token_ids),
+            ignore_eos=stopping.ignore_eos,
+            **kwargs,  # type: ignore[arg-type]
+        )
+    except ValueError as exc:
+        raise InvalidRequest(_with_field_path(str(exc))) from None
+
+
+def _with_field_path(message: str) -> str:
+    """Prefix SamplingParams' message with the proto path of the field it names."""
+    match = re.match(r"\W*(\w+)", message)
+    name = match.group(1) if match else ""
+    path = _FIELD_PATHS.get(name)
+    return f"{path}: {message}" if path else message
+
+
+def check_length(num_prompt_tokens: int, params: SamplingParams, max_model_len: int) -> None:
+    """After tokenization: the prompt, and prompt + max_tokens, must fit the context."""
+    if num_prompt_tokens >= max_model_len:
+        raise InvalidRequest(
+            f"prompt: {num_prompt_tokens} tokens leave no room to generate within "
+            f"max_model_len={max_model_len}"
+        )
+    if params.max_tokens is not None and num_prompt_tokens + params.max_tokens > max_model_len:
+        raise InvalidRequest(
+            f"stopping.max_tokens: prompt ({num_prompt_tokens} tokens) + max_tokens "
+            f"({params.max_tokens}) exceeds max_model_len={max_model_len}"
+        )

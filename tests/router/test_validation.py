@@ -1,0 +1,80 @@
+"""Edge validation: each bad field is refused with a message naming its proto path."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from proto.baton.v1 import inference_pb2 as pb
+from router.validation import InvalidRequest, check_length, validate
+
+MODEL = "tiny"
+
+
+def request(**fields) -> pb.GenerateRequest:
+    fields.setdefault("text", "hello")
+    return pb.GenerateRequest(**fields)
+
+
+def test_a_good_request_maps_every_field():
+    req = request(
+        sampling=pb.SamplingParams(temperature=0.5, top_p=0.9, top_k=40, min_p=0.05, seed=3),
+        stopping=pb.StoppingCriteria(max_tokens=12, min_tokens=2, stop=["\n"], ignore_eos=True),
+        output=pb.OutputOptions(logprobs=3, return_text=False, return_timing=True),
+        disaggregation=pb.DISAGGREGATION_ALWAYS,
+    )
+    valid = validate(req, MODEL, "r1")
+    p = valid.params
+    assert (p.temperature, p.top_p, p.top_k, p.seed) == (0.5, pytest.approx(0.9), 40, 3)
+    assert (p.max_tokens, p.min_tokens, p.stop, p.ignore_eos) == (12, 2, ("\n",), True)
+    assert p.logprobs == 3 and not valid.return_text and valid.return_timing
+    assert valid.disaggregation == "always" and valid.prompt == "hello"
+
+
+def test_unset_fields_take_defaults():
+    valid = validate(pb.GenerateRequest(token_ids=pb.TokenIds(ids=[5, 6])), MODEL, "r2")
+    assert valid.prompt == [5, 6] and valid.return_text and valid.disaggregation is None
+    assert valid.params.max_tokens is None and valid.params.temperature == 1.0
+
+
+@pytest.mark.parametrize(
+    ("fields", "path"),
+    [
+        ({"sampling": pb.SamplingParams(temperature=-1)}, "sampling.temperature"),
+        ({"sampling": pb.SamplingParams(temperature=math.nan)}, "sampling.temperature"),
+        ({"sampling": pb.SamplingParams(top_p=0)}, "sampling.top_p"),
+        ({"sampling": pb.SamplingParams(top_p=1.5)}, "sampling.top_p"),
+        ({"sampling": pb.SamplingParams(top_k=-2)}, "sampling.top_k"),
+        ({"sampling": pb.SamplingParams(min_p=1.5)}, "sampling.min_p"),
+        ({"sampling": pb.SamplingParams(repetition_penalty=0)}, "sampling.repetition_penalty"),
+        ({"sampling": pb.SamplingParams(presence_penalty=2.5)}, "sampling.presence_penalty"),
+        ({"sampling": pb.SamplingParams(frequency_penalty=-2.5)}, "sampling.frequency_penalty"),
+        ({"stopping": pb.StoppingCriteria(max_tokens=0)}, "stopping.max_tokens"),
+        ({"stopping": pb.StoppingCriteria(max_tokens=2, min_tokens=5)}, "stopping.min_tokens"),
+        ({"stopping": pb.StoppingCriteria(stop=[""])}, "stopping.stop"),
+        ({"stopping": pb.StoppingCriteria(stop=["x"] * 17)}, "stopping.stop"),
+        ({"output": pb.OutputOptions(logprobs=21)}, "output.logprobs"),
+        ({"text": ""}, "text: the prompt is empty"),
+        ({"model": "other"}, "model: unknown model 'other'"),
+    ],
+)
+def test_each_bad_field_is_named(fields, path):
+    with pytest.raises(InvalidRequest, match=f"^{path}"):
+        validate(request(**fields), MODEL, "r")
+
+
+def test_missing_prompt_and_empty_token_ids():
+    with pytest.raises(InvalidRequest, match=r"^prompt: set either"):
+        validate(pb.GenerateRequest(), MODEL, "r")
+    with pytest.raises(InvalidRequest, match=r"^token_ids: the prompt is empty"):
+        validate(pb.GenerateRequest(token_ids=pb.TokenIds()), MODEL, "r")
+
+
+def test_length_checks_after_tokenization():
+    params = validate(request(stopping=pb.StoppingCriteria(max_tokens=10)), MODEL, "r").params
+    check_length(90, params, 100)
+    with pytest.raises(InvalidRequest, match=r"^stopping\.max_tokens: prompt \(91 tokens\)"):
+        check_length(91, params, 100)
+    with pytest.raises(InvalidRequest, match=r"^prompt: 100 tokens leave no room"):
+        check_length(100, validate(request(), MODEL, "r").params, 100)
