@@ -117,11 +117,19 @@ class IncrementalDetokenizer:
         return self._tokenizer.backend.decode(ids, skip_special_tokens=self._skip_special_tokens)
 
     def _context_ids(self, tail: list[int]) -> list[int]:
-        """The prompt tail cut to end on a whole character.
+        """The prompt tail cut to start and end on whole characters.
 
-        A prompt given as ids may end inside a character; its dangling bytes are left
-        out of the context so they neither leak into the output nor shift it.
+        The tail may begin inside a character (its first bytes fell outside the window)
+        and a prompt given as ids may end inside one. Either way the dangling bytes
+        decode to U+FFFD, whose count can change once more tokens follow, shifting the
+        offset at which new text starts; they are left out of the context.
         """
+        for num_skipped in range(min(_MAX_INCOMPLETE_TOKENS, len(tail)) + 1):
+            if not self._decode(tail[num_skipped:]).startswith(_REPLACEMENT_CHAR):
+                tail = tail[num_skipped:]
+                break
+        else:
+            return []
         for num_dropped in range(min(_MAX_INCOMPLETE_TOKENS, len(tail)) + 1):
             candidate = tail[: len(tail) - num_dropped]
             if not self._decode(candidate).endswith(_REPLACEMENT_CHAR):

@@ -2,7 +2,7 @@ import json
 
 import pytest
 import tokenizers
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 from tokenizers import decoders, models, normalizers, pre_tokenizers, processors, trainers
 
@@ -302,6 +302,8 @@ def test_deltas_concatenate_to_decode_byte_level(byte_level, prompt, output_ids,
     chunks=st.lists(st.integers(1, 4), max_size=30),
     skip=st.booleans(),
 )
+# Found in CI: the 6-token context began inside the first emoji's bytes.
+@example(prompt="😀😀", output=[287], chunks=[], skip=False)
 def test_deltas_concatenate_to_decode_metaspace(metaspace, prompt, output, chunks, skip):
     # Whole pieces only: byte-fallback decoding may rewrite a character already
     # complete when a stray continuation byte follows, which no stream can take back.
