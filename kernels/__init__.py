@@ -1,8 +1,10 @@
 """Model-side compute ops, chosen once per device and passed to the model.
 
 ``get_kernel_ops(device)`` returns a ``KernelOps``; the model holds it and calls through it,
-so dispatch happens at start-up, never per call. Every op has a plain-PyTorch reference
-(the CPU path); Triton versions for CUDA are checked against those references.
+so dispatch happens at start-up, never per call: CUDA devices get the Triton kernels
+(``kernels/triton_*.py``), every other device the plain-PyTorch references, against which
+the Triton kernels are tested. Triton is imported only when a Triton op set is asked for, so
+CPU-only installs need no Triton.
 """
 
 from __future__ import annotations
@@ -22,7 +24,15 @@ from kernels.rotary import apply_rotary
 
 @dataclass(frozen=True)
 class KernelOps:
-    """The op set a model runs with; see each op's module for layouts."""
+    """The op set a model runs with; see each op's module for layouts.
+
+    Mutation contract, shared by both op sets:
+    - ``apply_rotary`` returns the rotated ``(q, k)`` and *may* rotate its inputs in place
+      (the Triton op does; the reference returns new tensors): callers use the returned pair
+      and never read the inputs again.
+    - ``store_kv`` mutates only the cache; ``paged_attention``, ``rms_norm``,
+      ``fused_add_rms_norm`` and ``silu_and_mul`` return new tensors and mutate nothing.
+    """
 
     rms_norm: Callable[[torch.Tensor, torch.Tensor, float], torch.Tensor]
     fused_add_rms_norm: Callable[
@@ -47,10 +57,44 @@ REFERENCE_OPS = KernelOps(
 )
 
 
-def get_kernel_ops(device: torch.device) -> KernelOps:
-    """Return the op set for ``device``: the PyTorch references for now (Triton on CUDA later)."""
-    del device  # every device uses the references until the Triton ops land
-    return REFERENCE_OPS
+def triton_kernel_ops() -> KernelOps:
+    """The Triton op set (imports Triton; raises ImportError naming the fix when it is missing).
+
+    Runs compiled on CUDA tensors, or in Triton's interpreter on CPU tensors when
+    ``TRITON_INTERPRET=1`` was set before Triton was first imported (tests).
+    """
+    try:
+        from kernels import (
+            triton_activation,
+            triton_attention,
+            triton_kv_store,
+            triton_rms_norm,
+            triton_rotary,
+        )
+    except ImportError as exc:
+        raise ImportError(
+            f"the Triton kernels need the `triton` package ({exc}); install it with "
+            "`pip install triton` (CUDA builds of torch on Linux ship it)"
+        ) from exc
+    return KernelOps(
+        rms_norm=triton_rms_norm.rms_norm,
+        fused_add_rms_norm=triton_rms_norm.fused_add_rms_norm,
+        apply_rotary=triton_rotary.apply_rotary,
+        silu_and_mul=triton_activation.silu_and_mul,
+        store_kv=triton_kv_store.store_kv,
+        paged_attention=triton_attention.paged_attention,
+    )
 
 
-__all__ = ["AttentionMetadata", "KernelOps", "get_kernel_ops"]
+def get_kernel_ops(device: torch.device | str, *, use_triton: bool | None = None) -> KernelOps:
+    """Return the op set for ``device``: Triton on CUDA, the PyTorch references elsewhere.
+
+    Called once at start-up (model loading). ``use_triton`` overrides the choice, e.g. to run
+    the references on a GPU for comparison.
+    """
+    if use_triton is None:
+        use_triton = torch.device(device).type == "cuda"
+    return triton_kernel_ops() if use_triton else REFERENCE_OPS
+
+
+__all__ = ["REFERENCE_OPS", "AttentionMetadata", "KernelOps", "get_kernel_ops", "triton_kernel_ops"]

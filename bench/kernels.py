@@ -1,0 +1,446 @@
+"""Triton kernels against the hardware and against PyTorch (needs a CUDA GPU).
+
+For each kernel: time (``triton.testing.do_bench``, L2 flushed between runs), achieved
+bytes/s and FLOP/s, as a share of two ceilings measured in the same run — the device-copy
+bandwidth (``dst.copy_(src)`` over 2 GiB, bytes read + written) and the dense bf16 matmul
+rate (8192^3) — and the same op through PyTorch as a peer:
+
+- decode attention: the reference op (``kernels/paged_attention.py``: gather whole blocks +
+  ``bmm``), and ``scaled_dot_product_attention`` on KV already gathered into contiguous
+  [batch, Hkv, ctx, D] tensors (the gather not timed: a lower bound for any PyTorch path);
+- prefill attention: SDPA (causal, GQA) on contiguous K/V, i.e. PyTorch's flash kernel;
+- KV store, RMSNorm (+ residual), RoPE, SiLU-and-mul: the plain-PyTorch references.
+
+Bytes count each tensor read or written once (the minimum traffic); FLOPs count the
+matmuls only (4 * q_len * kv_len * head_dim per head; causal pairs for prefill).
+
+    python bench/kernels.py [--dtype bfloat16] [--json out.json]
+    python bench/kernels.py --compile-only [--arch 90]   # no GPU needed, see compile_only()
+
+Targets on an H200 (issue 3): decode at batch 64 x 4k >= 70% of copy bandwidth and >= 1.5x
+the PyTorch path; RMSNorm and SiLU-and-mul >= 80% of copy bandwidth; prefill at 4k tokens
+>= 50% of the matmul rate.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+if __name__ == "__main__":
+    # Run as a script, this folder comes first on sys.path and this file would shadow the
+    # `kernels` package it measures (which is imported lazily, after this).
+    _here = Path(__file__).resolve().parent
+    sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != _here]
+
+NUM_HEADS, NUM_KV_HEADS, HEAD_DIM = 32, 8, 128  # Llama-3-8B attention shape
+HIDDEN, INTERMEDIATE = 4096, 14336
+
+
+@dataclass
+class Row:
+    kernel: str
+    shape: str
+    triton_us: float
+    bytes_moved: float
+    flops: float
+    peer: str
+    peer_us: float | None
+    peer2: str = ""
+    peer2_us: float | None = None
+
+
+def bench_us(fn: Callable[[], object]) -> float:
+    from triton.testing import do_bench
+
+    return do_bench(fn, warmup=25, rep=200, return_mode="median") * 1e3
+
+
+def check_close(out: torch.Tensor, expected: torch.Tensor) -> None:
+    """Never time a wrong kernel: compare once against the PyTorch peer first."""
+    torch.testing.assert_close(out.float(), expected.float(), atol=3e-2, rtol=3e-2)
+
+
+def copy_bandwidth(device: torch.device) -> float:
+    """Bytes/s of a device-to-device copy (each byte read and written)."""
+    num_bytes = 2 << 30
+    src = torch.empty(num_bytes, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    us = bench_us(lambda: dst.copy_(src))
+    return 2 * num_bytes / (us * 1e-6)
+
+
+def matmul_rate(device: torch.device) -> float:
+    """Dense bf16 matmul FLOP/s at 8192^3."""
+    n = 8192
+    a = torch.randn(n, n, dtype=torch.bfloat16, device=device)
+    b = torch.randn(n, n, dtype=torch.bfloat16, device=device)
+    us = bench_us(lambda: a @ b)
+    return 2 * n**3 / (us * 1e-6)
+
+
+def paged_batch(query_lens, seq_lens, block_size, dtype, device, num_decodes):
+    """A random paged batch: scattered blocks, a zero-filled-then-random cache."""
+    from kernels.attention_metadata import AttentionMetadata
+
+    gen = torch.Generator().manual_seed(0)
+    num_blocks_needed = [math.ceil(s / block_size) for s in seq_lens]
+    num_blocks = sum(num_blocks_needed) + 16
+    perm = torch.randperm(num_blocks, generator=gen).tolist()
+    tables, slots = [], []
+    for n, q, s in zip(num_blocks_needed, query_lens, seq_lens, strict=True):
+        table, perm = perm[:n], perm[n:]
+        tables.append(table + [0] * (max(num_blocks_needed) - n))
+        slots += [table[p // block_size] * block_size + p % block_size for p in range(s - q, s)]
+    # Two layers, so the layer view is strided as in the engine.
+    cache = torch.randn(
+        num_blocks, 2, 2, NUM_KV_HEADS, block_size, HEAD_DIM, dtype=dtype, device=device
+    )
+    cu = [0]
+    for q in query_lens:
+        cu.append(cu[-1] + q)
+    metadata = AttentionMetadata(
+        slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device),
+        block_tables=torch.tensor(tables, dtype=torch.int32, device=device),
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=device),
+        query_start_loc=torch.tensor(cu, dtype=torch.int32, device=device),
+        num_decodes=num_decodes,
+        max_query_len=max(query_lens),
+        max_seq_len=max(seq_lens),
+        seq_lens_cpu=tuple(seq_lens),
+        query_lens_cpu=tuple(query_lens),
+    )
+    query = torch.randn(sum(query_lens), NUM_HEADS, HEAD_DIM, dtype=dtype, device=device)
+    return query, cache[:, 1], metadata
+
+
+def gathered_kv(layer, metadata, seq_len):
+    """Contiguous [batch, Hkv, seq_len, D] K and V of equal-length sequences."""
+    num_blocks = math.ceil(seq_len / layer.shape[3])
+    ids = metadata.block_tables[:, :num_blocks].long()  # [B, nb]
+    kv = layer[ids]  # [B, nb, 2, Hkv, bs, D]
+    kv = kv.permute(2, 0, 3, 1, 4, 5).reshape(2, ids.shape[0], NUM_KV_HEADS, -1, HEAD_DIM)
+    return kv[0, :, :, :seq_len].contiguous(), kv[1, :, :, :seq_len].contiguous()
+
+
+def decode_row(batch: int, ctx: int, dtype, device, block_size: int) -> Row:
+    from kernels.paged_attention import paged_attention as reference
+    from kernels.triton_attention import paged_attention
+
+    query, layer, md = paged_batch([1] * batch, [ctx] * batch, block_size, dtype, device, batch)
+    scale = HEAD_DIM**-0.5
+    k, v = gathered_kv(layer, md, ctx)
+    q = query.view(batch, NUM_HEADS, 1, HEAD_DIM)
+    check_close(paged_attention(query, layer, md, scale), reference(query, layer, md, scale))
+    item = query.element_size()
+    kv_bytes = 2 * batch * ctx * NUM_KV_HEADS * HEAD_DIM * item
+    return Row(
+        "decode attention",
+        f"B={batch} ctx={ctx} bs={block_size}",
+        bench_us(lambda: paged_attention(query, layer, md, scale)),
+        kv_bytes + 2 * query.numel() * item,
+        4 * batch * NUM_HEADS * ctx * HEAD_DIM,
+        "torch reference (gather+bmm)",
+        bench_us(lambda: reference(query, layer, md, scale)),
+        "SDPA on gathered KV",
+        bench_us(lambda: F.scaled_dot_product_attention(q, k, v, scale=scale, enable_gqa=True)),
+    )
+
+
+def prefill_row(num_tokens: int, dtype, device, block_size: int) -> Row:
+    from kernels.triton_attention import paged_attention
+
+    query, layer, md = paged_batch([num_tokens], [num_tokens], block_size, dtype, device, 0)
+    scale = HEAD_DIM**-0.5
+    k, v = gathered_kv(layer, md, num_tokens)
+    q = query.transpose(0, 1)[None]  # [1, Hq, T, D]
+    expected = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=True)
+    check_close(paged_attention(query, layer, md, scale), expected[0].transpose(0, 1))
+    pairs = num_tokens * (num_tokens + 1) / 2
+    return Row(
+        "prefill attention",
+        f"T={num_tokens} causal bs={block_size}",
+        bench_us(lambda: paged_attention(query, layer, md, scale)),
+        (2 * query.numel() + 2 * k.numel()) * query.element_size(),
+        4 * NUM_HEADS * pairs * HEAD_DIM,
+        "SDPA causal (contiguous KV)",
+        bench_us(
+            lambda: F.scaled_dot_product_attention(
+                q, k, v, is_causal=True, scale=scale, enable_gqa=True
+            )
+        ),
+    )
+
+
+def elementwise_rows(dtype, device, block_size, num_tokens: int = 4096) -> list[Row]:
+    from kernels import REFERENCE_OPS as ref
+    from kernels import triton_activation as t_act
+    from kernels import triton_kv_store as t_kv
+    from kernels import triton_rms_norm as t_norm
+    from kernels import triton_rotary as t_rot
+    from kernels.rotary import compute_cos_sin_cache
+
+    item = torch.empty((), dtype=dtype).element_size()
+    rows = []
+
+    x = torch.randn(num_tokens, HIDDEN, dtype=dtype, device=device)
+    residual = torch.randn_like(x)
+    weight = torch.randn(HIDDEN, dtype=dtype, device=device)
+    rows.append(
+        Row(
+            "rms_norm",
+            f"T={num_tokens} H={HIDDEN}",
+            bench_us(lambda: t_norm.rms_norm(x, weight, 1e-6)),
+            2 * x.numel() * item,
+            0,
+            "torch reference",
+            bench_us(lambda: ref.rms_norm(x, weight, 1e-6)),
+        )
+    )
+    rows.append(
+        Row(
+            "fused_add_rms_norm",
+            f"T={num_tokens} H={HIDDEN}",
+            bench_us(lambda: t_norm.fused_add_rms_norm(x, residual, weight, 1e-6)),
+            4 * x.numel() * item,
+            0,
+            "torch reference",
+            bench_us(lambda: ref.fused_add_rms_norm(x, residual, weight, 1e-6)),
+        )
+    )
+
+    gate_up = torch.randn(num_tokens, 2 * INTERMEDIATE, dtype=dtype, device=device)
+    rows.append(
+        Row(
+            "silu_and_mul",
+            f"T={num_tokens} I={INTERMEDIATE}",
+            bench_us(lambda: t_act.silu_and_mul(gate_up)),
+            1.5 * gate_up.numel() * item,
+            0,
+            "torch reference",
+            bench_us(lambda: ref.silu_and_mul(gate_up)),
+        )
+    )
+
+    qkv = torch.randn(
+        num_tokens, (NUM_HEADS + 2 * NUM_KV_HEADS) * HEAD_DIM, dtype=dtype, device=device
+    )
+    q_size, kv_size = NUM_HEADS * HEAD_DIM, NUM_KV_HEADS * HEAD_DIM
+    q = qkv[:, :q_size].view(num_tokens, NUM_HEADS, HEAD_DIM)
+    k = qkv[:, q_size : q_size + kv_size].view(num_tokens, NUM_KV_HEADS, HEAD_DIM)
+    v = qkv[:, q_size + kv_size :].view(num_tokens, NUM_KV_HEADS, HEAD_DIM)
+    positions = torch.randint(0, 8192, (num_tokens,), device=device)
+    cos_sin = compute_cos_sin_cache(HEAD_DIM, 8192, 500000.0, None, dtype).to(device)
+    rows.append(
+        Row(
+            "rotary (in place)",
+            f"T={num_tokens} Hq={NUM_HEADS} Hkv={NUM_KV_HEADS} D={HEAD_DIM}",
+            bench_us(lambda: t_rot.apply_rotary(q, k, positions, cos_sin)),
+            2 * (q.numel() + k.numel()) * item,
+            0,
+            "torch reference",
+            bench_us(lambda: ref.apply_rotary(q, k, positions, cos_sin)),
+        )
+    )
+
+    _, layer, md = paged_batch([num_tokens], [num_tokens], block_size, dtype, device, 0)
+    rows.append(
+        Row(
+            "store_kv",
+            f"T={num_tokens} Hkv={NUM_KV_HEADS} D={HEAD_DIM} bs={block_size}",
+            bench_us(lambda: t_kv.store_kv(k, v, layer, md.slot_mapping)),
+            2 * 2 * k.numel() * item,
+            0,
+            "torch reference",
+            bench_us(lambda: ref.store_kv(k, v, layer, md.slot_mapping)),
+        )
+    )
+    return rows
+
+
+def compile_only(arch: int) -> None:
+    """Compile every kernel for ``sm_<arch>`` with its launcher's CUDA configuration and print
+    registers per thread, spilled bytes and shared memory (Triton's bundled ptxas and
+    cuobjdump; no GPU needed). Pointers and strides are marked 16-divisible, as Triton
+    specializes them at run time for the engine's tensors."""
+    import os
+    import re
+    import subprocess
+    import tempfile
+
+    import triton
+    import triton.backends.nvidia as nvidia
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from kernels import triton_activation as act
+    from kernels import triton_kv_store as kv
+    from kernels import triton_paged_decode as dec
+    from kernels import triton_prefill_attention as pre
+    from kernels import triton_rms_norm as norm
+    from kernels import triton_rotary as rot
+
+    cuobjdump = os.path.join(os.path.dirname(nvidia.__file__), "bin", "cuobjdump")
+    target = GPUTarget("cuda", arch, 32)
+
+    def usage(fn, dtype: str, constants: dict, num_warps: int, num_stages: int) -> str:
+        names = fn.arg_names
+        floats = {"scale_log2", "eps"}
+        int_pointers = {"block_tables_ptr": "*i32", "seq_lens_ptr": "*i32"}
+        int_pointers |= {"query_start_loc_ptr": "*i32", "slot_mapping_ptr": "*i64"}
+        int_pointers |= {"positions_ptr": "*i64"}
+        fp32_pointers = {"partial_out_ptr", "partial_lse_ptr"}
+        signature = {}
+        for name in names:
+            if name in constants:
+                signature[name] = "constexpr"
+            elif name in int_pointers:
+                signature[name] = int_pointers[name]
+            elif name in fp32_pointers:
+                signature[name] = "*fp32"
+            elif name.endswith("_ptr"):
+                signature[name] = f"*{dtype}"
+            else:
+                signature[name] = "fp32" if name in floats else "i32"
+        aligned = [i for i, n in enumerate(names) if n.endswith("_ptr") or n.startswith("stride_")]
+        src = ASTSource(
+            fn,
+            signature,
+            constexprs={(names.index(k),): v for k, v in constants.items()},
+            attrs={(i,): [["tt.divisibility", 16]] for i in aligned},
+        )
+        options = {"num_warps": num_warps, "num_stages": num_stages}
+        kernel = triton.compile(src, target=target, options=options)
+        with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+            f.write(kernel.asm["cubin"])
+            f.flush()
+            out = subprocess.run(
+                [cuobjdump, "-res-usage", f.name], capture_output=True, text=True, check=True
+            ).stdout
+        regs = re.search(r"REG:(\d+)", out).group(1)
+        stack = re.search(r"STACK:(\d+)", out).group(1)
+        return f"{regs} | {stack} | {kernel.metadata.shared}"
+
+    print(f"sm_{arch}, triton {triton.__version__}; Llama-3-8B shapes (Hq 32, Hkv 8)\n")
+    print("| kernel | dtype | config | registers | spilled bytes | shared bytes |")
+    print("|---|---|---|---|---|---|")
+    for dtype, torch_dtype in (("bf16", torch.bfloat16), ("fp32", torch.float32)):
+        precision = dec.dot_precision(torch_dtype)
+        block_n, warps = dec.launch_config(torch_dtype, is_cuda=True)
+        for head_dim, is_split in ((128, False), (128, True), (80, True)):
+            pad = triton.next_power_of_2(head_dim)
+            constants = dict(GROUP=4, GROUP_PAD=16, HEAD_DIM=head_dim, HEAD_DIM_PAD=pad)
+            constants |= dict(BLOCK_SIZE=16, BLOCK_N=block_n, IS_SPLIT=is_split)
+            config = f"D={head_dim} split={is_split} BLOCK_N={block_n} warps={warps}"
+            result = usage(
+                dec._paged_decode_kernel, dtype, constants | {"DOT_PRECISION": precision}, warps, 2
+            )
+            print(f"| decode | {dtype} | {config} | {result} |")
+        constants = dict(HEAD_DIM=128, HEAD_DIM_PAD=128, SPLITS_PAD=16)
+        print(
+            f"| decode reduce | {dtype} | 16 splits | {usage(dec._decode_reduce_kernel, dtype, constants, 4, 1)} |"
+        )
+        for head_dim in (64, 128, 256):
+            bm, bn, warps, stages = pre.launch_config(torch_dtype, head_dim, is_cuda=True)
+            constants = dict(GROUP=4, HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim, BLOCK_SIZE=16)
+            constants |= dict(BLOCK_M=bm, BLOCK_N=bn, DOT_PRECISION=precision)
+            config = f"D={head_dim} {bm}x{bn} warps={warps} stages={stages}"
+            result = usage(pre._prefill_attention_kernel, dtype, constants, warps, stages)
+            print(f"| prefill | {dtype} | {config} | {result} |")
+        constants = dict(NUM_KV_HEADS=8, HEAD_DIM=128, HEADS_PAD=8, HEAD_DIM_PAD=128, BLOCK_SIZE=16)
+        print(
+            f"| store_kv | {dtype} | Hkv=8 D=128 | {usage(kv._store_kv_kernel, dtype, constants, 4, 1)} |"
+        )
+        constants = dict(HIDDEN_SIZE=HIDDEN, BLOCK=HIDDEN, HAS_RESIDUAL=True)
+        print(
+            f"| fused_add_rms_norm | {dtype} | H={HIDDEN} | {usage(norm._rms_norm_kernel, dtype, constants, 16, 1)} |"
+        )
+        constants = dict(NUM_Q_HEADS=32, NUM_K_HEADS=8, Q_HEADS_PAD=32, K_HEADS_PAD=8)
+        constants |= dict(HALF=64, HALF_PAD=64)
+        print(
+            f"| rotary | {dtype} | Hq=32 Hkv=8 D=128 | {usage(rot._rotary_kernel, dtype, constants, 4, 1)} |"
+        )
+        constants = dict(BLOCK=1024)
+        print(
+            f"| silu_and_mul | {dtype} | BLOCK=1024 | {usage(act._silu_and_mul_kernel, dtype, constants, 4, 1)} |"
+        )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16"])
+    parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument("--json", help="also write the rows and ceilings here")
+    parser.add_argument(
+        "--compile-only", action="store_true", help="no GPU: compile and report register use"
+    )
+    parser.add_argument("--arch", type=int, default=90, help="with --compile-only: sm_ARCH")
+    args = parser.parse_args()
+    if args.compile_only:
+        compile_only(args.arch)
+        return
+    if not torch.cuda.is_available():
+        sys.exit(
+            "bench/kernels.py needs a CUDA GPU (torch.cuda.is_available() is False). Without "
+            "one: `python bench/kernels.py --compile-only` reports the kernels' register and "
+            "shared-memory use, and `pytest tests/kernels -k triton` checks them against the "
+            "references in Triton's interpreter"
+        )
+    try:
+        import triton
+    except ImportError:
+        sys.exit("bench/kernels.py needs the `triton` package (pip install triton)")
+    device = torch.device("cuda")
+    dtype = getattr(torch, args.dtype)
+    copy_bw = copy_bandwidth(device)
+    mm_rate = matmul_rate(device)
+    bs = args.block_size
+    rows = [
+        decode_row(b, ctx, dtype, device, bs) for b, ctx in ((64, 4096), (8, 32768), (256, 1024))
+    ]
+    rows += [prefill_row(t, dtype, device, bs) for t in (4096, 16384)]
+    rows += elementwise_rows(dtype, device, bs)
+    name = torch.cuda.get_device_name(device)
+    print(f"device: {name}; torch {torch.__version__}; triton {triton.__version__}; {args.dtype}")
+    print(f"copy bandwidth: {copy_bw / 1e9:.0f} GB/s; bf16 matmul: {mm_rate / 1e12:.0f} TFLOP/s\n")
+    header = (
+        "| kernel | shape | Triton µs | GB/s | % copy BW | TFLOP/s | % matmul | peer | peer µs "
+        "| speed-up | peer 2 | peer 2 µs |"
+    )
+    print(header)
+    print("|" + "---|" * (header.count("|") - 1))
+    for r in rows:
+        gbs = r.bytes_moved / (r.triton_us * 1e-6)
+        flops = r.flops / (r.triton_us * 1e-6)
+        speedup = f"{r.peer_us / r.triton_us:.2f}x" if r.peer_us else "-"
+        print(
+            f"| {r.kernel} | {r.shape} | {r.triton_us:.1f} | {gbs / 1e9:.0f} | "
+            f"{100 * gbs / copy_bw:.0f}% | {flops / 1e12:.1f} | {100 * flops / mm_rate:.0f}% | "
+            f"{r.peer} | {r.peer_us:.1f} | {speedup} | {r.peer2 or '-'} | "
+            f"{f'{r.peer2_us:.1f}' if r.peer2_us else '-'} |"
+        )
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(
+                {
+                    "device": name,
+                    "dtype": args.dtype,
+                    "copy_bytes_per_s": copy_bw,
+                    "matmul_flops_per_s": mm_rate,
+                    "rows": [asdict(r) for r in rows],
+                },
+                f,
+                indent=2,
+            )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,72 @@
+"""Shared pieces of the Triton kernel tests (tests/kernels/test_triton_*.py).
+
+The same tests run compiled on a CUDA machine and in Triton's interpreter on CPU
+(``conftest.py`` sets ``TRITON_INTERPRET=1`` when there is no CUDA device). Each test module
+calls ``require_triton()`` before importing a kernel, so a missing Triton skips with a reason
+instead of failing collection.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Iterator
+
+import pytest
+import torch
+
+HAS_CUDA = torch.cuda.is_available()
+# Compiled on CUDA, interpreted on CPU.
+DEVICE = torch.device("cuda" if HAS_CUDA else "cpu")
+
+# Triton's interpreter (3.7.1, 3.9.0: ``cast_impl``) truncates float32 -> bfloat16 casts where
+# compiled kernels (and PyTorch) round to nearest even: bfloat16 results may differ by an ulp.
+IS_INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+
+# With ``@pytest.mark.gpu`` on tests that only make sense compiled (large shapes, the engine
+# on CUDA): the marker selects them, this skips them on CPU-only machines.
+requires_cuda = pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA device")
+
+
+def require_triton() -> None:
+    """Skip the calling test module when Triton cannot be imported."""
+    pytest.importorskip(
+        "triton",
+        reason="triton is not installed (pip install triton); the Triton kernel tests are skipped",
+    )
+
+
+def rounding_tolerance(dtype: torch.dtype, num_roundings: int = 2) -> dict[str, float]:
+    """``assert_close`` tolerances for results that may be ``num_roundings`` ulps apart in
+    half precision (float32: tight)."""
+    if dtype == torch.float32:
+        return {"atol": 1e-5, "rtol": 1e-5}
+    eps = torch.finfo(dtype).eps
+    return {"atol": num_roundings * eps, "rtol": num_roundings * eps}
+
+
+@contextlib.contextmanager
+def bf16_dots_in_interpreter() -> Iterator[None]:
+    """Test-only shim: Triton's interpreter (3.7.1, 3.9.0) multiplies bfloat16 ``tl.dot``
+    operands as their raw uint16 bits. Inside this block it widens them to float32 first
+    (exact), as the GPU's bf16 MMA does; compiled runs are left alone."""
+    if not IS_INTERPRETED:
+        yield
+        return
+    import triton.language as tl
+    from triton.runtime.interpreter import InterpreterBuilder
+
+    original = InterpreterBuilder.create_dot
+
+    def create_dot(self, a, b, d, input_precision, max_num_imprecise_acc):
+        if a.dtype.scalar == tl.bfloat16:
+            a = self.cast_impl(a, tl.float32)
+        if b.dtype.scalar == tl.bfloat16:
+            b = self.cast_impl(b, tl.float32)
+        return original(self, a, b, d, input_precision, max_num_imprecise_acc)
+
+    InterpreterBuilder.create_dot = create_dot
+    try:
+        yield
+    finally:
+        InterpreterBuilder.create_dot = original
