@@ -1,0 +1,224 @@
+"""Description of one worker's (one tensor-parallel rank's) paged KV cache.
+
+The worker's cache is one tensor (docs/kv-cache-layout.md)::
+
+    [num_blocks, num_layers, 2, num_kv_heads_local, block_size, head_dim]
+
+kvtransfer never sees the worker's objects: the worker builds a :class:`KVLayout`
+from its tensor (:meth:`KVLayout.from_tensor`) and everything here works on that
+description (addresses, strides, byte offsets). Inside one block, the region of one
+layer, K or V, one kv head is contiguous (``block_size * head_dim`` elements), which
+is what lets a decode rank with another tensor-parallel size pull just its heads.
+
+Two workers may exchange KV when :func:`check_compatible` passes: same model, dtype,
+layers, head count, head dim and block size. Tensor-parallel sizes may differ
+(``tp_mapping`` maps the heads); devices may differ (the transport copies).
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import asdict, dataclass
+
+from kvtransfer.errors import LayoutMismatchError
+
+_ITEMSIZE = {
+    "float32": 4,
+    "float16": 2,
+    "bfloat16": 2,
+    "float8_e4m3fn": 1,
+    "float8_e5m2": 1,
+    "uint8": 1,
+}
+
+# Fields that must be equal for two caches to exchange KV; they make the fingerprint.
+COMPAT_FIELDS = (
+    "model_id",
+    "dtype",
+    "num_layers",
+    "first_layer",
+    "num_kv_heads",
+    "head_dim",
+    "block_size",
+)
+
+
+def kv_head_range(num_kv_heads: int, tp_rank: int, tp_size: int) -> tuple[int, int]:
+    """Global kv heads ``[start, end)`` held by ``tp_rank`` of ``tp_size``.
+
+    With at least as many heads as ranks the heads are split evenly; with fewer,
+    each rank holds one head and ``tp_size // num_kv_heads`` consecutive ranks hold
+    the same one (replicated, as Megatron/vLLM do for GQA with large TP).
+    """
+    if tp_size <= 0 or not 0 <= tp_rank < tp_size:
+        raise ValueError(f"tp_rank {tp_rank} out of range for tp_size {tp_size}")
+    if num_kv_heads >= tp_size:
+        if num_kv_heads % tp_size:
+            raise ValueError(f"tp_size {tp_size} does not divide num_kv_heads {num_kv_heads}")
+        per_rank = num_kv_heads // tp_size
+        return tp_rank * per_rank, (tp_rank + 1) * per_rank
+    if tp_size % num_kv_heads:
+        raise ValueError(f"num_kv_heads {num_kv_heads} does not divide tp_size {tp_size}")
+    head = tp_rank // (tp_size // num_kv_heads)
+    return head, head + 1
+
+
+@dataclass(frozen=True)
+class KVLayout:
+    """Where one rank's KV lives and how it is laid out (bytes, not tensors).
+
+    ``block_stride`` is the distance in bytes between block ``i`` and ``i + 1``;
+    a block's ``block_bytes`` are contiguous from ``base_addr + i * block_stride``.
+    """
+
+    model_id: str
+    dtype: str  # torch dtype name without "torch.", e.g. "bfloat16"
+    num_layers: int  # layers held by this rank (a pipeline stage holds a range)
+    num_kv_heads: int  # the model's total kv heads
+    head_dim: int
+    block_size: int  # tokens per block
+    num_blocks: int
+    base_addr: int
+    block_stride: int
+    device: str = "cpu"  # "cpu" or "cuda:N"
+    first_layer: int = 0  # index of this rank's first layer (pipeline stages)
+    tp_rank: int = 0
+    tp_size: int = 1
+
+    def __post_init__(self) -> None:
+        if self.dtype not in _ITEMSIZE:
+            raise ValueError(f"unsupported dtype {self.dtype!r}")
+        for name in ("num_layers", "num_kv_heads", "head_dim", "block_size", "num_blocks"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+        if self.first_layer < 0:
+            raise ValueError(f"first_layer must be >= 0, got {self.first_layer}")
+        kv_head_range(self.num_kv_heads, self.tp_rank, self.tp_size)  # validates the slice
+        if self.block_stride < self.block_bytes:
+            raise ValueError(
+                f"block_stride {self.block_stride} is smaller than a block ({self.block_bytes} B)"
+            )
+
+    # ---- derived geometry ------------------------------------------------------------
+    @property
+    def itemsize(self) -> int:
+        return _ITEMSIZE[self.dtype]
+
+    @property
+    def head_range(self) -> tuple[int, int]:
+        """Global kv heads ``[start, end)`` this rank holds."""
+        return kv_head_range(self.num_kv_heads, self.tp_rank, self.tp_size)
+
+    @property
+    def num_kv_heads_local(self) -> int:
+        start, end = self.head_range
+        return end - start
+
+    @property
+    def head_bytes(self) -> int:
+        """One kv head of one block, one layer, K or V: contiguous."""
+        return self.block_size * self.head_dim * self.itemsize
+
+    @property
+    def block_bytes(self) -> int:
+        return self.num_layers * 2 * self.num_kv_heads_local * self.head_bytes
+
+    @property
+    def num_bytes(self) -> int:
+        """Bytes from ``base_addr`` to the end of the last block (what is registered)."""
+        return (self.num_blocks - 1) * self.block_stride + self.block_bytes
+
+    @property
+    def device_type(self) -> str:
+        return self.device.split(":")[0]
+
+    @property
+    def device_id(self) -> int:
+        return int(self.device.split(":")[1]) if ":" in self.device else 0
+
+    def region_offset(self, layer: int, kv: int, head: int) -> int:
+        """Byte offset inside a block of (local ``layer``, ``kv`` 0=K/1=V, *global* ``head``)."""
+        start, end = self.head_range
+        if not (0 <= layer < self.num_layers and kv in (0, 1) and start <= head < end):
+            raise ValueError(f"region ({layer}, {kv}, head {head}) not held by this rank")
+        return ((layer * 2 + kv) * self.num_kv_heads_local + head - start) * self.head_bytes
+
+    def block_addr(self, block_id: int) -> int:
+        if not 0 <= block_id < self.num_blocks:
+            raise ValueError(f"block id {block_id} out of range [0, {self.num_blocks})")
+        return self.base_addr + block_id * self.block_stride
+
+    # ---- identity ---------------------------------------------------------------------
+    @property
+    def fingerprint(self) -> str:
+        """Hex digest of the fields peers must agree on (not addresses, TP or device)."""
+        text = "|".join(f"{name}={getattr(self, name)}" for name in COMPAT_FIELDS)
+        return hashlib.blake2b(text.encode(), digest_size=8).hexdigest()
+
+    def to_msg(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_msg(cls, msg: dict) -> KVLayout:
+        return cls(**msg)
+
+    @classmethod
+    def from_tensor(
+        cls,
+        kv_cache,
+        *,
+        model_id: str,
+        num_kv_heads: int,
+        tp_rank: int = 0,
+        tp_size: int = 1,
+        first_layer: int = 0,
+    ) -> KVLayout:
+        """Describe the worker's cache tensor ``[blocks, layers, 2, heads_local, bs, dim]``.
+
+        Each block must be contiguous inside (the blocks themselves may be strided).
+        Called by the worker; kvtransfer never imports the worker's code.
+        """
+        if kv_cache.dim() != 6 or kv_cache.shape[2] != 2:
+            raise ValueError(
+                f"expected [num_blocks, num_layers, 2, num_kv_heads, block_size, head_dim], "
+                f"got {tuple(kv_cache.shape)}"
+            )
+        num_blocks, num_layers, _, heads_local, block_size, head_dim = kv_cache.shape
+        if not kv_cache[0].is_contiguous():
+            raise ValueError("each block of the KV cache must be contiguous")
+        dtype = str(kv_cache.dtype).removeprefix("torch.")
+        layout = cls(
+            model_id=model_id,
+            dtype=dtype,
+            num_layers=num_layers,
+            num_kv_heads=num_kv_heads,
+            head_dim=head_dim,
+            block_size=block_size,
+            num_blocks=num_blocks,
+            base_addr=kv_cache.data_ptr(),
+            block_stride=kv_cache.stride(0) * kv_cache.element_size(),
+            device=str(kv_cache.device),
+            first_layer=first_layer,
+            tp_rank=tp_rank,
+            tp_size=tp_size,
+        )
+        if layout.num_kv_heads_local != heads_local:
+            raise ValueError(
+                f"tensor holds {heads_local} kv heads but rank {tp_rank} of {tp_size} "
+                f"should hold {layout.num_kv_heads_local} of {num_kv_heads}"
+            )
+        return layout
+
+
+def check_compatible(local: KVLayout, remote: KVLayout) -> None:
+    """Raise :class:`LayoutMismatchError` naming every field that differs.
+
+    Called on both sides at handshake. Tensor-parallel slices and devices may differ.
+    """
+    diffs = [
+        f"{name}: local {getattr(local, name)!r} != remote {getattr(remote, name)!r}"
+        for name in COMPAT_FIELDS
+        if getattr(local, name) != getattr(remote, name)
+    ]
+    if diffs:
+        raise LayoutMismatchError("incompatible KV layouts: " + "; ".join(diffs))

@@ -1,0 +1,95 @@
+"""Handshaken peers, dead incarnations and completion notices (connector thread only)."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from kvtransfer.backend import KVBackend
+from kvtransfer.errors import KVTransferError, PeerLostError
+from kvtransfer.layout import KVLayout, check_compatible
+from kvtransfer.messages import CompletionNotice, HandshakeMetadata, encode
+from kvtransfer.tp_mapping import Segment, plan_for_pair
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class Peer:
+    meta: HandshakeMetadata
+    read_segments: tuple[Segment, ...]  # the peer is the source, we read (or it pushes to us)
+    write_segments: tuple[Segment, ...]  # we are the source, the peer the destination
+
+
+class PeerTable:
+    """Who we can talk to. A dropped peer's agent name (its incarnation) stays refused."""
+
+    def __init__(self, backend: KVBackend, layout: KVLayout):
+        self.backend = backend
+        self.layout = layout
+        self._peers: dict[str, Peer] = {}
+        self._peer_of_worker: dict[str, str] = {}
+        self._dead: set[str] = set()
+        self._on_drop: list[Callable[[str, PeerLostError], None]] = []
+
+    def __len__(self) -> int:
+        return len(self._peers)
+
+    def get(self, name: str) -> Peer | None:
+        return self._peers.get(name)
+
+    def on_drop(self, callback: Callable[[str, PeerLostError], None]) -> None:
+        """``callback(name, error)`` runs when a peer is dropped, before it is unloaded."""
+        self._on_drop.append(callback)
+
+    def add(self, meta: HandshakeMetadata) -> str:
+        name = meta.agent_name
+        if name in self._dead:
+            raise PeerLostError(f"peer {name} is a dead incarnation; handshake with a new one")
+        if name in self._peers:
+            return name
+        check_compatible(self.layout, meta.layout)
+        old = self._peer_of_worker.get(meta.worker_id)
+        if old is not None and old != name:
+            self.drop(old, f"replaced by incarnation {meta.incarnation}")
+        read_segments = plan_for_pair(meta.layout, self.layout)
+        write_segments = plan_for_pair(self.layout, meta.layout)
+        self.backend.connect(name, meta.agent_metadata, meta.layout, read_segments, write_segments)
+        self._peers[name] = Peer(meta, read_segments, write_segments)
+        self._peer_of_worker[meta.worker_id] = name
+        return name
+
+    def drop(self, name: str, reason: str) -> None:
+        """Forget a peer for good: its transfers fail with PeerLostError."""
+        peer = self._peers.pop(name, None)
+        self._dead.add(name)
+        if peer is not None and self._peer_of_worker.get(peer.meta.worker_id) == name:
+            del self._peer_of_worker[peer.meta.worker_id]
+        error = PeerLostError(f"peer {name} lost: {reason}")
+        for callback in self._on_drop:
+            callback(name, error)
+        # Last: unloading the peer closes its endpoints, so nothing of ours is still read
+        # or written through them.
+        self.backend.disconnect(name)
+
+    def notify(
+        self,
+        peer: str,
+        owner: str,
+        lease_id: int,
+        req_id: str,
+        status: str,
+        error: Exception | None = None,
+    ) -> None:
+        """Send a CompletionNotice; a lost one is harmless (leases expire)."""
+        if peer not in self._peers:
+            return  # a dead or unknown peer has nothing to free
+        code = getattr(error, "code", "") if error is not None else ""
+        notice = CompletionNotice(owner, lease_id, req_id, status, code, str(error or ""))
+        try:
+            self.backend.send_notif(peer, encode(notice))
+        except PeerLostError as exc:
+            self.drop(peer, str(exc))
+        except KVTransferError:
+            logger.warning("notice to %s for %s lost", peer, req_id, exc_info=True)

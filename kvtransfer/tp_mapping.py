@@ -1,0 +1,120 @@
+"""Heterogeneous tensor parallelism: which bytes of which prefill rank a decode rank needs.
+
+A prefill worker with TP=p and a decode worker with TP=d both split the model's kv
+heads across their ranks (``layout.kv_head_range``). A decode rank needs exactly the
+heads it holds; each of them lives on one prefill rank (or on several, when heads are
+replicated because there are fewer heads than ranks: then one replica is chosen,
+spreading decode ranks over the replicas).
+
+Inside one block the region of (layer, K/V, head) is contiguous on both sides, so a
+copy between two ranks is a short list of :class:`Segment` byte ranges relative to the
+start of a block, the same for every block. When both ranks hold the same heads the
+list is a single segment: the whole block. Pure functions, no I/O.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from kvtransfer.layout import KVLayout, kv_head_range
+
+
+@dataclass(frozen=True)
+class Segment:
+    """Copy ``length`` bytes from ``src_offset`` (in a source block) to ``dst_offset``."""
+
+    src_offset: int
+    dst_offset: int
+    length: int
+
+
+def source_heads(
+    num_kv_heads: int, src_tp_size: int, dst_tp_rank: int, dst_tp_size: int
+) -> dict[int, tuple[int, ...]]:
+    """For one decode rank: ``{prefill rank: global heads to take from it}``.
+
+    Every head the decode rank holds appears exactly once. Deterministic, so the
+    prefill side (push) and the decode side (pull) compute the same answer.
+    """
+    dst_start, dst_end = kv_head_range(num_kv_heads, dst_tp_rank, dst_tp_size)
+    owners = [kv_head_range(num_kv_heads, r, src_tp_size) for r in range(src_tp_size)]
+    plan: dict[int, list[int]] = {}
+    for head in range(dst_start, dst_end):
+        holders = [r for r, (start, end) in enumerate(owners) if start <= head < end]
+        src_rank = holders[dst_tp_rank % len(holders)]
+        plan.setdefault(src_rank, []).append(head)
+    return {rank: tuple(heads) for rank, heads in sorted(plan.items())}
+
+
+def num_readers(num_kv_heads: int, src_tp_rank: int, src_tp_size: int, dst_tp_size: int) -> int:
+    """How many decode ranks read from prefill rank ``src_tp_rank`` (0: none needs it)."""
+    return sum(
+        src_tp_rank in source_heads(num_kv_heads, src_tp_size, dst_rank, dst_tp_size)
+        for dst_rank in range(dst_tp_size)
+    )
+
+
+def plan_segments(src: KVLayout, dst: KVLayout, heads: Sequence[int]) -> tuple[Segment, ...]:
+    """Byte ranges (per block) that carry ``heads`` of every layer, K and V, from src to dst.
+
+    Adjacent ranges are merged, so equal head slices give one whole-block segment.
+    """
+    if src.num_layers != dst.num_layers or src.head_bytes != dst.head_bytes:
+        raise ValueError("layouts differ in layers or head size; check_compatible first")
+    segments: list[Segment] = []
+    for layer in range(src.num_layers):
+        for kv in (0, 1):
+            for head in heads:
+                src_offset = src.region_offset(layer, kv, head)
+                dst_offset = dst.region_offset(layer, kv, head)
+                last = segments[-1] if segments else None
+                if (
+                    last is not None
+                    and last.src_offset + last.length == src_offset
+                    and last.dst_offset + last.length == dst_offset
+                ):
+                    segments[-1] = Segment(
+                        last.src_offset, last.dst_offset, last.length + src.head_bytes
+                    )
+                else:
+                    segments.append(Segment(src_offset, dst_offset, src.head_bytes))
+    return tuple(segments)
+
+
+def plan_for_pair(src: KVLayout, dst: KVLayout) -> tuple[Segment, ...]:
+    """Segments that the pair (prefill rank ``src``, decode rank ``dst``) exchanges.
+
+    Empty when the decode rank takes nothing from this prefill rank.
+    """
+    heads = source_heads(src.num_kv_heads, src.tp_size, dst.tp_rank, dst.tp_size)
+    return plan_segments(src, dst, heads.get(src.tp_rank, ()))
+
+
+def count_merged_descriptors(
+    src_block_ids: Sequence[int],
+    dst_block_ids: Sequence[int],
+    segments: Sequence[Segment],
+    src_stride: int,
+    dst_stride: int,
+) -> int:
+    """Descriptors left after merging ranges adjacent in memory on both sides.
+
+    This is what a prepared transfer built from (block, segment) indices turns into:
+    runs of consecutive block ids with whole-block segments collapse to one.
+    """
+    if len(segments) != 1:
+        # Segments of one block are separated by gaps on at least one side (else
+        # plan_segments merged them), and then no range can touch the next block's
+        # first range either: every (block, segment) pair is its own descriptor.
+        return len(src_block_ids) * len(segments)
+    count = 0
+    prev_src = prev_dst = None  # end addresses (relative) of the previous range
+    for src_block, dst_block in zip(src_block_ids, dst_block_ids, strict=True):
+        for seg in segments:
+            src_addr = src_block * src_stride + seg.src_offset
+            dst_addr = dst_block * dst_stride + seg.dst_offset
+            if src_addr != prev_src or dst_addr != prev_dst:
+                count += 1
+            prev_src, prev_dst = src_addr + seg.length, dst_addr + seg.length
+    return count
