@@ -7,6 +7,7 @@ stay in use on either side.
 
 from __future__ import annotations
 
+import functools
 import os
 import pathlib
 import time
@@ -46,16 +47,14 @@ def ray_session():
     ray.shutdown()
 
 
-Worker = None
+@functools.cache
+def remote_worker():
+    return ray.remote(num_cpus=0)(KVWorker)
 
 
 def spawn(name, **kwargs):
-    global Worker
-    if Worker is None:
-        Worker = ray.remote(num_cpus=0)(KVWorker)
-    return Worker.remote(
-        name, num_kv_heads=HEADS, num_layers=LAYERS, block_size=BS, head_dim=DIM, **kwargs
-    )
+    shape = {"num_kv_heads": HEADS, "num_layers": LAYERS, "block_size": BS, "head_dim": DIM}
+    return remote_worker().remote(name, **{**shape, **kwargs})
 
 
 def handshake(*actors):
@@ -179,9 +178,7 @@ def test_killed_peer_gives_a_typed_error_within_the_deadline(ray_session, direct
 
 def test_mismatched_layout_is_refused(pair, ray_session):
     prefill, _ = pair
-    other = Worker.remote(
-        "other-bs", num_kv_heads=HEADS, num_layers=LAYERS, block_size=8, head_dim=DIM
-    )
+    other = spawn("other-bs", block_size=8)
     code, message = ray.get(other.add_peer.remote(ray.get(prefill.metadata.remote())))
     assert code == "layout_mismatch" and "block_size: local 8 != remote 4" in message
     code, message = ray.get(prefill.add_peer.remote(ray.get(other.metadata.remote())))
