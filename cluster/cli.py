@@ -4,9 +4,9 @@ Each subcommand is a ``_Command``: a function that adds its arguments to a subpa
 and a function that runs it, returning the exit code. Adding one (``serve``, ``status``,
 ``bench``) is adding two functions and a line in ``_COMMANDS``.
 
-Exit codes: 0 ok, 1 failure at run time (I/O), 2 bad arguments or configuration
-(argparse's own errors and every ``ValueError``, printed as ``baton: error: ...``),
-130 interrupted.
+Exit codes: 0 ok, 1 failure at run time (I/O, a gRPC error), 2 bad arguments or
+configuration (argparse's own errors, every ``ValueError`` and a server's INVALID_ARGUMENT,
+printed as ``baton: error: ...``), 130 interrupted.
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ _EXIT_USAGE = 2
 _ARCHS = ("llama", "qwen2", "qwen3", "mistral")
 _SIZES = ("tiny", "small")
 _DTYPES = ("float32", "bfloat16", "float16")
+_DISAGGREGATION = ("always", "never", "auto")  # cluster.client.DISAGGREGATION_CHOICES
 
 
 @dataclass(frozen=True)
@@ -31,6 +32,13 @@ class _Command:
     help: str
     add_arguments: Callable[[argparse.ArgumentParser], None]
     run: Callable[[argparse.Namespace], int]
+
+
+def _positive_seconds(text: str) -> float:
+    value = float(text)  # argparse turns a ValueError into "invalid ... value"
+    if not value > 0:  # also rejects nan
+        raise argparse.ArgumentTypeError(f"must be > 0 seconds, got {text!r}")
+    return value
 
 
 # ---- make-model -----------------------------------------------------------------------
@@ -77,12 +85,16 @@ def _run_make_model(args: argparse.Namespace) -> int:
 
 def _add_generate_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("prompt", metavar="PROMPT", help="the prompt ('-' reads stdin)")
-    parser.add_argument("--model", required=True, metavar="DIR", help="Hugging Face model dir")
+    where = parser.add_mutually_exclusive_group(required=True)
+    where.add_argument("--model", metavar="DIR", help="run offline on a Hugging Face model dir")
+    where.add_argument(
+        "--target", metavar="HOST:PORT", help="send to a running Baton router over gRPC"
+    )
     parser.add_argument(
         "--dtype",
         choices=_DTYPES,
         default=None,
-        help="compute dtype (default: bfloat16 on CUDA, float32 on CPU)",
+        help="compute dtype, with --model (default: bfloat16 on CUDA, float32 on CPU)",
     )
     parser.add_argument("--max-tokens", type=int, default=None, metavar="N")
     parser.add_argument("--temperature", type=float, default=None, metavar="T")
@@ -97,12 +109,44 @@ def _add_generate_arguments(parser: argparse.ArgumentParser) -> None:
         help="stop string, not included in the output (repeat for several)",
     )
     parser.add_argument("--ignore-eos", action="store_true", help="generate past EOS")
+    parser.add_argument(
+        "--disaggregation",
+        choices=_DISAGGREGATION,
+        default=None,
+        help="with --target: override the router's prefill/decode split for this request",
+    )
+    parser.add_argument(
+        "--timing",
+        action="store_true",
+        help="with --target: print the server's usage and timing to stderr",
+    )
+    parser.add_argument(
+        "--timeout",
+        type=_positive_seconds,
+        default=None,
+        metavar="SECONDS",
+        help="with --target: deadline of the whole call (default: none)",
+    )
 
 
 def _run_generate(args: argparse.Namespace) -> int:
+    if args.target is not None:
+        return _run_generate_remote(args)
+    remote_only = {
+        "--disaggregation": args.disaggregation is not None,
+        "--timing": args.timing,
+        "--timeout": args.timeout is not None,
+    }
+    for flag, is_set in remote_only.items():
+        if is_set:
+            raise ValueError(f"{flag} applies only with --target")
+    return _run_generate_local(args)
+
+
+def _run_generate_local(args: argparse.Namespace) -> int:
     from workers import LLM, SamplingParams
 
-    prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
+    prompt = _read_prompt(args.prompt)
     # Only what the user set: SamplingParams and the engine own the defaults.
     options = {
         "max_tokens": args.max_tokens,
@@ -145,6 +189,149 @@ def _run_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _run_generate_remote(args: argparse.Namespace) -> int:
+    import grpc
+
+    from cluster.client import format_usage_and_timing, parse_target, stream_generate
+    from proto.baton.v1 import inference_pb2 as pb
+    from proto.baton.v1 import inference_pb2_grpc as pb_grpc
+
+    if args.dtype is not None:
+        raise ValueError("--dtype applies only with --model (the server chose its dtype)")
+    target = parse_target(args.target)
+    prompt = _read_prompt(args.prompt)
+    with grpc.insecure_channel(target) as channel:
+        stream = stream_generate(
+            pb_grpc.InferenceStub(channel),
+            prompt,
+            max_tokens=args.max_tokens,
+            temperature=args.temperature,
+            top_p=args.top_p,
+            top_k=args.top_k,
+            seed=args.seed,
+            stop=args.stop,
+            ignore_eos=args.ignore_eos,
+            disaggregation=args.disaggregation,
+            return_timing=args.timing,
+            timeout_s=args.timeout,
+        )
+        start = time.perf_counter()
+        first_token_time: float | None = None
+        num_tokens = 0
+        has_text = False
+        final = None
+        try:
+            for response in stream:
+                kind = response.WhichOneof("kind")
+                delta = response.delta if kind == "delta" else response.final.delta
+                if delta.token_ids and first_token_time is None:
+                    first_token_time = time.perf_counter()
+                num_tokens += len(delta.token_ids)
+                if delta.text:
+                    has_text = True  # before the write: Ctrl-C may land inside it
+                    sys.stdout.write(delta.text)
+                    sys.stdout.flush()
+                if kind == "final":
+                    final = response.final
+        except KeyboardInterrupt:
+            # Cancelling the call is how the server learns to abort the request and free
+            # its KV blocks (DESIGN.md §2.3); closing the channel alone would be later.
+            stream.cancel()
+            _end_line(has_text)
+            raise
+        except grpc.RpcError as exc:
+            _end_line(has_text)
+            return _report_rpc_error(exc)
+    elapsed = time.perf_counter() - start
+    sys.stdout.write("\n")
+    sys.stdout.flush()
+
+    if final is None:
+        print(f"{_PROG}: error: the stream from {target} ended without a Final", file=sys.stderr)
+        return 1
+    # FINISH_REASON_LENGTH -> "length": the words the offline form prints.
+    reason = pb.FinishReason.Name(final.finish_reason).removeprefix("FINISH_REASON_").lower()
+    ttft = "" if first_token_time is None else f", ttft {1e3 * (first_token_time - start):.0f} ms"
+    rate = num_tokens / elapsed if elapsed > 0 else 0.0
+    print(
+        f"[{num_tokens} tokens, finish: {reason}, {rate:.1f} tokens/s{ttft}]",
+        file=sys.stderr,
+    )
+    if args.timing:
+        print(format_usage_and_timing(final), file=sys.stderr)
+    return 0
+
+
+def _read_prompt(prompt: str) -> str:
+    return sys.stdin.read() if prompt == "-" else prompt
+
+
+def _end_line(has_text: bool) -> None:
+    # Finish a line of streamed text so that the error or the shell prompt starts clean.
+    if has_text:
+        sys.stdout.write("\n")
+        sys.stdout.flush()
+
+
+def _report_rpc_error(exc) -> int:  # exc: grpc.RpcError (grpc is imported lazily)
+    code = exc.code()
+    print(f"{_PROG}: error: {code.name}: {exc.details()}", file=sys.stderr)
+    # A bad request is the caller's mistake, like a bad flag; everything else is run time.
+    return _EXIT_USAGE if code.name == "INVALID_ARGUMENT" else 1
+
+
+# ---- status ---------------------------------------------------------------------------
+
+
+def _add_status_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--target", required=True, metavar="HOST:PORT", help="a running Baton router"
+    )
+    parser.add_argument(
+        "--json",
+        action="store_true",
+        help="print the ClusterStatus message as JSON (proto field names)",
+    )
+    parser.add_argument(
+        "--timeout",
+        type=_positive_seconds,
+        default=5.0,
+        metavar="SECONDS",
+        help="give up after this long (5)",
+    )
+
+
+def _run_status(args: argparse.Namespace) -> int:
+    import grpc
+    from google.protobuf import json_format
+
+    from cluster.client import format_status, get_status, parse_target
+    from proto.baton.v1 import inference_pb2_grpc as pb_grpc
+
+    target = parse_target(args.target)
+    with grpc.insecure_channel(target) as channel:
+        try:
+            status = get_status(pb_grpc.InferenceStub(channel), args.timeout)
+        except grpc.RpcError as exc:
+            code = exc.code()
+            if code not in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
+                return _report_rpc_error(exc)
+            print(
+                f"{_PROG}: error: cannot reach a Baton router at {target} "
+                f"({code.name}: {exc.details()})",
+                file=sys.stderr,
+            )
+            return 1
+    if args.json:
+        text = json_format.MessageToJson(
+            status, preserving_proto_field_name=True, always_print_fields_with_no_presence=True
+        )
+    else:
+        text = format_status(status)
+    print(text)
+    return 0
+
+
 _COMMANDS = (
     _Command(
         "make-model",
@@ -154,9 +341,15 @@ _COMMANDS = (
     ),
     _Command(
         "generate",
-        "generate from a prompt with a local model, streaming to stdout",
+        "generate from a prompt (a local model or a running router), streaming to stdout",
         _add_generate_arguments,
         _run_generate,
+    ),
+    _Command(
+        "status",
+        "show a running cluster's pools, workers, health and KV usage",
+        _add_status_arguments,
+        _run_status,
     ),
 )
 

@@ -116,3 +116,58 @@ def test_console_entry_point_runs(tmp_path):
     )
     assert result.returncode == 2
     assert "invalid choice" in result.stderr
+
+
+def test_help_lists_the_grpc_commands(capsys):
+    assert cli.main(["--help"]) == 0
+    assert "status" in capsys.readouterr().out
+    assert cli.main(["generate", "--help"]) == 0
+    out = capsys.readouterr().out
+    assert "--target" in out and "--disaggregation" in out and "--timing" in out
+
+
+@pytest.mark.parametrize(
+    ("argv", "named"),
+    [
+        (["generate", "--model", "m", "--target", "127.0.0.1:1", "hi"], "not allowed with"),
+        (["generate", "hi"], "--target"),
+        (["generate", "--target", "127.0.0.1:1", "--disaggregation", "often", "hi"], "often"),
+        (["generate", "--target", "127.0.0.1:1", "--timeout", "-1", "hi"], "--timeout"),
+        (["status"], "--target"),
+        (["status", "--target", "127.0.0.1:1", "--timeout", "0"], "--timeout"),
+        (["status", "--target", "127.0.0.1:1", "--timeout", "soon"], "--timeout"),
+    ],
+)
+def test_bad_grpc_arguments(argv, named, capsys):
+    assert cli.main(argv) == 2
+    err = capsys.readouterr().err
+    assert "error" in err and named in err
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        # Flags of the other form are refused before a model loads or a channel opens.
+        (["generate", "--model", "m", "--timing", "hi"], "--timing applies only with --target"),
+        (["generate", "--model", "m", "--disaggregation", "never", "hi"], "--disaggregation"),
+        (["generate", "--model", "m", "--timeout", "3", "hi"], "--timeout"),
+        (["generate", "--target", "127.0.0.1:1", "--dtype", "float32", "hi"], "with --model"),
+        (["generate", "--target", "localhost", "hi"], "missing ':PORT'"),
+        (["generate", "--target", "127.0.0.1:1", "--max-tokens", "-1", "hi"], "max_tokens"),
+        (["generate", "--target", "127.0.0.1:1", "--seed", "-1", "hi"], "seed"),
+        (["status", "--target", "localhost:99999"], "outside 1-65535"),
+    ],
+)
+def test_grpc_forms_reject_bad_values(argv, message, capsys):
+    assert cli.main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("baton: error: ") and message in err
+    assert "Traceback" not in err
+
+
+def test_building_the_parser_imports_neither_grpc_nor_torch():
+    code = "import sys; from cluster import cli; cli.build_parser(); "
+    code += "print(sorted({'grpc', 'torch', 'cluster.client'} & set(sys.modules)))"
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "[]"

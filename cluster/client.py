@@ -1,0 +1,300 @@
+"""Client side of the ``baton.v1.Inference`` gRPC API (DESIGN.md §2.3).
+
+Small typed helpers over a ``grpc.Channel`` / ``InferenceStub``, used by ``baton generate
+--target`` and ``baton status`` and by tests and benchmarks that talk to a running
+router. They build requests and present answers; they never retry or hide a gRPC error:
+callers see ``grpc.RpcError`` with the server's status code.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator, Sequence
+from typing import Protocol
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from proto.baton.v1 import inference_pb2 as pb
+from proto.baton.v1 import inference_pb2_grpc as pb_grpc
+
+SERVICE_NAME = "baton.v1.Inference"  # the readiness name in grpc.health.v1 (§2.3)
+DISAGGREGATION_CHOICES = ("always", "never", "auto")
+
+_DISAGGREGATION = {
+    "always": pb.DISAGGREGATION_ALWAYS,
+    "never": pb.DISAGGREGATION_NEVER,
+    "auto": pb.DISAGGREGATION_AUTO,
+}
+_UINT32_END = 1 << 32
+_UINT64_END = 1 << 64
+_HEALTH_POLL_S = 0.1
+
+
+class GenerateStream(Protocol):
+    """What ``Generate`` returns: an iterator of responses that is also a gRPC call."""
+
+    def __iter__(self) -> Iterator[pb.GenerateResponse]: ...
+
+    def __next__(self) -> pb.GenerateResponse: ...
+
+    def cancel(self) -> bool:
+        """Cancel the call; the server aborts the request (same as ``Abort``)."""
+        ...
+
+
+def parse_target(target: str) -> str:
+    """Check that ``target`` is ``HOST:PORT`` (IPv6 as ``[ADDR]:PORT``) and return it.
+
+    Raises ``ValueError`` naming what is wrong, so a typo fails before any connection is
+    attempted instead of as a vague UNAVAILABLE after a timeout.
+    """
+    if "://" in target:
+        raise ValueError(f"target {target!r}: expected HOST:PORT, without a scheme")
+    host, sep, port = target.rpartition(":")
+    if not sep:
+        raise ValueError(f"target {target!r}: missing ':PORT' (expected HOST:PORT)")
+    if host.startswith("["):
+        if not host.endswith("]") or len(host) == 2:
+            raise ValueError(f"target {target!r}: bad IPv6 host (expected [ADDR]:PORT)")
+    elif ":" in host:
+        raise ValueError(f"target {target!r}: an IPv6 host needs brackets: [ADDR]:PORT")
+    if not host:
+        raise ValueError(f"target {target!r}: missing HOST (expected HOST:PORT)")
+    if any(c.isspace() for c in host):
+        raise ValueError(f"target {target!r}: HOST contains whitespace")
+    # isascii: str.isdigit also accepts digits like '²' that int() rejects.
+    if not (port.isascii() and port.isdigit()):
+        raise ValueError(f"target {target!r}: PORT {port!r} is not a number")
+    if not 1 <= int(port) <= 65535:
+        raise ValueError(f"target {target!r}: PORT {port} is outside 1-65535")
+    return target
+
+
+def make_request(
+    prompt: str | list[int],
+    *,
+    max_tokens: int | None = None,
+    temperature: float | None = None,
+    top_p: float | None = None,
+    top_k: int | None = None,
+    seed: int | None = None,
+    stop: Sequence[str] | None = None,
+    ignore_eos: bool = False,
+    disaggregation: str | None = None,
+    return_timing: bool = False,
+) -> pb.GenerateRequest:
+    """Build a ``GenerateRequest`` holding only the options that are given.
+
+    ``None`` leaves an ``optional`` field unset, so the server's default applies (unset
+    temperature is not 0: an explicit 0 is sent as greedy). Values the wire cannot carry
+    (negative ``max_tokens`` or ``seed``, an unknown ``disaggregation``) raise ``ValueError``
+    naming the option; range checks beyond that are the server's (INVALID_ARGUMENT).
+    """
+    req = pb.GenerateRequest()
+    if isinstance(prompt, str):
+        req.text = prompt
+    else:
+        for token_id in prompt:
+            _check_unsigned("prompt token id", token_id, _UINT32_END)
+        req.token_ids.ids.extend(prompt)
+
+    if seed is not None:
+        _check_unsigned("seed", seed, _UINT64_END)
+    sampling = {"temperature": temperature, "top_p": top_p, "top_k": top_k, "seed": seed}
+    sampling = {name: value for name, value in sampling.items() if value is not None}
+    if sampling:
+        req.sampling.CopyFrom(pb.SamplingParams(**sampling))
+
+    if max_tokens is not None:
+        _check_unsigned("max_tokens", max_tokens, _UINT32_END)
+        req.stopping.max_tokens = max_tokens
+    if stop:
+        req.stopping.stop.extend(stop)
+    if ignore_eos:
+        req.stopping.ignore_eos = True
+
+    if return_timing:
+        req.output.return_timing = True
+    if disaggregation is not None:
+        if disaggregation not in _DISAGGREGATION:
+            choices = "|".join(DISAGGREGATION_CHOICES)
+            raise ValueError(f"disaggregation: expected {choices}, got {disaggregation!r}")
+        req.disaggregation = _DISAGGREGATION[disaggregation]
+    return req
+
+
+def stream_generate(
+    stub: pb_grpc.InferenceStub,
+    prompt: str | list[int],
+    *,
+    max_tokens: int | None = None,
+    temperature: float | None = None,
+    top_p: float | None = None,
+    top_k: int | None = None,
+    seed: int | None = None,
+    stop: Sequence[str] | None = None,
+    ignore_eos: bool = False,
+    disaggregation: str | None = None,
+    return_timing: bool = False,
+    timeout_s: float | None = None,
+) -> GenerateStream:
+    """Start one ``Generate`` call; iterate the result for Deltas, then one Final.
+
+    Options are those of :func:`make_request`; ``timeout_s`` is the call's deadline (None:
+    none). Iterating raises ``grpc.RpcError`` with the server's status code; ``cancel()``
+    on the returned stream aborts the request on the server.
+    """
+    req = make_request(
+        prompt,
+        max_tokens=max_tokens,
+        temperature=temperature,
+        top_p=top_p,
+        top_k=top_k,
+        seed=seed,
+        stop=stop,
+        ignore_eos=ignore_eos,
+        disaggregation=disaggregation,
+        return_timing=return_timing,
+    )
+    return stub.Generate(req, timeout=timeout_s)
+
+
+def get_status(stub: pb_grpc.InferenceStub, timeout_s: float | None) -> pb.ClusterStatus:
+    """Fetch the cluster's pools, workers and KV usage; raises ``grpc.RpcError``.
+
+    Fails fast (UNAVAILABLE) when nothing listens at the target, rather than waiting
+    for ``timeout_s``: a status probe should say "unreachable" at once.
+    """
+    return stub.GetClusterStatus(pb.GetClusterStatusRequest(), timeout=timeout_s)
+
+
+def wait_ready(channel: grpc.Channel, timeout_s: float) -> None:
+    """Block until the server's health service reports ``baton.v1.Inference`` SERVING.
+
+    Polls ``grpc.health.v1.Health/Check``, waiting for the connection while the server
+    starts. Raises ``TimeoutError`` (with the last answer seen) after ``timeout_s``, and
+    ``grpc.RpcError`` at once for an answer that cannot change with time (e.g. a server
+    with no health service: UNIMPLEMENTED).
+    """
+    stub = health_pb2_grpc.HealthStub(channel)
+    request = health_pb2.HealthCheckRequest(service=SERVICE_NAME)
+    deadline = time.monotonic() + timeout_s
+    last = "no answer"
+    # NOT_FOUND: the router registers the service's status only once it is up.
+    retryable = {
+        grpc.StatusCode.UNAVAILABLE,
+        grpc.StatusCode.DEADLINE_EXCEEDED,
+        grpc.StatusCode.NOT_FOUND,
+    }
+    while (remaining := deadline - time.monotonic()) > 0:
+        try:
+            response = stub.Check(request, timeout=remaining, wait_for_ready=True)
+        except grpc.RpcError as exc:
+            if exc.code() not in retryable:
+                raise
+            last = f"{exc.code().name}: {exc.details()}"
+        else:
+            if response.status == health_pb2.HealthCheckResponse.SERVING:
+                return
+            last = health_pb2.HealthCheckResponse.ServingStatus.Name(response.status)
+        time.sleep(max(0.0, min(_HEALTH_POLL_S, deadline - time.monotonic())))
+    raise TimeoutError(f"{SERVICE_NAME} not SERVING after {timeout_s:g} s (last: {last})")
+
+
+def format_status(status: pb.ClusterStatus) -> str:
+    """Render a ``ClusterStatus`` as a header and one table of workers per pool."""
+    lines = [
+        f"model:           {status.model or '-'}",
+        f"policy:          {status.policy or '-'}",
+        f"disaggregation:  {status.disaggregation or '-'}",
+        f"kv transfer:     {status.kv_transfer_backend or '-'}",
+        f"draining:        {'yes' if status.draining else 'no'}",
+    ]
+    if not status.pools:
+        lines += ["", "(no pools)"]
+    header = ("WORKER", "ROLE", "HEALTHY", "TP", "PP", "RUNNING", "WAITING")
+    header += ("KV USED", "KV CACHED", "KV TOTAL")
+    for pool in status.pools:
+        lines += ["", f"{pool.role} pool: {pool.healthy_replicas}/{pool.replicas} healthy"]
+        if not pool.workers:
+            lines.append("  (no workers)")
+            continue
+        rows = [header] + [_worker_row(w) for w in pool.workers]
+        lines += ["  " + line for line in _table(rows, num_left=3)]
+    return "\n".join(lines)
+
+
+def format_usage_and_timing(final: pb.Final) -> str:
+    """Render a Final's usage and (when the server sent one) its ``Timing`` as three lines."""
+    usage = final.usage
+    lines = [
+        f"usage: {usage.prompt_tokens} prompt tokens ({usage.cached_prompt_tokens} cached), "
+        f"{usage.completion_tokens} completion tokens"
+    ]
+    if not final.HasField("timing"):
+        return "\n".join([*lines, "timing: not returned by the server"])
+    t = final.timing
+    lines.append(
+        f"timing: queue {_ms(t.queue_seconds)}, prefill {_ms(t.prefill_seconds)}, "
+        f"kv transfer {_ms(t.kv_transfer_seconds)} ({_format_bytes(t.kv_transfer_bytes)}), "
+        f"ttft {_ms(t.ttft_seconds)}, e2e {_ms(t.e2e_seconds)}"
+    )
+    # An empty prefill_worker means the decode worker prefilled locally (no hand-off).
+    prefill = t.prefill_worker or "local (on the decode worker)"
+    lines.append(f"workers: prefill {prefill}, decode {t.decode_worker or '-'}")
+    return "\n".join(lines)
+
+
+def _ms(seconds: float) -> str:
+    return f"{1e3 * seconds:.1f} ms"
+
+
+def _format_bytes(num_bytes: int) -> str:
+    if num_bytes < 1024:
+        return f"{num_bytes} B"
+    size = num_bytes / 1024
+    for unit in ("KiB", "MiB"):
+        if size < 1024:
+            return f"{size:.1f} {unit}"
+        size /= 1024
+    return f"{size:.1f} GiB"
+
+
+def _worker_row(worker: pb.WorkerStatus) -> tuple[str, ...]:
+    total = worker.kv_blocks_total
+    return (
+        worker.name,
+        worker.role,
+        "yes" if worker.healthy else "NO",  # capitals: a sick worker should stand out
+        str(worker.tensor_parallel),
+        str(worker.pipeline_parallel),
+        str(worker.num_running),
+        str(worker.num_waiting),
+        _blocks(worker.kv_blocks_used, total),
+        _blocks(worker.kv_blocks_cached, total),
+        str(total),
+    )
+
+
+def _blocks(num_blocks: int, total: int) -> str:
+    percent = f"{100 * num_blocks / total:.1f}%" if total else "-"
+    return f"{num_blocks} ({percent})"
+
+
+def _table(rows: list[tuple[str, ...]], num_left: int) -> list[str]:
+    """Align columns: the first ``num_left`` (names) to the left, numbers to the right."""
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    return [
+        "  ".join(
+            cell.ljust(width) if i < num_left else cell.rjust(width)
+            for i, (cell, width) in enumerate(zip(row, widths, strict=True))
+        ).rstrip()
+        for row in rows
+    ]
+
+
+def _check_unsigned(name: str, value: int, end: int) -> None:
+    # protobuf's own error ("Value out of range") would not say which option was wrong.
+    if not 0 <= value < end:
+        raise ValueError(f"{name}: must be in [0, {end}), got {value}")
