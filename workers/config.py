@@ -35,6 +35,8 @@ class EngineConfig:
     """Reuse the KV blocks of identical prompt prefixes across requests."""
     seed: int = 0
     """Seed of the shared sampling generator (requests with their own seed use theirs)."""
+    detokenize: bool = True
+    """Detokenize and match stop strings here; False when the router does both at the edge."""
 
     def __post_init__(self) -> None:
         if self.dtype != "auto" and self.dtype not in _DTYPES:

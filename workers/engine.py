@@ -3,24 +3,31 @@
 Single-threaded and synchronous: callers add and abort requests between steps
 and read each step's ``StreamDelta``s (the streaming interface the prefill and
 decode workers build on).
+
+The prefill and decode workers run this same loop; their requests differ only at
+the ends (see ``add_request``):
+
+- prefill role (``prefill_only``): after the first token the request leaves the
+  scheduler, its blocks *held* with the prompt's KV; the worker calls
+  ``release_held`` once the decode worker has pulled them.
+- decode role (``remote_first_token``): the request is admitted into RECEIVING with
+  fresh blocks for its prompt; the worker takes them from ``take_kv_receives``,
+  transfers the KV into them and calls ``kv_received``; then it decodes.
 """
 
 from __future__ import annotations
 
-import logging
 import time
 import uuid
 from collections.abc import Sequence
 
-import torch
-
 from workers.block_manager import BlockManager
+from workers.cache_sizing import resolve_max_model_len, resolve_num_blocks
 from workers.config import EngineConfig
 from workers.cpu_memory import keep_freed_memory_mapped
 from workers.detokenizer import IncrementalDetokenizer
-from workers.kv_cache import allocate_kv_cache, bytes_per_block
+from workers.kv_cache import allocate_kv_cache
 from workers.model_runner import ModelRunner
-from workers.models.arch_config import ArchConfig
 from workers.models.loader import load_model
 from workers.outputs import StreamDelta
 from workers.request import FinishReason, Request
@@ -29,8 +36,6 @@ from workers.sampling_params import SamplingParams
 from workers.scheduler import Scheduler, SchedulerOutput
 from workers.step_times import StepTimes
 from workers.tokenizer import Tokenizer
-
-logger = logging.getLogger(__name__)
 
 
 class LLMEngine:
@@ -42,9 +47,11 @@ class LLMEngine:
             keep_freed_memory_mapped()
         self.model, self.arch = load_model(config.model, dtype=self.dtype, device=self.device)
         self.tokenizer = tokenizer if tokenizer is not None else Tokenizer.from_dir(config.model)
-        self.max_model_len = _resolve_max_model_len(config, self.arch)
+        self.max_model_len = resolve_max_model_len(config, self.arch)
         self.vocab_size = self.arch.vocab_size
-        num_blocks = self._resolve_num_blocks()
+        num_blocks = resolve_num_blocks(
+            config, self.arch, self.dtype, self.device, self.max_model_len
+        )
         self.kv_cache = allocate_kv_cache(
             num_blocks,
             self.arch.num_hidden_layers,
@@ -62,7 +69,11 @@ class LLMEngine:
         )
         self.runner = ModelRunner(self.model, self.kv_cache, config.block_size, self.device)
         self.sampler = Sampler(self.vocab_size, seed=config.seed)
+        # Empty when config.detokenize is False (the router detokenizes at the edge).
         self._detokenizers: dict[str, IncrementalDetokenizer] = {}
+        # Prefill role: ids whose blocks keep the prompt's KV for a decode worker. Out of
+        # the scheduler; only release_held (or abort_request) frees their blocks.
+        self._held: set[str] = set()
         self._pending: list[StreamDelta] = []  # finals of aborted requests, sent next step
         self.step_times = StepTimes()
 
@@ -72,11 +83,32 @@ class LLMEngine:
         prompt: str | Sequence[int],
         params: SamplingParams,
         request_id: str | None = None,
+        *,
+        prefill_only: bool = False,
+        remote_first_token: int | None = None,
     ) -> str:
-        """Validate and queue a request; returns its id. Raises ValueError naming the problem."""
+        """Validate and queue a request; returns its id. Raises ValueError naming the problem.
+
+        ``prefill_only`` (prefill worker): compute the prompt and sample the first token.
+        Unless that token ends the request (then it finishes as usual), its final delta has
+        ``finish_reason=None`` and ``held_block_ids``: blocks kept with the prompt's KV
+        until ``release_held``. The text released with the first token is in that delta;
+        text withheld (a possible stop-string start, an incomplete character) is not
+        flushed: the decode side emits it.
+
+        ``remote_first_token`` (decode worker): the first output token, sampled by the
+        prefill worker; the prompt's KV arrives via ``take_kv_receives``/``kv_received``.
+        The token is not emitted again; the seeded stream continues after it. Raises
+        ValueError if that token already ends the request (the prefill worker finishes
+        such requests itself).
+        """
         request_id = request_id or uuid.uuid4().hex
         if not isinstance(params, SamplingParams):
             raise ValueError(f"params must be SamplingParams, got {type(params).__name__}")
+        if prefill_only and remote_first_token is not None:
+            raise ValueError("prefill_only and remote_first_token exclude each other")
+        if request_id in self._held:
+            raise ValueError(f"request_id {request_id!r} is already in use (held)")
         params.validate_for_model(self.vocab_size)
         token_ids = self._prompt_token_ids(prompt)
         room = self.max_model_len - len(token_ids)
@@ -92,22 +124,101 @@ class LLMEngine:
             params=params,
             max_tokens=max_tokens,
             eos_token_ids=frozenset() if params.ignore_eos else self.tokenizer.eos_token_ids,
-            generator=make_generator(params, self.device),
+            generator=make_generator(
+                params, self.device, num_sampled_steps=int(remote_first_token is not None)
+            ),
+            is_prefill_only=prefill_only,
         )
+        detok = None
+        if self.config.detokenize:
+            detok = IncrementalDetokenizer(
+                self.tokenizer, token_ids, params.stop, params.skip_special_tokens
+            )
+        if remote_first_token is not None:
+            self._add_remote_first_token(req, remote_first_token, detok)
         self.scheduler.add(req)
-        self._detokenizers[request_id] = IncrementalDetokenizer(
-            self.tokenizer, token_ids, params.stop, params.skip_special_tokens
-        )
+        if detok is not None:
+            self._detokenizers[request_id] = detok
         return request_id
 
+    def _add_remote_first_token(
+        self, req: Request, token_id: int, detok: IncrementalDetokenizer | None
+    ) -> None:
+        if isinstance(token_id, bool) or not isinstance(token_id, int):
+            raise ValueError(f"remote_first_token must be an int, got {token_id!r}")
+        if not 0 <= token_id < self.vocab_size:
+            raise ValueError(
+                f"remote_first_token {token_id} out of vocabulary [0, {self.vocab_size})"
+            )
+        req.append_token(token_id)
+        stop_matched = None
+        if detok is not None:
+            # Its text was the prefill side's to emit; the detokenizer only needs the
+            # state after it (a stop string or a character may continue past it).
+            may_stop = req.num_output_tokens >= req.params.min_tokens
+            stop_matched = detok.step([token_id], check_stop=may_stop).stop_matched
+        reason, _ = self._finish_reason(req, token_id, stop_matched)
+        if reason is not None:
+            raise ValueError(
+                f"remote_first_token {token_id} already ends the request ({reason.value}); "
+                "the prefill worker finishes such a request itself"
+            )
+        req.is_remote_prefill = True
+
     def abort_request(self, request_ids: str | Sequence[str]) -> None:
-        """Abort at any moment between steps; the final delta comes with the next ``step``."""
+        """Abort at any moment between steps; the final delta comes with the next ``step``.
+
+        A held id (prefill role) is released, with no delta: its stream already ended. A
+        RECEIVING request (decode role) keeps its blocks until ``kv_received``, since the
+        transfer may still be writing into them; its final delta comes after that.
+        """
         ids = [request_ids] if isinstance(request_ids, str) else list(request_ids)
-        for req in self.scheduler.abort(ids):
+        not_held = [request_id for request_id in ids if not self.release_held(request_id)]
+        for req in self.scheduler.abort(not_held):
             self._pending.append(self._final_delta(req, (), "", None))
 
     def has_unfinished_requests(self) -> bool:
+        """True while anything is waiting, running or RECEIVING, or a final is unsent.
+        Held requests do not count: they need no more steps."""
         return self.scheduler.num_unfinished > 0 or bool(self._pending)
+
+    # ---- KV hand-off -----------------------------------------------------------------
+    def release_held(self, request_id: str) -> bool:
+        """Prefill role: free a held request's blocks, once the decode worker has pulled
+        its KV or will not (failed, aborted). False for an unknown or released id."""
+        if request_id not in self._held:
+            return False
+        self._held.remove(request_id)
+        # Full prompt blocks stay in the prefix cache (hashed) for later requests.
+        self.block_manager.free(request_id)
+        return True
+
+    @property
+    def num_held(self) -> int:
+        return len(self._held)
+
+    def take_kv_receives(self) -> list[tuple[str, tuple[int, ...]]]:
+        """Decode role: (request_id, block_ids) of the requests admitted into RECEIVING
+        since the last call (by ``step``; also in a step that computed nothing). The
+        worker transfers each prompt's KV into exactly those blocks, in order, and then
+        calls ``kv_received`` for it."""
+        return self.scheduler.take_receives()
+
+    def kv_received(self, request_id: str, ok: bool) -> None:
+        """Decode role: the transfer into a RECEIVING request's blocks has ended.
+
+        ``ok``: the next step decodes from the received KV. Not ``ok``: the prompt is
+        recomputed here (same tokens; slower). A request aborted while receiving is
+        finished now (blocks freed); its final delta comes with the next ``step``. Raises
+        ValueError for a request that is not RECEIVING.
+        """
+        req = self.scheduler.finish_receiving(request_id, ok)
+        if req.is_finished:
+            self._pending.append(self._final_delta(req, (), "", None))
+
+    @property
+    def num_receiving(self) -> int:
+        return len(self.scheduler.receiving)
 
     # ---- the step --------------------------------------------------------------------
     def step(self) -> list[StreamDelta]:
@@ -168,25 +279,16 @@ class LLMEngine:
         self, req: Request, token_id: int, logprobs: TokenLogprobs | None
     ) -> StreamDelta:
         """Detokenize and apply the stop conditions to a request's new token."""
-        params = req.params
-        # Stop conditions (EOS, stop ids, stop strings) apply once min_tokens are out.
-        may_stop = req.num_output_tokens >= params.min_tokens
-        detok = self._detokenizers[req.request_id].step([token_id], check_stop=may_stop)
-        text = detok.text
-        reason: FinishReason | None = None
-        stop_reason: str | int | None = None
-        if may_stop:
-            if token_id in req.eos_token_ids:
-                reason = FinishReason.STOP
-            elif token_id in params.stop_token_ids:
-                reason, stop_reason = FinishReason.STOP, token_id
-            elif detok.stop_matched is not None:
-                reason, stop_reason = FinishReason.STOP, detok.stop_matched
-        if reason is None and (
-            req.num_output_tokens >= req.max_tokens or req.num_tokens >= self.max_model_len
-        ):
-            reason = FinishReason.LENGTH
+        text, stop_matched = "", None
+        detok = self._detokenizers.get(req.request_id)
+        if detok is not None:
+            may_stop = req.num_output_tokens >= req.params.min_tokens
+            step = detok.step([token_id], check_stop=may_stop)
+            text, stop_matched = step.text, step.stop_matched
+        reason, stop_reason = self._finish_reason(req, token_id, stop_matched)
         new_logprobs = (logprobs,) if logprobs is not None else None
+        if reason is None and req.is_prefill_only:
+            return self._hold(req, token_id, text, new_logprobs)
         if reason is None:
             return StreamDelta(
                 req.request_id,
@@ -201,6 +303,51 @@ class LLMEngine:
         self.scheduler.finish(req, reason)
         return self._final_delta(req, (token_id,), text, new_logprobs)
 
+    def _finish_reason(
+        self, req: Request, token_id: int, stop_matched: str | None
+    ) -> tuple[FinishReason | None, str | int | None]:
+        """(finish reason, stop reason) after ``token_id`` was appended; (None, None) = go on."""
+        # EOS, stop ids and stop strings apply once min_tokens are out (stop_matched is
+        # None before that, and always when the router matches stop strings itself).
+        if req.num_output_tokens >= req.params.min_tokens:
+            if token_id in req.eos_token_ids:
+                return FinishReason.STOP, None
+            if token_id in req.params.stop_token_ids:
+                return FinishReason.STOP, token_id
+            if stop_matched is not None:
+                return FinishReason.STOP, stop_matched
+        if req.num_output_tokens >= req.max_tokens or req.num_tokens >= self.max_model_len:
+            return FinishReason.LENGTH, None
+        return None, None
+
+    def _hold(
+        self,
+        req: Request,
+        token_id: int,
+        text: str,
+        logprobs: tuple[TokenLogprobs, ...] | None,
+    ) -> StreamDelta:
+        """Prefill role: end the stream here but keep the blocks with the prompt's KV.
+
+        The worker must call ``release_held`` (or ``abort_request``) for every held id,
+        or its blocks stay in use for good.
+        """
+        self.scheduler.hold(req)
+        self._held.add(req.request_id)
+        # Not flushed: held-back text is emitted by the decode side, which continues the
+        # same detokenizer state.
+        self._detokenizers.pop(req.request_id, None)
+        return StreamDelta(
+            req.request_id,
+            (token_id,),
+            text,
+            logprobs,
+            finished=True,
+            num_prompt_tokens=req.num_prompt_tokens,
+            num_cached_tokens=req.num_cached_tokens,
+            held_block_ids=tuple(self.block_manager.block_table(req.request_id)),
+        )
+
     def _final_delta(
         self,
         req: Request,
@@ -208,8 +355,8 @@ class LLMEngine:
         text: str,
         logprobs: tuple[TokenLogprobs, ...] | None,
     ) -> StreamDelta:
-        detok = self._detokenizers.pop(req.request_id)
-        if req.stop_reason is None or isinstance(req.stop_reason, int):
+        detok = self._detokenizers.pop(req.request_id, None)
+        if detok is not None and (req.stop_reason is None or isinstance(req.stop_reason, int)):
             text += detok.flush()  # held back for a stop string that never came
         return StreamDelta(
             req.request_id,
@@ -243,53 +390,3 @@ class LLMEngine:
                 f"prompt token ids out of vocabulary [0, {self.vocab_size}): {bad[:5]}"
             )
         return token_ids
-
-    def _resolve_num_blocks(self) -> int:
-        config = self.config
-        per_block = bytes_per_block(
-            self.arch.num_hidden_layers,
-            self.arch.num_key_value_heads,
-            config.block_size,
-            self.arch.head_dim,
-            self.dtype,
-        )
-        if config.num_kv_blocks is not None:
-            num_blocks = config.num_kv_blocks
-        elif self.device.type == "cuda":
-            free, total = torch.cuda.mem_get_info(self.device)
-            used = total - free
-            budget = total * config.gpu_memory_fraction - used
-            num_blocks = int(budget // per_block)
-        else:
-            num_blocks = int(config.kv_cache_memory_gib * 2**30 // per_block)
-        min_blocks = -(-self.max_model_len // config.block_size)
-        if config.num_kv_blocks is None:
-            # More than max_num_seqs full-length requests can never be in use at once; as
-            # much again is kept for the prefix cache. Beyond that, memory buys nothing.
-            num_blocks = min(num_blocks, 2 * config.max_num_seqs * min_blocks)
-        if num_blocks < min_blocks:
-            raise ValueError(
-                f"KV cache of {num_blocks} blocks cannot hold one request of "
-                f"max_model_len={self.max_model_len} tokens ({min_blocks} blocks of "
-                f"{config.block_size}); raise the cache size or lower max_model_len"
-            )
-        logger.info(
-            "KV cache: %d blocks of %d tokens (%.1f MiB)",
-            num_blocks,
-            config.block_size,
-            num_blocks * per_block / 2**20,
-        )
-        return num_blocks
-
-
-def _resolve_max_model_len(config: EngineConfig, arch: ArchConfig) -> int:
-    limit, why = arch.max_position_embeddings, "max_position_embeddings"
-    # Our attention is full (no sliding window); within the window the two are identical,
-    # so a model trained with one (Mistral v0.1) is served up to its window only.
-    if arch.sliding_window is not None and arch.sliding_window < limit:
-        limit, why = arch.sliding_window, "sliding_window"
-    if config.max_model_len is None:
-        return limit
-    if config.max_model_len > limit:
-        raise ValueError(f"max_model_len={config.max_model_len} exceeds the model's {why}={limit}")
-    return config.max_model_len

@@ -21,6 +21,10 @@ class StreamDelta:
     stop_reason: str | int | None = None  # the stop string or stop token id that ended it
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
+    # Prefill role only, on the final delta of a request added with prefill_only=True that
+    # did not end at its first token: the blocks that keep the prompt's KV (the block table,
+    # ceil(num_prompt_tokens / block_size) blocks) until ``LLMEngine.release_held``.
+    held_block_ids: tuple[int, ...] | None = None
 
 
 @dataclass(frozen=True)

@@ -13,6 +13,8 @@ from workers.sampling_params import SamplingParams
 class RequestStatus(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
+    # Decode role: blocks allocated for the prompt, its KV on the way from a prefill worker.
+    RECEIVING = "receiving"
     FINISHED = "finished"
 
 
@@ -44,6 +46,15 @@ class Request:
     finish_reason: FinishReason | None = None
     stop_reason: str | int | None = None  # the stop string or stop token that ended it
     first_scheduled_time: float | None = None
+    # Prefill role: once the prompt is computed and the first token sampled, the request
+    # leaves the scheduler with its blocks kept (held) for a decode worker to pull.
+    is_prefill_only: bool = False
+    # Decode role: the prompt's KV comes from a prefill worker instead of being computed.
+    # Cleared once the KV arrived (or failed and gets recomputed), so a later preemption
+    # recomputes everything locally like any request.
+    is_remote_prefill: bool = False
+    # Aborted while RECEIVING: its blocks stay until the transfer into them has ended.
+    is_abort_requested: bool = False
 
     def __post_init__(self) -> None:
         self.token_ids = list(self.prompt_token_ids)

@@ -7,6 +7,15 @@ most recently admitted running request is preempted (its blocks freed, its
 tokens recomputed later, usually mostly from the prefix cache). Waiting requests
 are admitted FCFS only in a step without preemption, so a request admitted this
 step is never preempted in the same step.
+
+Disaggregated roles differ only at the two ends of a request's life:
+
+- prefill: ``hold`` takes a request whose prompt is computed out of scheduling with its
+  blocks still allocated; the engine frees them once the decode worker has pulled them.
+- decode: a request whose prompt was prefilled elsewhere (``is_remote_prefill``) is
+  admitted like any other, but gets blocks for its prompt only and waits in RECEIVING
+  (counted against ``max_num_seqs``, never scheduled, never preempted) until
+  ``finish_receiving`` says the KV arrived; then it decodes like any running request.
 """
 
 from __future__ import annotations
@@ -59,6 +68,9 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
+        self.receiving: dict[str, Request] = {}
+        # Admitted into RECEIVING since the last take_receives: (request_id, block_ids).
+        self._new_receives: list[tuple[str, tuple[int, ...]]] = []
         self.num_preemptions = 0
 
     # ---- requests in and out -----------------------------------------------------
@@ -69,9 +81,14 @@ class Scheduler:
         self.waiting.append(req)
 
     def finish(self, req: Request, reason: FinishReason) -> None:
-        """End a request for any reason; frees its blocks. Idempotent."""
+        """End a request for any reason; frees its blocks. Idempotent.
+
+        Not for a RECEIVING request: a transfer may be writing into its blocks (``abort``
+        only marks it; ``finish_receiving`` ends it).
+        """
         if req.is_finished:
             return
+        assert req.status is not RequestStatus.RECEIVING, "use finish_receiving"
         req.status = RequestStatus.FINISHED
         req.finish_reason = reason
         if req in self.running:
@@ -82,14 +99,64 @@ class Scheduler:
         del self.requests[req.request_id]
 
     def abort(self, request_ids: Iterable[str]) -> list[Request]:
-        """Abort requests at any moment between steps; unknown ids are ignored."""
+        """Abort requests at any moment between steps; returns those that ended now.
+
+        Unknown ids are ignored. A RECEIVING request is only marked: its blocks are the
+        target of a transfer that may still be writing, so they are freed (and the request
+        returned) by ``finish_receiving`` once the transfer has ended.
+        """
         aborted = []
         for request_id in request_ids:
             req = self.requests.get(request_id)
-            if req is not None:
-                self.finish(req, FinishReason.ABORT)
-                aborted.append(req)
+            if req is None:
+                continue
+            if req.status is RequestStatus.RECEIVING:
+                req.is_abort_requested = True
+                continue
+            self.finish(req, FinishReason.ABORT)
+            aborted.append(req)
         return aborted
+
+    def hold(self, req: Request) -> None:
+        """Prefill role: take a running request out of scheduling but keep its blocks.
+
+        They hold the prompt's KV for a decode worker to pull; from here on the engine owns
+        them and frees them (``BlockManager.free``) when the pull is done or abandoned.
+        """
+        req.status = RequestStatus.FINISHED  # finish_reason stays None: it goes on elsewhere
+        self.running.remove(req)
+        del self.requests[req.request_id]
+
+    def take_receives(self) -> list[tuple[str, tuple[int, ...]]]:
+        """Decode role: (request_id, block_ids) of requests admitted into RECEIVING since
+        the last call; the worker starts a transfer into exactly these blocks for each."""
+        receives, self._new_receives = self._new_receives, []
+        return receives
+
+    def finish_receiving(self, request_id: str, ok: bool) -> Request:
+        """Decode role: the transfer into a RECEIVING request's blocks has ended.
+
+        ``ok``: the prompt's KV is in place; it counts as computed and its full blocks go
+        into the prefix cache. Not ``ok``: the blocks are kept and the prompt is recomputed
+        into them from position 0. Either way the request joins ``running``. If it was
+        aborted meanwhile, it is finished (ABORT) now, its blocks freed. Raises ValueError
+        for a request that is not RECEIVING.
+        """
+        req = self.receiving.pop(request_id, None)
+        if req is None:
+            raise ValueError(f"request {request_id!r} is not receiving KV")
+        req.is_remote_prefill = False
+        req.status = RequestStatus.RUNNING  # nothing writes into its blocks any more
+        if req.is_abort_requested:
+            self.finish(req, FinishReason.ABORT)
+            return req
+        if ok:
+            req.num_computed_tokens = req.num_prompt_tokens
+            self.block_manager.commit_computed(
+                request_id, req.prompt_token_ids, req.num_prompt_tokens
+            )
+        self.running.append(req)
+        return req
 
     @property
     def num_unfinished(self) -> int:
@@ -120,9 +187,16 @@ class Scheduler:
             break  # req itself was preempted: nothing after it is running
 
         while (
-            not preempted and self.waiting and budget > 0 and len(self.running) < self.max_num_seqs
+            not preempted
+            and self.waiting
+            and budget > 0
+            and len(self.running) + len(self.receiving) < self.max_num_seqs
         ):
             req = self.waiting[0]
+            if req.is_remote_prefill:
+                if not self._admit_receiving(req):
+                    break
+                continue
             prefix = bm.find_prefix(req.token_ids)
             num_cached = prefix.num_blocks * bm.block_size
             num_new = min(req.num_tokens - num_cached, budget)
@@ -140,6 +214,25 @@ class Scheduler:
 
         chunks.sort(key=lambda c: c.num_tokens != 1)  # stable: decodes first
         return SchedulerOutput(tuple(chunks), tuple(bm.take_copies()), tuple(preempted))
+
+    def _admit_receiving(self, req: Request) -> bool:
+        """Admit the head of the queue (remote prefill) into RECEIVING, if blocks allow.
+
+        Fresh blocks for the prompt only, no prefix-cache sharing: the transfer overwrites
+        every block it is given, and a shared block would be overwritten under its other
+        owners. The first output token's slot is allocated by its first decode step.
+        """
+        if not self.block_manager.allocate_slots(req.request_id, 0, req.num_prompt_tokens):
+            return False
+        self.waiting.popleft()
+        if req.first_scheduled_time is None:
+            req.first_scheduled_time = time.monotonic()
+        req.num_computed_tokens = 0
+        req.status = RequestStatus.RECEIVING
+        self.receiving[req.request_id] = req
+        block_ids = tuple(self.block_manager.block_table(req.request_id))
+        self._new_receives.append((req.request_id, block_ids))
+        return True
 
     def _chunk(self, req: Request, num_new: int) -> ScheduledChunk:
         start = req.num_computed_tokens

@@ -117,3 +117,112 @@ def test_fcfs_head_of_queue_is_not_overtaken():
     out = run_step(sched)
     assert [c.request_id for c in out.chunks] == ["big"]
     assert [r.request_id for r in sched.waiting] == ["huge", "small"]
+
+
+# ---- disaggregated roles -------------------------------------------------------------
+def make_remote_request(rid: str, prompt: list[int], first_token: int = 9) -> Request:
+    """Decode role: the prompt was prefilled elsewhere, which also sampled the first token."""
+    req = make_request(rid, prompt)
+    req.append_token(first_token)
+    req.is_remote_prefill = True
+    return req
+
+
+def test_remote_prefill_waits_in_receiving_with_fresh_blocks_for_its_prompt():
+    sched = make_scheduler(budget=16)
+    sched.add(make_request("local", [0, 1, 2, 3, 70, 71, 72, 73]))
+    run_step(sched)  # "local"'s two full blocks are now in the prefix cache
+    prompt = [0, 1, 2, 3, 4, 5, 6, 7, 50]  # the first block is "local"'s
+    remote = make_remote_request("remote", prompt)
+    sched.add(remote)
+    out = run_step(sched)
+    assert [c.request_id for c in out.chunks] == ["local"]  # nothing computed for "remote"
+    assert remote.status is RequestStatus.RECEIVING and remote not in sched.running
+    bm = sched.block_manager
+    table = bm.block_table("remote")
+    assert len(table) == 3 and not set(table) & set(bm.block_table("local"))  # no sharing
+    assert sched.take_receives() == [("remote", tuple(table))]
+    assert sched.take_receives() == []
+    for _ in range(3):  # never scheduled while receiving
+        assert [c.request_id for c in run_step(sched).chunks] == ["local"]
+
+    sched.finish_receiving("remote", ok=True)
+    assert remote.status is RequestStatus.RUNNING and remote.num_computed_tokens == 9
+    (_, chunk) = run_step(sched).chunks
+    # The first token's KV and the second token: one decode from position 9.
+    assert (chunk.request_id, chunk.start_pos, chunk.num_tokens, chunk.needs_sample) == (
+        "remote",
+        9,
+        1,
+        True,
+    )
+    # On arrival the new full block was published to the prefix cache.
+    hit = bm.find_prefix([*prompt, 1])
+    assert hit.block_ids == (bm.block_table("local")[0], table[1])
+
+
+def test_receiving_counts_as_running_and_is_never_preempted():
+    # 4 blocks: "remote" holds 2 while receiving; "a" grows until it needs a third.
+    sched = make_scheduler(num_blocks=4, max_num_seqs=2, budget=64)
+    sched.add(make_remote_request("remote", list(range(8))))
+    sched.add(make_request("a", [1, 2, 3]))
+    sched.add(make_request("b", [4]))
+    run_step(sched)
+    assert [r.request_id for r in sched.waiting] == ["b"]  # max_num_seqs=2 reached
+    preempted = [p for _ in range(8) for p in run_step(sched).preempted_ids]
+    assert preempted == ["a"]  # the one running request yields, not the receiving one
+    assert sched.receiving["remote"].status is RequestStatus.RECEIVING
+    assert len(sched.block_manager.block_table("remote")) == 2
+
+
+def test_remote_prefill_without_blocks_waits_at_the_head_of_the_queue():
+    sched = make_scheduler(num_blocks=3, budget=64)
+    sched.add(make_request("big", list(range(8))))
+    sched.add(make_remote_request("remote", list(range(50, 62))))  # 3 blocks: not now
+    sched.add(make_request("small", [1]))
+    run_step(sched)
+    assert [r.request_id for r in sched.waiting] == ["remote", "small"]
+    sched.finish(sched.requests["big"], FinishReason.LENGTH)
+    run_step(sched)
+    assert [r for r, _ in sched.take_receives()] == ["remote"]
+
+
+def test_failed_receive_recomputes_into_the_same_blocks():
+    sched = make_scheduler(budget=8)
+    sched.add(make_remote_request("remote", list(range(10))))
+    run_step(sched)
+    ((_, blocks),) = sched.take_receives()
+    sched.finish_receiving("remote", ok=False)
+    steps = [run_step(sched).chunks for _ in range(2)]
+    assert [(c.start_pos, c.num_tokens, c.needs_sample) for (c,) in steps] == [
+        (0, 8, False),
+        (8, 3, True),  # the rest of the prompt and the first token, then sample the 2nd
+    ]
+    assert sched.block_manager.block_table("remote")[:3] == list(blocks)
+
+
+def test_abort_while_receiving_frees_only_after_the_transfer_ended():
+    sched = make_scheduler()
+    sched.add(make_remote_request("remote", list(range(6))))
+    run_step(sched)
+    assert sched.abort(["remote"]) == []
+    assert sched.block_manager.num_used_blocks == 2 and sched.num_unfinished == 1
+    req = sched.finish_receiving("remote", ok=True)
+    assert req.finish_reason is FinishReason.ABORT and sched.num_unfinished == 0
+    assert sched.block_manager.num_used_blocks == 0
+    sched.block_manager.check_integrity()
+
+
+def test_hold_keeps_the_blocks_out_of_scheduling():
+    sched = make_scheduler()
+    req = make_request("p", list(range(6)))
+    sched.add(req)
+    run_step(sched)
+    sched.hold(req)
+    assert sched.num_unfinished == 0 and run_step(sched).is_empty
+    assert sched.abort(["p"]) == []  # no longer the scheduler's
+    bm = sched.block_manager
+    assert bm.block_table("p") and bm.num_used_blocks == 2
+    bm.free("p")  # what the engine's release_held does
+    bm.check_integrity()
+    assert bm.num_used_blocks == 0
