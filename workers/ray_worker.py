@@ -1,0 +1,191 @@
+"""The prefill / decode worker as a Ray actor, and the router's async handle on it.
+
+:class:`WorkerActor` is a thin adapter: it builds the engine and the KV connector from a
+:class:`WorkerSpec` and forwards calls to :class:`~workers.service.EngineService`. Every
+argument and result is bytes, str, int or float, so Ray carries them as msgpack (Ray
+pickles only objects msgpack cannot represent); messages are our own msgpack
+(``workers/wire.py``, ``kvtransfer/messages.py``). Methods return errors as values rather
+than raising, because Ray ships exceptions pickled.
+
+The actor is threaded (``max_concurrency``): the router's long ``poll`` must not block
+``submit`` and ``abort``. The engine itself runs on the service's own thread.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+from dataclasses import dataclass
+
+import msgpack
+
+from workers.wire import OutputBatch, WorkerInfo, WorkItem, decode_as, encode
+
+logger = logging.getLogger(__name__)
+
+ACTOR_CONCURRENCY = 8
+
+
+@dataclass(frozen=True)
+class WorkerSpec:
+    """Everything a worker needs to start (built by cluster/ from the cluster config)."""
+
+    name: str
+    role: str  # prefill | decode
+    model: str  # Hugging Face directory
+    model_id: str  # served name: part of the KV layout fingerprint
+    dtype: str = "auto"
+    device: str = "auto"
+    max_model_len: int | None = None
+    block_size: int = 16
+    num_kv_blocks: int | None = None
+    kv_cache_memory_gib: float = 2.0
+    gpu_memory_fraction: float = 0.90
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    enable_prefix_caching: bool = True
+    kv_backend: str = "nixl"
+    kv_direction: str = "auto"
+    lease_seconds: float = 30.0
+    transfer_timeout_s: float = 10.0
+    on_failure: str = "recompute"
+    num_threads: int = 0  # torch intra-op threads on CPU; 0 = torch's default
+
+    def to_bytes(self) -> bytes:
+        return msgpack.packb(dataclasses.asdict(self), use_bin_type=True)
+
+    @classmethod
+    def from_bytes(cls, data: bytes) -> WorkerSpec:
+        return cls(**msgpack.unpackb(data, raw=False))
+
+
+class WorkerActor:
+    """Runs one worker replica (tensor/pipeline parallel size 1) inside a Ray actor."""
+
+    def __init__(self, spec_bytes: bytes):
+        spec = WorkerSpec.from_bytes(spec_bytes)
+        import torch
+
+        from kvtransfer import KVLayout, KVTransferConfig, create_connector
+        from workers.config import EngineConfig
+        from workers.engine import LLMEngine
+        from workers.service import EngineService
+
+        if spec.num_threads > 0:
+            torch.set_num_threads(spec.num_threads)
+        self.spec = spec
+        engine = LLMEngine(
+            EngineConfig(
+                model=spec.model,
+                dtype=spec.dtype,
+                device=spec.device,
+                max_model_len=spec.max_model_len,
+                block_size=spec.block_size,
+                num_kv_blocks=spec.num_kv_blocks,
+                kv_cache_memory_gib=spec.kv_cache_memory_gib,
+                gpu_memory_fraction=spec.gpu_memory_fraction,
+                max_num_seqs=spec.max_num_seqs,
+                max_num_batched_tokens=spec.max_num_batched_tokens,
+                enable_prefix_caching=spec.enable_prefix_caching,
+                detokenize=False,  # the router detokenizes at the edge
+            )
+        )
+        transfer = KVTransferConfig(
+            backend=spec.kv_backend,
+            direction=spec.kv_direction,
+            lease_seconds=spec.lease_seconds,
+            transfer_timeout_s=spec.transfer_timeout_s,
+        )
+
+        def make_connector(eng, on_release):
+            layout = KVLayout.from_tensor(
+                eng.kv_cache, model_id=spec.model_id, num_kv_heads=eng.arch.num_key_value_heads
+            )
+            return create_connector(transfer, layout, eng.kv_cache, spec.name, on_release)
+
+        self.service = EngineService(
+            engine, spec.name, spec.role, make_connector, on_failure=spec.on_failure
+        )
+        logger.info("worker %s (%s) ready in pid %d", spec.name, spec.role, os.getpid())
+
+    def describe(self) -> bytes:
+        """A :class:`~workers.wire.WorkerInfo`: what this worker resolved at start-up."""
+        engine = self.service.engine
+        return encode(
+            WorkerInfo(
+                name=self.spec.name,
+                architecture=engine.arch.architecture,
+                dtype=str(engine.dtype).removeprefix("torch."),
+                max_model_len=engine.max_model_len,
+                vocab_size=engine.vocab_size,
+                block_size=engine.config.block_size,
+                kv_blocks_total=engine.block_manager.num_blocks,
+                device=str(engine.device),
+            )
+        )
+
+    def kv_metadata(self) -> bytes:
+        assert self.service.connector is not None
+        return self.service.connector.metadata()
+
+    def add_peer(self, metadata: bytes) -> str:
+        """Returns "" on success, else the error (a layout mismatch names what differs)."""
+        assert self.service.connector is not None
+        try:
+            self.service.connector.add_peer(metadata)
+        except Exception as exc:
+            return f"{type(exc).__name__}: {exc}"
+        return ""
+
+    def submit(self, item: bytes) -> str:
+        try:
+            self.service.submit(decode_as(item, WorkItem))
+        except Exception as exc:
+            return f"{type(exc).__name__}: {exc}"
+        return ""
+
+    def abort(self, request_id: str) -> str:
+        try:
+            self.service.abort(request_id)
+        except Exception as exc:
+            return f"{type(exc).__name__}: {exc}"
+        return ""
+
+    def decline(self, handles: list[bytes]) -> str:
+        try:
+            self.service.decline(handles)
+        except Exception as exc:
+            return f"{type(exc).__name__}: {exc}"
+        return ""
+
+    def poll(self, timeout_s: float, hashes_version: int) -> bytes:
+        return encode(self.service.poll(timeout_s, hashes_version))
+
+    def stop(self) -> str:
+        self.service.stop()
+        return ""
+
+
+class RayWorkerClient:
+    """The router's async view of one worker actor (implements router.workers.WorkerClient)."""
+
+    def __init__(self, name: str, role: str, actor):
+        self.name = name
+        self.role = role
+        self._actor = actor
+
+    async def submit(self, item: WorkItem) -> None:
+        error = await self._actor.submit.remote(encode(item))
+        if error:
+            raise RuntimeError(f"worker {self.name} refused {item.request_id}: {error}")
+
+    async def abort(self, request_id: str) -> None:
+        await self._actor.abort.remote(request_id)
+
+    async def decline(self, handles: tuple[bytes, ...]) -> None:
+        await self._actor.decline.remote(list(handles))
+
+    async def poll(self, timeout_s: float, hashes_version: int) -> OutputBatch:
+        data = await self._actor.poll.remote(timeout_s, hashes_version)
+        return decode_as(data, OutputBatch)

@@ -1,0 +1,370 @@
+"""One worker's engine loop on its own thread, driven by the router's work items.
+
+The service is what a prefill or decode worker runs (the Ray actor in ``ray_worker.py``
+is a thin adapter around it; tests use it in-process). The engine and the block manager
+are not thread-safe, so *only the loop thread touches them*: ``submit``, ``abort`` and
+``decline`` queue commands; the KV connector's ``on_release`` queues ids; transfer
+futures wake the loop; ``poll`` reads the events the loop published.
+
+Who frees which block, and when (the hazards of the hand-off):
+
+- Prefill: a request whose first token does not end it stays *held* by the engine; the
+  loop offers its blocks to the connector (a lease) and publishes the handle. The blocks
+  are freed only in ``on_release`` (decode's notice, or lease expiry), never on abort.
+- Decode: a request admitted with handles gets fresh blocks; the loop starts the receive
+  into exactly those. An abort while receiving asks the connector to stop and the engine
+  frees the blocks only when the receive's future completes (nothing writes them then).
+  A decode request that ends before its receive starts declines the handles, so the
+  prefill worker frees its blocks at once instead of at lease expiry.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future
+from dataclasses import dataclass, replace
+
+from kvtransfer import KVConnector, KVHandle
+from kvtransfer.messages import decode_as as decode_kv
+from kvtransfer.messages import encode as encode_kv
+from workers.engine import LLMEngine
+from workers.outputs import StreamDelta
+from workers.wire import OutputBatch, TokenEvent, WorkerReport, WorkItem
+
+logger = logging.getLogger(__name__)
+
+_IDLE_WAIT_S = 0.05  # nothing to compute: how long the loop sleeps unless woken
+_HASHES_EVERY_S = 0.1  # how often the cached-hash set is recomputed for the router
+
+
+@dataclass
+class _Receive:
+    handles: tuple[KVHandle, ...]
+    future: Future | None = None  # set once the engine gave the blocks and the pull started
+    is_aborted: bool = False
+
+
+class EngineService:
+    def __init__(
+        self,
+        engine: LLMEngine,
+        name: str,
+        role: str,
+        connector_factory: Callable[[LLMEngine, Callable[[str, str], None]], KVConnector]
+        | None = None,
+        on_failure: str = "recompute",
+    ):
+        self.engine = engine
+        self.name = name
+        self.role = role
+        self.on_failure = on_failure
+        self._commands: queue.SimpleQueue = queue.SimpleQueue()
+        self._wake = threading.Event()
+        self._events: list[TokenEvent] = []
+        self._events_ready = threading.Condition()
+        self._receives: dict[str, _Receive] = {}  # loop thread only
+        self._errors: dict[str, str] = {}  # loop thread only: why a request failed
+        self._transfer: dict[str, tuple[float, int]] = {}  # loop thread only
+        self._hashes: frozenset[int] = frozenset()
+        self._hashes_version = 0
+        self._hashes_at = 0.0
+        self._stopping = False
+        self._failed: str | None = None
+        self._report = self._make_report(0, ())
+        self.connector = (
+            connector_factory(engine, self._on_release) if connector_factory is not None else None
+        )
+        self._thread = threading.Thread(target=self._loop, name=f"engine-{name}", daemon=True)
+        self._thread.start()
+
+    # ---- any thread --------------------------------------------------------------------
+    def submit(self, item: WorkItem) -> None:
+        self._command(("submit", item))
+
+    def abort(self, request_id: str) -> None:
+        self._command(("abort", request_id))
+
+    def decline(self, handles: Sequence[bytes]) -> None:
+        """Decode side, for a request aborted before it reached this worker: free P's blocks."""
+        self._command(("decline", tuple(handles)))
+
+    def poll(self, timeout_s: float, hashes_version: int = -1) -> OutputBatch:
+        """Events since the last poll (waits up to ``timeout_s`` for one) and a fresh report.
+
+        One poller per worker (the router): events are handed out once.
+        """
+        with self._events_ready:
+            if not self._events and not self._stopping:
+                self._events_ready.wait(timeout_s)
+            events, self._events = tuple(self._events), []
+            report = self._report
+        if report.hashes_version == hashes_version:
+            report = _without_hashes(report)
+        return OutputBatch(events, report)
+
+    def report(self) -> WorkerReport:
+        return self._report
+
+    def stop(self, timeout_s: float = 10.0) -> None:
+        """Abort everything, release every lease, stop the loop."""
+        self._stopping = True
+        self._wake.set()
+        self._thread.join(timeout_s)
+        if self.connector is not None:
+            self.connector.close()
+        with self._events_ready:
+            self._events_ready.notify_all()
+
+    def _command(self, command: tuple) -> None:
+        if self._failed is not None:
+            raise RuntimeError(f"worker {self.name} failed: {self._failed}")
+        self._commands.put(command)
+        self._wake.set()
+
+    def _on_release(self, request_id: str, reason: str) -> None:
+        """Connector thread: a lease ended; the loop frees the held blocks."""
+        self._command(("release", request_id, reason))
+
+    # ---- the loop (its own thread) -----------------------------------------------------
+    def _loop(self) -> None:
+        try:
+            while not self._stopping:
+                self._wake.clear()
+                self._drain_commands()
+                self._finish_receives()
+                did_work = False
+                if self.engine.has_unfinished_requests():
+                    deltas = self.engine.step()
+                    started = self._start_receives()
+                    self._publish([self._event(d) for d in deltas])
+                    # Only receiving, or waiting for blocks: sleep until something wakes us.
+                    did_work = bool(deltas or started or self.engine.scheduler.running)
+                self._refresh_report()
+                if not did_work:
+                    self._wake.wait(_IDLE_WAIT_S)
+            self._shutdown_requests()
+        except Exception as exc:  # a bug or a device failure: fail loudly, not silently
+            logger.exception("engine loop of %s failed", self.name)
+            self._failed = f"{type(exc).__name__}: {exc}"
+            self._report = self._make_report(self._hashes_version, (), healthy=False)
+            with self._events_ready:
+                self._events_ready.notify_all()
+
+    def _drain_commands(self) -> None:
+        while True:
+            try:
+                command = self._commands.get_nowait()
+            except queue.Empty:
+                return
+            kind = command[0]
+            if kind == "submit":
+                self._admit(command[1])
+            elif kind == "abort":
+                self._abort(command[1])
+            elif kind == "release":
+                self.engine.release_held(command[1])
+            elif kind == "decline":
+                self._decline(command[1])
+
+    def _admit(self, item: WorkItem) -> None:
+        rid = item.request_id
+        try:
+            if item.mode == "decode":
+                handles = tuple(decode_kv(h, KVHandle) for h in item.kv_handles)
+                self._receives[rid] = _Receive(handles)
+                self.engine.add_request(
+                    list(item.prompt_token_ids),
+                    item.params,
+                    rid,
+                    remote_first_token=item.first_token_id,
+                )
+            else:
+                self.engine.add_request(
+                    list(item.prompt_token_ids),
+                    item.params,
+                    rid,
+                    prefill_only=item.mode == "prefill",
+                )
+        except Exception as exc:
+            # The router validated already; this is a worker-side refusal (duplicate id,
+            # a bad handle): the request fails, the worker keeps serving.
+            receive = self._receives.pop(rid, None)
+            if receive is not None and self.connector is not None:
+                self._safe_decline(receive.handles)
+            self._publish([_failed_event(rid, len(item.prompt_token_ids), f"{exc}")])
+
+    def _abort(self, rid: str) -> None:
+        receive = self._receives.get(rid)
+        if receive is not None and receive.future is not None and not receive.future.done():
+            receive.is_aborted = True
+            if self.connector is not None:
+                self.connector.abort(rid)
+        self.engine.abort_request(rid)
+
+    def _decline(self, raw_handles: tuple[bytes, ...]) -> None:
+        try:
+            handles = tuple(decode_kv(h, KVHandle) for h in raw_handles)
+        except ValueError:
+            logger.warning("ignoring a malformed handle to decline")
+            return
+        self._safe_decline(handles)
+
+    def _safe_decline(self, handles: tuple[KVHandle, ...]) -> None:
+        if self.connector is None:
+            return
+        try:
+            self.connector.decline(handles, "aborted")
+        except Exception:  # the owner will free at lease expiry instead
+            logger.warning("could not decline KV handles", exc_info=True)
+
+    def _start_receives(self) -> int:
+        started = self.engine.take_kv_receives()
+        for rid, block_ids in started:
+            receive = self._receives[rid]
+            if self.connector is None:
+                self._errors[rid] = "no KV connector on this worker"
+                self.engine.abort_request(rid)
+                self.engine.kv_received(rid, ok=False)
+                continue
+            try:
+                receive.future = self.connector.receive(receive.handles, block_ids)
+            except Exception as exc:
+                receive.future = Future()
+                receive.future.set_exception(exc)
+            receive.future.add_done_callback(lambda _f: self._wake.set())
+        return len(started)
+
+    def _finish_receives(self) -> None:
+        for rid, receive in list(self._receives.items()):
+            future = receive.future
+            if future is None or not future.done():
+                continue
+            del self._receives[rid]
+            exc = future.exception()
+            if exc is None:
+                result = future.result()
+                self._transfer[rid] = (result.seconds, result.num_bytes)
+                self.engine.kv_received(rid, ok=True)
+            elif receive.is_aborted:
+                self.engine.kv_received(rid, ok=False)  # the engine finishes it as ABORT
+            elif self.on_failure == "recompute":
+                logger.warning("KV transfer of %s failed (%s); recomputing", rid, exc)
+                self.engine.kv_received(rid, ok=False)
+            else:
+                self._errors[rid] = f"KV transfer failed: {exc}"
+                self.engine.abort_request(rid)
+                self.engine.kv_received(rid, ok=False)
+
+    def _event(self, delta: StreamDelta) -> TokenEvent:
+        rid = delta.request_id
+        kv_handle = None
+        if delta.held_block_ids is not None:
+            kv_handle = self._offer(delta)
+            if kv_handle is None:
+                return _failed_event(rid, delta.num_prompt_tokens, self._errors.pop(rid))
+        if delta.finished and rid in self._receives:
+            # Ended before its receive started (aborted while queued): free P's blocks now.
+            self._safe_decline(self._receives.pop(rid).handles)
+        seconds, num_bytes = self._transfer.pop(rid, (0.0, 0))
+        error = self._errors.pop(rid, "") if delta.finished else ""
+        reason = delta.finish_reason.value if delta.finish_reason is not None else None
+        return TokenEvent(
+            request_id=rid,
+            token_ids=delta.token_ids,
+            finished=delta.finished,
+            finish_reason=reason,
+            stop_token_id=delta.stop_reason if isinstance(delta.stop_reason, int) else None,
+            num_prompt_tokens=delta.num_prompt_tokens,
+            num_cached_tokens=delta.num_cached_tokens,
+            logprobs=delta.logprobs,
+            kv_handle=kv_handle,
+            kv_transfer_seconds=seconds,
+            kv_transfer_bytes=num_bytes,
+            error=error,
+        )
+
+    def _offer(self, delta: StreamDelta) -> bytes | None:
+        """Prefill: put the held blocks under a lease; None (blocks freed) if that fails."""
+        rid = delta.request_id
+        assert delta.held_block_ids is not None
+        try:
+            if self.connector is None:
+                raise RuntimeError("no KV connector on this worker")
+            handle = self.connector.offer(
+                rid,
+                delta.held_block_ids,
+                num_tokens=delta.num_prompt_tokens,
+                first_token_id=delta.token_ids[0],
+            )
+        except Exception as exc:
+            self.engine.release_held(rid)
+            self._errors[rid] = f"cannot offer KV: {exc}"
+            return None
+        return encode_kv(handle)
+
+    def _publish(self, events: list[TokenEvent]) -> None:
+        if not events:
+            return
+        with self._events_ready:
+            self._events.extend(events)
+            self._events_ready.notify_all()
+
+    def _refresh_report(self) -> None:
+        now = time.monotonic()
+        if now - self._hashes_at >= _HASHES_EVERY_S:
+            self._hashes_at = now
+            hashes = frozenset(self.engine.block_manager.cached_block_hashes())
+            if hashes != self._hashes:
+                self._hashes = hashes
+                self._hashes_version += 1
+        self._report = self._make_report(self._hashes_version, tuple(self._hashes))
+
+    def _make_report(
+        self, version: int, hashes: tuple[int, ...], healthy: bool = True
+    ) -> WorkerReport:
+        sched, bm = self.engine.scheduler, self.engine.block_manager
+        return WorkerReport(
+            name=self.name,
+            role=self.role,
+            healthy=healthy and not self._stopping,
+            num_running=len(sched.running) + self.engine.num_receiving,
+            num_waiting=len(sched.waiting),
+            kv_blocks_total=bm.num_blocks,
+            kv_blocks_used=bm.num_used_blocks,
+            kv_blocks_cached=bm.num_cached_blocks,
+            num_held=self.engine.num_held,
+            hashes_version=version,
+            cached_hashes=hashes,
+        )
+
+    def _shutdown_requests(self) -> None:
+        """Stopping: abort what runs, wait for receives to settle, free held blocks."""
+        for rid in list(self.engine.scheduler.requests):
+            self._abort(rid)
+        deadline = time.monotonic() + 5.0
+        while self._receives and time.monotonic() < deadline:
+            self._finish_receives()
+            time.sleep(0.01)
+        while self.engine.has_unfinished_requests() and time.monotonic() < deadline:
+            self._finish_receives()
+            self._publish([self._event(d) for d in self.engine.step()])
+        self._refresh_report()
+
+
+def _without_hashes(report: WorkerReport) -> WorkerReport:
+    return replace(report, cached_hashes=None)
+
+
+def _failed_event(rid: str, num_prompt_tokens: int, error: str) -> TokenEvent:
+    return TokenEvent(
+        request_id=rid,
+        token_ids=(),
+        finished=True,
+        finish_reason="abort",
+        num_prompt_tokens=num_prompt_tokens,
+        error=error or "failed",
+    )
