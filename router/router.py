@@ -1,0 +1,422 @@
+"""The disaggregated request flow (DESIGN §3): validate, route, hand off, stream, abort.
+
+``Router.generate`` is an async generator of ``GenerateResponse`` messages; the gRPC
+servicer (``server.py``) is a thin adapter over it. Errors are :class:`RouterError` with
+the gRPC status code to answer.
+
+One request, disaggregated: submit ``prefill`` work to P; P's first event carries the
+first token and a KV handle (P holds the blocks under a lease); the router streams the
+first token at once and submits ``decode`` work with the handle to D, which pulls the KV
+and streams the rest. Who must be told when the request ends early:
+
+- before the handle reached D: P (its engine aborts the prefill, or frees the held
+  blocks), and the lease is never read;
+- after: D only (it stops or declines the transfer, whose notice frees P's blocks).
+
+Each worker has one poll loop that dispatches its events to the requests' queues.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass, replace
+
+from proto.baton.v1 import inference_pb2 as pb
+from router.policy import NoHealthyWorker, RouteRequest, route
+from router.stream import RequestStream
+from router.validation import InvalidRequest, ValidRequest, check_length, validate
+from router.workers import WorkerClient, WorkerView
+from workers.block_manager import hash_prompt_blocks
+from workers.tokenizer import Tokenizer
+from workers.wire import TokenEvent, WorkItem
+
+logger = logging.getLogger(__name__)
+
+_POLL_TIMEOUT_S = 0.5
+_SETTLE_TIMEOUT_S = 10.0  # how long an ended request waits for its worker's last event
+
+
+class RouterError(Exception):
+    """A request the router refuses or cannot finish; ``code`` is a grpc.StatusCode name."""
+
+    def __init__(self, code: str, message: str):
+        super().__init__(message)
+        self.code = code
+        self.message = message
+
+
+@dataclass(frozen=True)
+class RouterConfig:
+    model_name: str
+    architecture: str
+    dtype: str
+    max_model_len: int
+    vocab_size: int
+    block_size: int
+    policy: str = "kv_aware"
+    disaggregation: str = "auto"
+    auto_local_prefill_tokens: int = 256
+    saturated_queue: int = 8
+    max_queued_requests: int = 1024
+    kv_transfer_backend: str = "nixl"
+
+
+class _Pending:
+    """A request in flight: its event queue and who currently owns it."""
+
+    def __init__(self, stream: RequestStream):
+        self.stream = stream
+        self.events: asyncio.Queue[tuple[str, TokenEvent | None]] = asyncio.Queue()
+        self.owner: WorkerView | None = None  # the worker whose final event ends it there
+        self.is_aborted = False
+
+
+class Router:
+    def __init__(
+        self,
+        config: RouterConfig,
+        tokenizer: Tokenizer,
+        prefill: Sequence[WorkerClient],
+        decode: Sequence[WorkerClient],
+    ):
+        self.config = config
+        self.tokenizer = tokenizer
+        self.prefill = [WorkerView(c) for c in prefill]
+        self.decode = [WorkerView(c) for c in decode]
+        self.is_draining = False
+        self._by_name = {v.name: v for v in [*self.prefill, *self.decode]}
+        self._requests: dict[str, _Pending] = {}
+        self._cursor = 0
+        self._tasks: list[asyncio.Task] = []
+
+    # ---- lifecycle -------------------------------------------------------------------
+    async def start(self, ready_timeout_s: float = 120.0) -> None:
+        """Start one poll loop per worker and wait until each has reported once."""
+        for view in self._by_name.values():
+            self._tasks.append(asyncio.create_task(self._poll_worker(view)))
+        deadline = time.monotonic() + ready_timeout_s
+        while any(v.report is None and v.is_alive for v in self._by_name.values()):
+            if time.monotonic() > deadline:
+                raise TimeoutError("workers did not report within the start-up timeout")
+            await asyncio.sleep(0.05)
+
+    async def stop(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        self._tasks.clear()
+
+    @property
+    def num_in_flight(self) -> int:
+        return len(self._requests)
+
+    async def drain(self, grace_s: float) -> int:
+        """Refuse new requests; wait up to ``grace_s`` for the running ones; abort the rest.
+
+        Returns how many had to be aborted.
+        """
+        self.is_draining = True
+        deadline = time.monotonic() + grace_s
+        while self._requests and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        left = list(self._requests)
+        for request_id in left:
+            await self.abort(request_id)
+        deadline = time.monotonic() + _SETTLE_TIMEOUT_S
+        while self._requests and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        return len(left)
+
+    # ---- requests --------------------------------------------------------------------
+    async def generate(self, req: pb.GenerateRequest) -> AsyncIterator[pb.GenerateResponse]:
+        """Stream one request's deltas and its final message; raises RouterError."""
+        if self.is_draining:
+            raise RouterError("UNAVAILABLE", "the server is draining")
+        request_id = req.request_id or uuid.uuid4().hex
+        if request_id in self._requests:
+            raise RouterError("INVALID_ARGUMENT", f"request_id: {request_id!r} is already in use")
+        valid, token_ids = self._validate(req, request_id)
+        if len(self._requests) >= self.config.max_queued_requests:
+            raise RouterError(
+                "RESOURCE_EXHAUSTED",
+                f"{len(self._requests)} requests in flight (router.max_queued_requests="
+                f"{self.config.max_queued_requests}); retry later",
+            )
+        stream = RequestStream(
+            request_id,
+            token_ids,
+            valid.params,
+            self.tokenizer,
+            return_text=valid.return_text,
+            return_timing=valid.return_timing,
+        )
+        pending = _Pending(stream)
+        self._requests[request_id] = pending
+        settled = False
+        try:
+            async for message in self._run(pending, valid, token_ids):
+                yield message
+            settled = True
+        finally:
+            if not settled:  # cancelled, deadline, or an error: stop it on the worker
+                pending.is_aborted = True
+            asyncio.get_running_loop().create_task(self._settle(pending))
+
+    async def abort(self, request_id: str) -> bool:
+        """Abort a request in flight; False if there is none with that id."""
+        pending = self._requests.get(request_id)
+        if pending is None or pending.stream.is_finished:
+            return False
+        pending.is_aborted = True
+        await pending.events.put(("", None))  # wakes the stream, which ends with ABORT
+        return True
+
+    def _validate(self, req: pb.GenerateRequest, request_id: str) -> tuple[ValidRequest, list[int]]:
+        try:
+            valid = validate(req, self.config.model_name, request_id)
+            if isinstance(valid.prompt, str):
+                token_ids = self.tokenizer.encode(valid.prompt)
+                if not token_ids:
+                    raise InvalidRequest("text: the prompt encodes to no tokens")
+            else:
+                token_ids = valid.prompt
+                bad = [t for t in token_ids if t >= self.config.vocab_size]
+                if bad:
+                    raise InvalidRequest(
+                        f"token_ids: ids out of vocabulary [0, {self.config.vocab_size}): {bad[:5]}"
+                    )
+            check_length(len(token_ids), valid.params, self.config.max_model_len)
+            try:
+                valid.params.validate_for_model(self.config.vocab_size)
+            except ValueError as exc:
+                raise InvalidRequest(f"stopping.stop_token_ids: {exc}") from None
+        except InvalidRequest as exc:
+            raise RouterError("INVALID_ARGUMENT", str(exc)) from None
+        return valid, token_ids
+
+    async def _run(
+        self, pending: _Pending, valid: ValidRequest, token_ids: list[int]
+    ) -> AsyncIterator[pb.GenerateResponse]:
+        stream = pending.stream
+        decision = self._route(valid, token_ids)
+        decode = self._by_name[decision.decode]
+        stream.timing.decode_worker = decode.name
+        item = WorkItem(stream.request_id, tuple(token_ids), valid.params, "full")
+        if decision.prefill is not None:
+            prefill = self._by_name[decision.prefill]
+            stream.timing.prefill_worker = prefill.name
+            handle_event = None
+            async for message, event in self._stream_from(
+                pending, prefill, replace(item, mode="prefill")
+            ):
+                if event is not None and event.kv_handle is not None:
+                    handle_event = event
+                    break
+                if message is not None:
+                    yield message
+            if handle_event is None:
+                return  # ended on the prefill worker (first token was the last, or abort)
+            # P now holds the KV under a lease. Send the first token, then hand off.
+            first = replace(handle_event, finished=False, kv_handle=None)
+            message = stream.on_event(first)
+            if message is not None:
+                yield message
+            if stream.is_finished or pending.is_aborted:
+                # A stop string on the first token, or an abort: nobody will read the KV.
+                pending.owner = prefill  # _settle aborts it there, which frees the blocks
+                await self._detach(prefill, stream.request_id)
+                return
+            await self._detach(prefill, stream.request_id)
+            item = replace(
+                item,
+                mode="decode",
+                kv_handles=(handle_event.kv_handle,),
+                first_token_id=handle_event.token_ids[0],
+            )
+            decode_source = self._stream_from(pending, decode, item, on_refused=prefill)
+        else:
+            decode_source = self._stream_from(pending, decode, item)
+        async for message, _event in decode_source:
+            if message is not None:
+                yield message
+
+    async def _stream_from(
+        self,
+        pending: _Pending,
+        worker: WorkerView,
+        item: WorkItem,
+        on_refused: WorkerView | None = None,
+    ) -> AsyncIterator[tuple[pb.GenerateResponse | None, TokenEvent | None]]:
+        """Submit ``item`` to ``worker`` and yield (client message, event) until the end."""
+        stream = pending.stream
+        if not worker.is_healthy:
+            raise RouterError("UNAVAILABLE", f"worker {worker.name} is not healthy")
+        pending.owner = worker
+        worker.active.add(stream.request_id)
+        if not stream.timing.submitted:
+            stream.timing.submitted = time.monotonic()
+        try:
+            await worker.client.submit(item)
+        except Exception as exc:
+            worker.active.discard(stream.request_id)
+            pending.owner = None
+            if on_refused is not None:  # the handle never reached D: P must free its KV
+                await self._abort_on(on_refused, stream.request_id)
+            raise RouterError("UNAVAILABLE", f"worker {worker.name}: {exc}") from None
+        while True:
+            source, event = await pending.events.get()
+            if event is None:
+                if source:  # the worker died
+                    raise RouterError("INTERNAL", f"worker {source} failed: {worker.error}")
+                if pending.is_aborted:  # Abort
+                    yield stream.abort_message(), None
+                    return
+                continue
+            if source != worker.name:
+                continue  # a late event from the previous owner
+            if event.finished and event.kv_handle is None:
+                worker.active.discard(stream.request_id)
+                pending.owner = None
+                if event.error:
+                    raise RouterError("INTERNAL", f"worker {worker.name}: {event.error}")
+            if event.kv_handle is not None:
+                yield None, event
+                continue
+            message = stream.on_event(event)
+            yield message, event
+            if stream.is_finished:
+                return
+
+    async def _detach(self, worker: WorkerView, request_id: str) -> None:
+        worker.active.discard(request_id)
+
+    def _route(self, valid: ValidRequest, token_ids: list[int]):
+        cfg = self.config
+        disaggregation = valid.disaggregation or cfg.disaggregation
+        request = RouteRequest(
+            num_prompt_tokens=len(token_ids),
+            block_hashes=tuple(hash_prompt_blocks(token_ids, cfg.block_size)),
+            block_size=cfg.block_size,
+        )
+        try:
+            decision = route(
+                request,
+                [v.state() for v in self.prefill],
+                [v.state() for v in self.decode],
+                policy=cfg.policy,  # type: ignore[arg-type]
+                disaggregation=disaggregation,  # type: ignore[arg-type]
+                auto_local_prefill_tokens=cfg.auto_local_prefill_tokens,
+                saturated_queue=cfg.saturated_queue,
+                cursor=self._cursor,
+            )
+        except NoHealthyWorker as exc:
+            raise RouterError("UNAVAILABLE", str(exc)) from None
+        self._cursor = decision.round_robin_cursor
+        return decision
+
+    async def _settle(self, pending: _Pending) -> None:
+        """After the client's stream ended: make sure the worker side ended too."""
+        request_id = pending.stream.request_id
+        owner = pending.owner
+        try:
+            if owner is not None:
+                if pending.is_aborted or pending.stream.is_finished:
+                    await self._abort_on(owner, request_id)
+                deadline = time.monotonic() + _SETTLE_TIMEOUT_S
+                while request_id in owner.active and owner.is_alive:
+                    left = deadline - time.monotonic()
+                    if left <= 0:
+                        logger.warning("%s: no final event from %s", request_id, owner.name)
+                        break
+                    try:
+                        source, event = await asyncio.wait_for(pending.events.get(), left)
+                    except asyncio.TimeoutError:
+                        continue
+                    if source == owner.name and event is not None and event.finished:
+                        owner.active.discard(request_id)
+        finally:
+            if owner is not None:
+                owner.active.discard(request_id)
+            self._requests.pop(request_id, None)
+
+    async def _abort_on(self, worker: WorkerView, request_id: str) -> None:
+        try:
+            await worker.client.abort(request_id)
+        except Exception:
+            logger.warning("abort of %s on %s failed", request_id, worker.name, exc_info=True)
+
+    # ---- workers ---------------------------------------------------------------------
+    async def _poll_worker(self, view: WorkerView) -> None:
+        version = -1
+        while True:
+            try:
+                batch = await view.client.poll(_POLL_TIMEOUT_S, version)
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:
+                self._worker_died(view, f"{type(exc).__name__}: {exc}")
+                return
+            view.update(batch.report)
+            version = batch.report.hashes_version
+            for event in batch.events:
+                pending = self._requests.get(event.request_id)
+                if pending is not None:
+                    pending.events.put_nowait((view.name, event))
+                elif event.kv_handle is not None:
+                    # Its request is gone (aborted while prefilling): free the held KV.
+                    asyncio.get_running_loop().create_task(self._abort_on(view, event.request_id))
+
+    def _worker_died(self, view: WorkerView, error: str) -> None:
+        logger.error("worker %s is gone: %s", view.name, error)
+        view.is_alive = False
+        view.error = error
+        for request_id in list(view.active):
+            pending = self._requests.get(request_id)
+            if pending is not None and pending.owner is view:
+                pending.events.put_nowait((view.name, None))
+        view.active.clear()
+
+    # ---- status ----------------------------------------------------------------------
+    def model_info(self) -> pb.ModelInfo:
+        cfg = self.config
+        return pb.ModelInfo(
+            name=cfg.model_name,
+            architecture=cfg.architecture,
+            dtype=cfg.dtype,
+            max_model_len=cfg.max_model_len,
+            vocab_size=cfg.vocab_size,
+            eos_token_ids=sorted(self.tokenizer.eos_token_ids),
+        )
+
+    def cluster_status(self, tp_pp: dict[str, tuple[int, int]] | None = None) -> pb.ClusterStatus:
+        cfg = self.config
+        status = pb.ClusterStatus(
+            model=cfg.model_name,
+            kv_transfer_backend=cfg.kv_transfer_backend,
+            policy=cfg.policy,
+            disaggregation=cfg.disaggregation,
+            draining=self.is_draining,
+        )
+        for role, views in (("prefill", self.prefill), ("decode", self.decode)):
+            pool = status.pools.add(role=role, replicas=len(views))
+            tp, pp = (tp_pp or {}).get(role, (1, 1))
+            for view in views:
+                report = view.report
+                pool.workers.add(
+                    name=view.name,
+                    role=role,
+                    healthy=view.is_healthy,
+                    tensor_parallel=tp,
+                    pipeline_parallel=pp,
+                    num_running=report.num_running if report else 0,
+                    num_waiting=report.num_waiting if report else 0,
+                    kv_blocks_total=report.kv_blocks_total if report else 0,
+                    kv_blocks_used=report.kv_blocks_used if report else 0,
+                    kv_blocks_cached=report.kv_blocks_cached if report else 0,
+                )
+            pool.healthy_replicas = sum(v.is_healthy for v in views)
+        return status

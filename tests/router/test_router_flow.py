@@ -1,0 +1,288 @@
+"""The router's request flow over real engines in one process (no Ray, no gRPC).
+
+Each worker is a real :class:`~workers.service.EngineService` (engine thread, KV
+connector) on the in-process KV backend; only the Ray transport is replaced by a direct
+adapter. This is where the policies and the awkward moments of the hand-off (abort while
+the KV is in flight, a lost transfer) are pinned down quickly; tests/e2e repeats the
+main paths through Ray, NIXL and gRPC.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from kvtransfer import KVLayout, KVTransferConfig, create_connector
+from kvtransfer.local_backend import LocalFabric
+from proto.baton.v1 import inference_pb2 as pb
+from router.router import Router, RouterConfig, RouterError
+from workers import LLM, SamplingParams
+from workers.config import EngineConfig
+from workers.engine import LLMEngine
+from workers.make_model import make_model
+from workers.service import EngineService
+from workers.tokenizer import Tokenizer
+
+LONG_PREFIX = "Once upon a time in a land far away there lived a curious engineer who " * 2
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return make_model(tmp_path_factory.mktemp("flow") / "tiny", "llama", "tiny")
+
+
+class InProcessClient:
+    """A WorkerClient that calls the service directly (stands in for the Ray actor)."""
+
+    def __init__(self, service: EngineService):
+        self.service = service
+        self.name = service.name
+        self.role = service.role
+
+    async def submit(self, item):
+        self.service.submit(item)
+
+    async def abort(self, request_id):
+        self.service.abort(request_id)
+
+    async def decline(self, handles):
+        self.service.decline(handles)
+
+    async def poll(self, timeout_s, hashes_version):
+        return await asyncio.to_thread(self.service.poll, timeout_s, hashes_version)
+
+
+class Cluster:
+    def __init__(self, model_dir, num_prefill=1, num_decode=1, hold_transfers=False, **router):
+        self.fabric = LocalFabric(hold_transfers=hold_transfers)
+        config = KVTransferConfig(backend="local", lease_seconds=20, transfer_timeout_s=5)
+        self.services: dict[str, EngineService] = {}
+        for role, count in (("prefill", num_prefill), ("decode", num_decode)):
+            for i in range(count):
+                name = f"{role}-{i}"
+                engine = LLMEngine(
+                    EngineConfig(
+                        model=str(model_dir),
+                        max_model_len=256,
+                        block_size=8,
+                        num_kv_blocks=256,
+                        max_num_seqs=16,
+                        max_num_batched_tokens=128,
+                        detokenize=False,
+                    )
+                )
+
+                def connector(eng, on_release, name=name):
+                    layout = KVLayout.from_tensor(
+                        eng.kv_cache, model_id="tiny", num_kv_heads=eng.arch.num_key_value_heads
+                    )
+                    return create_connector(
+                        config, layout, eng.kv_cache, name, on_release, fabric=self.fabric
+                    )
+
+                self.services[name] = EngineService(engine, name, role, connector)
+        metas = {n: s.connector.metadata() for n, s in self.services.items()}
+        for s in self.services.values():
+            for m, meta in metas.items():
+                if s.role != self.services[m].role:
+                    s.connector.add_peer(meta)
+        engine = next(iter(self.services.values())).engine
+        self.router = Router(
+            RouterConfig(
+                model_name="tiny",
+                architecture="LlamaForCausalLM",
+                dtype="float32",
+                max_model_len=256,
+                vocab_size=engine.vocab_size,
+                block_size=8,
+                **router,
+            ),
+            Tokenizer.from_dir(model_dir),
+            [InProcessClient(s) for s in self.services.values() if s.role == "prefill"],
+            [InProcessClient(s) for s in self.services.values() if s.role == "decode"],
+        )
+
+    def used_blocks(self) -> dict[str, int]:
+        return {n: s.engine.block_manager.num_used_blocks for n, s in self.services.items()}
+
+    async def settled(self, timeout_s: float = 10.0) -> None:
+        """Wait until no block is in use anywhere (requests ended, leases released)."""
+        for _ in range(int(timeout_s / 0.02)):
+            if not any(self.used_blocks().values()) and not self.router.num_in_flight:
+                return
+            await asyncio.sleep(0.02)
+        raise AssertionError(f"blocks still in use: {self.used_blocks()}")
+
+    def close(self) -> None:
+        for s in self.services.values():
+            s.stop()
+
+
+def run(cluster: Cluster, body):
+    async def main():
+        await cluster.router.start(ready_timeout_s=30)
+        try:
+            return await body(cluster.router)
+        finally:
+            await cluster.router.stop()
+            cluster.close()
+
+    return asyncio.run(main())
+
+
+def req(
+    prompt, max_tokens=16, disaggregation=pb.DISAGGREGATION_UNSPECIFIED, request_id="", **stopping
+):
+    r = pb.GenerateRequest(text=prompt, disaggregation=disaggregation, request_id=request_id)
+    r.sampling.temperature = 0.0
+    r.stopping.max_tokens = max_tokens
+    r.stopping.ignore_eos = True
+    for key, value in stopping.items():
+        if key == "stop":
+            r.stopping.stop.extend(value)
+        else:
+            setattr(r.stopping, key, value)
+    r.output.return_timing = True
+    return r
+
+
+async def collect(router: Router, request):
+    tokens, text, final = [], [], None
+    async for msg in router.generate(request):
+        body = msg.delta if msg.HasField("delta") else msg.final.delta
+        tokens.extend(body.token_ids)
+        text.append(body.text)
+        if msg.HasField("final"):
+            final = msg.final
+    return tokens, "".join(text), final
+
+
+def test_disaggregated_equals_llm_generate_with_stop_strings_at_the_edge(model_dir):
+    llm = LLM(str(model_dir), dtype="float32", max_model_len=256)
+    ref = llm.generate([LONG_PREFIX], SamplingParams(max_tokens=16, temperature=0, ignore_eos=True))
+    text = ref[0].text
+    stop = text[len(text) // 2 : len(text) // 2 + 3]  # cuts the output mid-way
+    ref_stop = llm.generate(
+        [LONG_PREFIX], SamplingParams(max_tokens=16, temperature=0, ignore_eos=True, stop=[stop])
+    )[0]
+    cluster = Cluster(model_dir, disaggregation="always")
+
+    async def body(router):
+        full = await collect(router, req(LONG_PREFIX))
+        cut = await collect(router, req(LONG_PREFIX, stop=[stop]))
+        await cluster.settled()
+        return full, cut
+
+    full, cut = run(cluster, body)
+    assert full[0] == list(ref[0].token_ids) and full[1] == text
+    assert full[2].timing.prefill_worker == "prefill-0"
+    assert cut[0] == list(ref_stop.token_ids) and cut[1] == ref_stop.text
+    assert cut[2].finish_reason == pb.FINISH_REASON_STOP and cut[2].stop_string == stop
+
+
+def test_kv_aware_sends_a_shared_prefix_to_the_worker_that_holds_it(model_dir):
+    cluster = Cluster(model_dir, num_prefill=0, num_decode=2, disaggregation="never")
+
+    async def body(router):
+        first = await collect(router, req(LONG_PREFIX + "first"))
+        holder = first[2].timing.decode_worker
+        view = next(v for v in router.decode if v.name == holder)
+        while len(view.hashes) < 2:  # the holder's report (with its hashes) reaches the router
+            await asyncio.sleep(0.01)
+        # Load the holder with a long unrelated request: least_loaded would now avoid it.
+        busy = asyncio.ensure_future(
+            collect(router, req("unrelated " * 5, max_tokens=230, request_id="busy"))
+        )
+        while not any(v.active for v in router.decode):
+            await asyncio.sleep(0.001)
+        busy_worker = next(v.name for v in router.decode if v.active)
+        second = await collect(router, req(LONG_PREFIX + "second", max_tokens=2))
+        was_busy = "busy" in view.active
+        await router.abort("busy")
+        await busy
+        await cluster.settled()
+        return holder, busy_worker, second, was_busy
+
+    holder, busy_worker, second, was_busy = run(cluster, body)
+    assert was_busy  # the holder was the more loaded worker when the second request came
+    assert busy_worker == holder  # ties go to the first worker; it is now the loaded one
+    assert second[2].timing.decode_worker == holder
+    assert second[2].usage.cached_prompt_tokens >= 16
+
+
+def test_abort_while_the_kv_is_in_flight_frees_both_sides(model_dir):
+    cluster = Cluster(model_dir, hold_transfers=True, disaggregation="always")
+
+    async def body(router):
+        task = asyncio.ensure_future(collect(router, req(LONG_PREFIX, request_id="r1")))
+        decode = router.decode[0]
+        while "r1" not in decode.active:  # handed to decode: the transfer is held
+            await asyncio.sleep(0.01)
+        await asyncio.sleep(0.1)
+        assert cluster.used_blocks()["prefill-0"] > 0 and cluster.used_blocks()["decode-0"] > 0
+        assert await router.abort("r1")
+        tokens, _, final = await task
+        await asyncio.sleep(0.2)
+        cluster.fabric.complete_held()  # a transfer that is no longer wanted does not run
+        await cluster.settled()
+        return tokens, final
+
+    tokens, final = run(cluster, body)
+    assert final.finish_reason == pb.FINISH_REASON_ABORT
+    assert len(tokens) == 1  # the first token, from the prefill worker
+
+
+def test_lost_prefill_worker_recomputes_on_decode(model_dir):
+    llm = LLM(str(model_dir), dtype="float32", max_model_len=256)
+    ref = llm.generate([LONG_PREFIX], SamplingParams(max_tokens=16, temperature=0, ignore_eos=True))
+    cluster = Cluster(model_dir, hold_transfers=True, disaggregation="always")
+
+    async def body(router):
+        task = asyncio.ensure_future(collect(router, req(LONG_PREFIX, request_id="r2")))
+        while "r2" not in router.decode[0].active:
+            await asyncio.sleep(0.01)
+        await asyncio.sleep(0.1)
+        prefill = cluster.services["prefill-0"]
+        cluster.fabric.kill(prefill.connector.agent_name)
+        cluster.fabric.complete_held()
+        return await task
+
+    tokens, _, final = run(cluster, body)
+    assert tokens == list(ref[0].token_ids)
+    assert final.finish_reason == pb.FINISH_REASON_LENGTH
+
+
+def test_refusals(model_dir):
+    cluster = Cluster(model_dir, disaggregation="always", max_queued_requests=1)
+
+    async def body(router):
+        codes = []
+        bad = req("hi")
+        bad.sampling.top_p = 7.0
+        slow = asyncio.ensure_future(
+            collect(router, req(LONG_PREFIX, max_tokens=100, request_id="slow"))
+        )
+        await asyncio.sleep(0.05)
+        for request in (bad, req("hi")):
+            try:
+                await collect(router, request)
+            except RouterError as exc:
+                codes.append((exc.code, exc.message.split(":")[0]))
+        assert await router.abort("slow")
+        await slow
+        await cluster.settled()
+        router.is_draining = True
+        try:
+            await collect(router, req("hi"))
+        except RouterError as exc:
+            codes.append((exc.code, ""))
+        return codes
+
+    codes = run(cluster, body)
+    # A bad request is judged before admission; a good one past the limit is refused.
+    assert codes == [
+        ("INVALID_ARGUMENT", "sampling.top_p"),
+        ("RESOURCE_EXHAUSTED", "1 requests in flight (router.max_queued_requests=1); retry later"),
+        ("UNAVAILABLE", ""),
+    ]
