@@ -332,7 +332,43 @@ def _run_status(args: argparse.Namespace) -> int:
     return 0
 
 
+# ---- serve -----------------------------------------------------------------------------
+
+
+def _add_serve_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "config",
+        metavar="CONFIG",
+        nargs="?",
+        default=None,
+        help="cluster config YAML (default: the embedded default: local Ray, a small "
+        "random model, 1 prefill + 1 decode worker)",
+    )
+
+
+def _run_serve(args: argparse.Namespace) -> int:
+    import asyncio
+    import logging
+
+    from cluster.config import load_config
+    from cluster.serve import serve
+
+    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s: %(message)s")
+    config = load_config(args.config)  # ConfigError is a ValueError: exit 2, key path named
+    try:
+        return asyncio.run(serve(config))
+    except RuntimeError as exc:  # bring-up failed (a worker did not start, no resources)
+        print(f"{_PROG}: error: {exc}", file=sys.stderr)
+        return 1
+
+
 _COMMANDS = (
+    _Command(
+        "serve",
+        "serve a cluster config on Ray over gRPC until SIGTERM, then drain",
+        _add_serve_arguments,
+        _run_serve,
+    ),
     _Command(
         "make-model",
         "write a random-weight Hugging Face model directory (offline)",

@@ -1,0 +1,239 @@
+"""Bring a cluster config up on Ray: worker pools in placement groups, KV peers, the router.
+
+Ray: connect to the cluster in ``RAY_ADDRESS`` (what ``ray job submit`` sets) or to a
+running local one (``address="auto"``); else start a local instance, which keeps Ray's
+token authentication on. Each worker replica gets its own placement group (its TP x PP
+ranks packed on one node) and one actor; every decode worker is then introduced to
+every prefill worker (KV-transfer metadata both ways) before the router starts.
+Tear-down stops the actors (their leases released), removes the placement groups and
+shuts down a Ray instance that we started.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass, field
+
+import ray
+from ray.util.placement_group import placement_group, remove_placement_group
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+from cluster.config import ClusterConfig, PoolSection
+from cluster.model_source import resolve_model_dir, served_name
+from router.router import Router, RouterConfig
+from workers.ray_worker import ACTOR_CONCURRENCY, RayWorkerClient, WorkerActor, WorkerSpec
+from workers.tokenizer import Tokenizer
+from workers.wire import WorkerInfo, decode_as
+
+logger = logging.getLogger(__name__)
+
+_READY_TIMEOUT_S = 600.0  # loading weights of a large model can take minutes
+_NAMESPACE = "baton"
+
+
+@dataclass
+class Cluster:
+    config: ClusterConfig
+    router: Router
+    actors: dict[str, object] = field(default_factory=dict)  # name -> actor handle
+    placement_groups: list = field(default_factory=list)
+    started_ray: bool = False
+
+    def shutdown(self) -> None:
+        """Stop every worker (leases released, NIXL agents closed) and free the resources."""
+        stops = []
+        for name, actor in self.actors.items():
+            try:
+                stops.append(actor.stop.remote())
+            except Exception:
+                logger.warning("cannot stop %s", name, exc_info=True)
+        try:
+            ray.get(stops, timeout=30)
+        except Exception:
+            logger.warning("some workers did not stop cleanly", exc_info=True)
+        for actor in self.actors.values():
+            ray.kill(actor, no_restart=True)
+        for pg in self.placement_groups:
+            remove_placement_group(pg)
+        self.actors.clear()
+        self.placement_groups.clear()
+        if self.started_ray:
+            ray.shutdown()
+
+
+def connect_ray(num_cpus: int) -> bool:
+    """Join the configured/running Ray cluster, else start a local one; True if we started it."""
+    if ray.is_initialized():
+        return False
+    address = os.environ.get("RAY_ADDRESS")
+    if address:
+        ray.init(address=address, namespace=_NAMESPACE, logging_level="WARNING")
+        return False
+    try:
+        ray.init(address="auto", namespace=_NAMESPACE, logging_level="WARNING")
+        return False
+    except ConnectionError:
+        pass
+    # Logical CPUs: every worker reserves one; they need not match the physical cores.
+    ray.init(
+        num_cpus=max(num_cpus, os.cpu_count() or 1),
+        namespace=_NAMESPACE,
+        include_dashboard=False,
+        logging_level="WARNING",
+    )
+    return True
+
+
+def bring_up(config: ClusterConfig) -> Cluster:
+    """Start the workers and build the router (not yet polling: ``await router.start()``)."""
+    for role, pool in (("prefill", config.prefill), ("decode", config.decode)):
+        if pool.tensor_parallel != 1 or pool.pipeline_parallel != 1:
+            raise ValueError(
+                f"{role}.tensor_parallel / pipeline_parallel: only 1 is supported so far "
+                f"(got {pool.tensor_parallel} / {pool.pipeline_parallel})"
+            )
+    model_dir = resolve_model_dir(config.model.path)
+    name = served_name(config.model.name, model_dir)
+    num_workers = config.prefill.replicas + config.decode.replicas
+    started = connect_ray(num_workers)
+    cluster = Cluster(config, router=None, started_ray=started)  # type: ignore[arg-type]
+    try:
+        has_gpu = ray.cluster_resources().get("GPU", 0) > 0
+        # Local CPU workers share the machine's cores; give each its share of threads.
+        threads = max(1, (os.cpu_count() or 1) // num_workers) if started else 0
+        clients: dict[str, list[RayWorkerClient]] = {"prefill": [], "decode": []}
+        for role, pool in (("prefill", config.prefill), ("decode", config.decode)):
+            device = pool.device if pool.device != "auto" else ("cuda" if has_gpu else "cpu")
+            for index in range(pool.replicas):
+                worker = f"{role}-{index}"
+                spec = _spec(config, pool, worker, role, str(model_dir), name, device, threads)
+                actor, pg = _start_actor(spec, device)
+                cluster.actors[worker] = actor
+                cluster.placement_groups.append(pg)
+                clients[role].append(RayWorkerClient(worker, role, actor))
+        infos = _wait_ready(cluster.actors)
+        _introduce(cluster.actors, clients)
+        info = _check_agree(infos)
+        cluster.router = Router(
+            RouterConfig(
+                model_name=name,
+                architecture=info.architecture,
+                dtype=info.dtype,
+                max_model_len=info.max_model_len,
+                vocab_size=info.vocab_size,
+                block_size=info.block_size,
+                policy=config.router.policy,
+                disaggregation=config.router.disaggregation,
+                auto_local_prefill_tokens=config.router.auto_local_prefill_tokens,
+                max_queued_requests=config.router.max_queued_requests,
+                kv_transfer_backend=config.kv_transfer.backend,
+            ),
+            Tokenizer.from_dir(model_dir),
+            clients["prefill"],
+            clients["decode"],
+        )
+    except BaseException:
+        cluster.shutdown()
+        raise
+    return cluster
+
+
+def _spec(
+    config: ClusterConfig,
+    pool: PoolSection,
+    worker: str,
+    role: str,
+    model_dir: str,
+    name: str,
+    device: str,
+    threads: int,
+) -> WorkerSpec:
+    kv = config.kv_cache
+    return WorkerSpec(
+        name=worker,
+        role=role,
+        model=model_dir,
+        model_id=name,
+        dtype=config.model.dtype,
+        device=device,
+        max_model_len=config.model.max_model_len,
+        block_size=kv.block_size,
+        num_kv_blocks=kv.num_blocks,
+        kv_cache_memory_gib=kv.cpu_memory_gib,
+        gpu_memory_fraction=kv.gpu_memory_fraction,
+        max_num_seqs=pool.max_num_seqs,
+        max_num_batched_tokens=max(pool.max_num_batched_tokens, pool.max_num_seqs),
+        enable_prefix_caching=kv.enable_prefix_caching,
+        kv_backend=config.kv_transfer.backend,
+        kv_direction=config.kv_transfer.direction,
+        lease_seconds=config.kv_transfer.lease_seconds,
+        transfer_timeout_s=config.kv_transfer.timeout_seconds,
+        on_failure=config.kv_transfer.on_failure,
+        num_threads=threads if device == "cpu" else 0,
+    )
+
+
+def _start_actor(spec: WorkerSpec, device: str):
+    bundle = {"CPU": 1.0, **({"GPU": 1.0} if device == "cuda" else {})}
+    pg = placement_group([bundle], strategy="STRICT_PACK", name=f"baton-{spec.name}")
+    try:
+        ray.get(pg.ready(), timeout=_READY_TIMEOUT_S)
+    except ray.exceptions.GetTimeoutError:
+        remove_placement_group(pg)
+        raise RuntimeError(
+            f"{spec.role}: the Ray cluster cannot place worker {spec.name} ({bundle}); "
+            f"resources: {ray.available_resources()}"
+        ) from None
+    actor = (
+        ray.remote(WorkerActor)
+        .options(
+            name=f"baton-{spec.name}",
+            num_cpus=bundle["CPU"],
+            num_gpus=bundle.get("GPU", 0),
+            max_concurrency=ACTOR_CONCURRENCY,
+            max_restarts=0,
+            scheduling_strategy=PlacementGroupSchedulingStrategy(
+                pg, placement_group_bundle_index=0
+            ),
+        )
+        .remote(spec.to_bytes())
+    )
+    return actor, pg
+
+
+def _wait_ready(actors: dict[str, object]) -> list[WorkerInfo]:
+    refs = {name: actor.describe.remote() for name, actor in actors.items()}  # type: ignore[attr-defined]
+    infos = []
+    for name, ref in refs.items():
+        try:
+            infos.append(decode_as(ray.get(ref, timeout=_READY_TIMEOUT_S), WorkerInfo))
+        except ray.exceptions.RayActorError as exc:
+            raise RuntimeError(f"worker {name} failed to start: {exc}") from None
+    return infos
+
+
+def _introduce(actors: dict[str, object], clients: dict[str, list[RayWorkerClient]]) -> None:
+    """Every decode worker and every prefill worker exchange KV-transfer metadata."""
+    meta = {name: ray.get(a.kv_metadata.remote()) for name, a in actors.items()}  # type: ignore[attr-defined]
+    calls = []
+    for p in clients["prefill"]:
+        for d in clients["decode"]:
+            calls.append((d.name, p.name, actors[d.name].add_peer.remote(meta[p.name])))  # type: ignore[attr-defined]
+            calls.append((p.name, d.name, actors[p.name].add_peer.remote(meta[d.name])))  # type: ignore[attr-defined]
+    for who, peer, ref in calls:
+        error = ray.get(ref, timeout=60)
+        if error:
+            raise RuntimeError(f"{who} cannot reach {peer} for KV transfer: {error}")
+
+
+def _check_agree(infos: list[WorkerInfo]) -> WorkerInfo:
+    first = infos[0]
+    for info in infos[1:]:
+        for key in ("architecture", "dtype", "max_model_len", "vocab_size", "block_size"):
+            if getattr(info, key) != getattr(first, key):
+                raise RuntimeError(
+                    f"workers disagree on {key}: {first.name} has {getattr(first, key)}, "
+                    f"{info.name} has {getattr(info, key)}"
+                )
+    return first

@@ -1,0 +1,43 @@
+"""Which model directory to serve: the configured one, or the embedded default.
+
+With no ``model.path``, Baton serves a ``small`` random-weight Llama that it writes once
+into a cache directory (``$BATON_CACHE_DIR``, else ``~/.cache/baton``), so ``baton serve``
+works on a fresh machine without network. A file lock keeps concurrent first starts
+from writing the same directory twice.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import os
+from pathlib import Path
+
+DEFAULT_MODEL_NAME = "small-llama"
+
+
+def cache_dir() -> Path:
+    env = os.environ.get("BATON_CACHE_DIR")
+    return Path(env) if env else Path.home() / ".cache" / "baton"
+
+
+def resolve_model_dir(path: str | None) -> Path:
+    """The directory to load; makes the default model on first use."""
+    if path is not None:
+        model_dir = Path(path).expanduser()
+        if not (model_dir / "config.json").is_file():
+            raise ValueError(f"model.path: {model_dir} has no config.json")
+        return model_dir.resolve()
+    model_dir = cache_dir() / "models" / DEFAULT_MODEL_NAME
+    model_dir.parent.mkdir(parents=True, exist_ok=True)
+    with open(model_dir.parent / f".{DEFAULT_MODEL_NAME}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not (model_dir / "model.safetensors").is_file():
+            from workers.make_model import make_model
+
+            # model.safetensors is written last: its presence means the model is complete.
+            make_model(model_dir, "llama", "small", overwrite=True)
+    return model_dir.resolve()
+
+
+def served_name(name: str | None, model_dir: Path) -> str:
+    return name if name is not None else model_dir.name

@@ -1,0 +1,84 @@
+"""Serve a cluster config until SIGTERM/SIGINT, then drain: ``baton serve`` and
+``python -m cluster``.
+
+Drain: readiness goes NOT_SERVING and new requests get UNAVAILABLE; requests in flight
+may finish within ``router.drain_grace_seconds``, the rest are aborted; then the gRPC
+server stops, every worker stops (leases released) and a Ray instance we started is
+shut down, so nothing is left running.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+import sys
+from collections.abc import Callable
+
+from cluster.config import ClusterConfig
+
+logger = logging.getLogger(__name__)
+
+
+async def serve(config: ClusterConfig, on_ready: Callable[[str], None] | None = None) -> int:
+    """Bring the cluster up, serve until a signal, drain. Returns the exit code."""
+    from cluster.bringup import bring_up
+    from router.server import Server
+
+    loop = asyncio.get_running_loop()
+    cluster = await loop.run_in_executor(None, bring_up, config)
+    server = None
+    try:
+        router = cluster.router
+        await router.start()
+        tp_pp = {
+            "prefill": (config.prefill.tensor_parallel, config.prefill.pipeline_parallel),
+            "decode": (config.decode.tensor_parallel, config.decode.pipeline_parallel),
+        }
+        server = Server(router, config.router.host, config.router.port, tp_pp)
+        await server.start()
+        stop = asyncio.Event()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, stop.set)
+        message = (
+            f"baton: serving {router.config.model_name} on {server.address} "
+            f"({config.prefill.replicas} prefill + {config.decode.replicas} decode, "
+            f"{config.router.disaggregation} disaggregation)"
+        )
+        print(message, flush=True)
+        if on_ready is not None:
+            on_ready(server.address)
+        await stop.wait()
+        print("baton: draining", flush=True)
+        aborted = await server.drain(config.router.drain_grace_seconds)
+        if aborted:
+            print(f"baton: aborted {aborted} requests after the grace period", flush=True)
+    finally:
+        if server is not None:
+            await server.stop()
+        await cluster.router.stop()
+        await loop.run_in_executor(None, cluster.shutdown)
+    print("baton: stopped", flush=True)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m cluster [CONFIG]``: the Ray job entry point."""
+    from cluster.config import load_config
+    from cluster.config_schema import ConfigError
+
+    args = sys.argv[1:] if argv is None else argv
+    if len(args) > 1 or (args and args[0] in ("-h", "--help")):
+        print("usage: python -m cluster [CONFIG]", file=sys.stderr)
+        return 2
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+    try:
+        config = load_config(args[0] if args else None)
+    except ConfigError as exc:
+        print(f"baton: error: {exc}", file=sys.stderr)
+        return 2
+    try:
+        return asyncio.run(serve(config))
+    except (ValueError, RuntimeError) as exc:
+        print(f"baton: error: {exc}", file=sys.stderr)
+        return 1

@@ -1,0 +1,125 @@
+"""The cluster as a Ray job: ``ray start --head`` on loopback, ``ray job submit ... --
+python -m cluster configs/ci.yaml``, requests over gRPC, ``ray job stop`` shuts it down."""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import grpc
+import pytest
+import yaml
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from proto.baton.v1 import inference_pb2 as pb
+from proto.baton.v1 import inference_pb2_grpc as pb_grpc
+
+from .conftest import ROOT, free_port
+
+pytest.importorskip("ray")
+RAY = str(Path(sys.executable).with_name("ray"))
+CONFIG = "configs/ci.yaml"
+
+
+def ray_cli(*args, env, timeout=180, check=True):
+    proc = subprocess.run(
+        [RAY, *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout
+    )
+    if check and proc.returncode != 0:
+        raise AssertionError(f"ray {' '.join(args)} failed:\n{proc.stdout}\n{proc.stderr}")
+    return proc
+
+
+def wait_serving(address: str, timeout_s: float) -> None:
+    health = health_pb2_grpc.HealthStub(grpc.insecure_channel(address))
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            answer = health.Check(
+                health_pb2.HealthCheckRequest(service="baton.v1.Inference"), timeout=2
+            )
+            if answer.status == health_pb2.HealthCheckResponse.SERVING:
+                return
+        except grpc.RpcError:
+            pass
+        time.sleep(0.5)
+    raise AssertionError(f"nothing served on {address} within {timeout_s}s")
+
+
+@pytest.fixture
+def ray_head(tmp_path):
+    if not os.path.exists(RAY):
+        pytest.skip("the ray CLI is not installed next to this Python")
+    dashboard = free_port()
+    env = {
+        **os.environ,
+        "RAY_ADDRESS": f"http://127.0.0.1:{dashboard}",
+        "BATON_CACHE_DIR": str(tmp_path / "cache"),
+        # Token authentication on, as in production: the head and every client share it.
+        "RAY_AUTH_MODE": "token",
+        "RAY_AUTH_TOKEN": secrets.token_hex(32),
+    }
+    env.pop("RAY_JOB_ID", None)
+    temp = Path(tempfile.mkdtemp(prefix="ray", dir="/tmp"))  # Ray's socket paths must be short
+    ray_cli(
+        "start", "--head", "--node-ip-address=127.0.0.1", f"--port={free_port()}",
+        "--dashboard-host=127.0.0.1", f"--dashboard-port={dashboard}", "--num-cpus=4",
+        "--disable-usage-stats", f"--temp-dir={temp}", env=env,
+    )  # fmt: skip
+    try:
+        yield env
+    finally:
+        ray_cli("stop", "--force", env=env, check=False)
+        shutil.rmtree(temp, ignore_errors=True)
+
+
+def test_ray_job_submit_serves_and_ray_job_stop_shuts_down(ray_head):
+    env = ray_head
+    port = yaml.safe_load((ROOT / CONFIG).read_text())["router"]["port"]
+    runtime_env = json.dumps({"env_vars": {"BATON_CACHE_DIR": env["BATON_CACHE_DIR"]}})
+    submitted = ray_cli(
+        "job", "submit", "--no-wait", "--working-dir", ".", "--runtime-env-json", runtime_env,
+        "--", "python", "-m", "cluster", CONFIG, env=env,
+    )  # fmt: skip
+    job_id = next(
+        word.strip("'\"")
+        for line in submitted.stdout.splitlines()
+        for word in line.split()
+        if word.strip("'\"").startswith("raysubmit_")
+    )
+    address = f"127.0.0.1:{port}"
+    try:
+        wait_serving(address, timeout_s=300)
+        stub = pb_grpc.InferenceStub(grpc.insecure_channel(address))
+        for mode in (pb.DISAGGREGATION_ALWAYS, pb.DISAGGREGATION_NEVER):
+            req = pb.GenerateRequest(text="Ray jobs serve Baton", disaggregation=mode)
+            req.stopping.max_tokens = 8
+            req.stopping.ignore_eos = True
+            req.output.return_timing = True
+            final = list(stub.Generate(req, timeout=120))[-1].final
+            assert final.usage.completion_tokens == 8
+            assert final.timing.decode_worker == "decode-0"
+            assert final.timing.prefill_worker == (
+                "prefill-0" if mode == pb.DISAGGREGATION_ALWAYS else ""
+            )
+    finally:
+        ray_cli("job", "stop", job_id, env=env, check=False)
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        status = ray_cli("job", "status", job_id, env=env).stdout
+        if any(s in status for s in ("STOPPED", "SUCCEEDED", "FAILED")):
+            break
+        time.sleep(1)
+    logs = ray_cli("job", "logs", job_id, env=env).stdout
+    assert "baton: draining" in logs and "baton: stopped" in logs, logs[-3000:]
+    with pytest.raises(grpc.RpcError):  # the router is gone
+        pb_grpc.InferenceStub(grpc.insecure_channel(address)).GetModelInfo(
+            pb.GetModelInfoRequest(), timeout=2
+        )
