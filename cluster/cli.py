@@ -127,6 +127,14 @@ def _add_generate_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="SECONDS",
         help="with --target: deadline of the whole call (default: none)",
     )
+    parser.add_argument(
+        "--wait",
+        type=_positive_seconds,
+        default=None,
+        metavar="SECONDS",
+        help="with --target: first wait up to SECONDS for the server to be ready "
+        "(a cluster that is still starting)",
+    )
 
 
 def _run_generate(args: argparse.Namespace) -> int:
@@ -136,6 +144,7 @@ def _run_generate(args: argparse.Namespace) -> int:
         "--disaggregation": args.disaggregation is not None,
         "--timing": args.timing,
         "--timeout": args.timeout is not None,
+        "--wait": args.wait is not None,
     }
     for flag, is_set in remote_only.items():
         if is_set:
@@ -192,7 +201,7 @@ def _run_generate_local(args: argparse.Namespace) -> int:
 def _run_generate_remote(args: argparse.Namespace) -> int:
     import grpc
 
-    from cluster.client import format_usage_and_timing, parse_target, stream_generate
+    from cluster.client import format_usage_and_timing, parse_target, stream_generate, wait_ready
     from proto.baton.v1 import inference_pb2 as pb
     from proto.baton.v1 import inference_pb2_grpc as pb_grpc
 
@@ -201,6 +210,12 @@ def _run_generate_remote(args: argparse.Namespace) -> int:
     target = parse_target(args.target)
     prompt = _read_prompt(args.prompt)
     with grpc.insecure_channel(target) as channel:
+        if args.wait is not None:
+            try:
+                wait_ready(channel, args.wait)
+            except TimeoutError as exc:
+                print(f"{_PROG}: error: {exc}", file=sys.stderr)
+                return 1
         stream = stream_generate(
             pb_grpc.InferenceStub(channel),
             prompt,

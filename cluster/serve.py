@@ -26,7 +26,9 @@ async def serve(config: ClusterConfig, on_ready: Callable[[str], None] | None = 
     from router.server import Server
 
     loop = asyncio.get_running_loop()
-    cluster = await loop.run_in_executor(None, bring_up, config)
+    # Blocking, on purpose: nothing else runs yet, and Ray installs its signal handlers
+    # only when initialised from the main thread.
+    cluster = bring_up(config)
     server = None
     try:
         router = cluster.router
@@ -57,7 +59,7 @@ async def serve(config: ClusterConfig, on_ready: Callable[[str], None] | None = 
         if server is not None:
             await server.stop()
         await cluster.router.stop()
-        await loop.run_in_executor(None, cluster.shutdown)
+        cluster.shutdown()
     print("baton: stopped", flush=True)
     return 0
 

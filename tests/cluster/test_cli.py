@@ -171,3 +171,21 @@ def test_building_the_parser_imports_neither_grpc_nor_torch():
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == "[]"
+
+
+def test_serve_refuses_a_bad_config_naming_the_key(tmp_path, capsys):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("router:\n  port: 70000\n")
+    assert cli.main(["serve", str(bad)]) == 2
+    err = capsys.readouterr().err
+    assert "router.port" in err and "65535" in err and "Traceback" not in err
+
+
+def test_python_m_cluster_refuses_a_bad_config(tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("decode:\n  replicaz: 2\n")
+    proc = subprocess.run(
+        [sys.executable, "-m", "cluster", str(bad)], capture_output=True, text=True, timeout=60
+    )
+    assert proc.returncode == 2
+    assert "decode.replicaz: unknown key" in proc.stderr
