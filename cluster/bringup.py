@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import os
+import uuid
 from dataclasses import dataclass, field
 
 import ray
@@ -30,6 +31,7 @@ logger = logging.getLogger(__name__)
 
 _READY_TIMEOUT_S = 600.0  # loading weights of a large model can take minutes
 _NAMESPACE = "baton"
+_RUN_ID = uuid.uuid4().hex[:8]
 
 
 @dataclass
@@ -67,16 +69,18 @@ def connect_ray(num_cpus: int) -> bool:
     if ray.is_initialized():
         return False
     address = os.environ.get("RAY_ADDRESS")
-    if address:
+    if address and address != "local":
         ray.init(address=address, namespace=_NAMESPACE, logging_level="WARNING")
         return False
-    try:
-        ray.init(address="auto", namespace=_NAMESPACE, logging_level="WARNING")
-        return False
-    except ConnectionError:
-        pass
+    if address != "local":  # RAY_ADDRESS=local: always a new instance of our own
+        try:
+            ray.init(address="auto", namespace=_NAMESPACE, logging_level="WARNING")
+            return False
+        except ConnectionError:
+            pass
     # Logical CPUs: every worker reserves one; they need not match the physical cores.
     ray.init(
+        address="local",
         num_cpus=max(num_cpus, os.cpu_count() or 1),
         namespace=_NAMESPACE,
         include_dashboard=False,
@@ -176,7 +180,9 @@ def _spec(
 
 def _start_actor(spec: WorkerSpec, device: str):
     bundle = {"CPU": 1.0, **({"GPU": 1.0} if device == "cuda" else {})}
-    pg = placement_group([bundle], strategy="STRICT_PACK", name=f"baton-{spec.name}")
+    # Unique per serving process: two deployments may share one Ray cluster.
+    ray_name = f"baton-{_RUN_ID}-{spec.name}"
+    pg = placement_group([bundle], strategy="STRICT_PACK", name=ray_name)
     try:
         ray.get(pg.ready(), timeout=_READY_TIMEOUT_S)
     except ray.exceptions.GetTimeoutError:
@@ -188,7 +194,7 @@ def _start_actor(spec: WorkerSpec, device: str):
     actor = (
         ray.remote(WorkerActor)
         .options(
-            name=f"baton-{spec.name}",
+            name=ray_name,
             num_cpus=bundle["CPU"],
             num_gpus=bundle.get("GPU", 0),
             max_concurrency=ACTOR_CONCURRENCY,

@@ -72,6 +72,10 @@ class _Pending:
         self.stream = stream
         self.events: asyncio.Queue[tuple[str, TokenEvent | None]] = asyncio.Queue()
         self.owner: WorkerView | None = None  # the worker whose final event ends it there
+        self.decode: WorkerView | None = None
+        # A prefill worker's handle that no decode worker took: it must be declined.
+        self.unread_handle: bytes | None = None
+        self.submit: asyncio.Future | None = None  # the last submit call in flight
         self.is_aborted = False
 
 
@@ -92,6 +96,7 @@ class Router:
         self._requests: dict[str, _Pending] = {}
         self._cursor = 0
         self._tasks: list[asyncio.Task] = []
+        self._background: set[asyncio.Task] = set()
 
     # ---- lifecycle -------------------------------------------------------------------
     async def start(self, ready_timeout_s: float = 120.0) -> None:
@@ -164,7 +169,7 @@ class Router:
         finally:
             if not settled:  # cancelled, deadline, or an error: stop it on the worker
                 pending.is_aborted = True
-            asyncio.get_running_loop().create_task(self._settle(pending))
+            self._spawn(self._settle(pending))
 
     async def abort(self, request_id: str) -> bool:
         """Abort a request in flight; False if there is none with that id."""
@@ -203,7 +208,7 @@ class Router:
     ) -> AsyncIterator[pb.GenerateResponse]:
         stream = pending.stream
         decision = self._route(valid, token_ids)
-        decode = self._by_name[decision.decode]
+        decode = pending.decode = self._by_name[decision.decode]
         stream.timing.decode_worker = decode.name
         item = WorkItem(stream.request_id, tuple(token_ids), valid.params, "full")
         if decision.prefill is not None:
@@ -220,36 +225,29 @@ class Router:
                     yield message
             if handle_event is None:
                 return  # ended on the prefill worker (first token was the last, or abort)
-            # P now holds the KV under a lease. Send the first token, then hand off.
+            # P holds the KV under a lease until a decode worker's notice or expiry; until
+            # D has the handle, ending the request means declining it (see _settle).
+            pending.unread_handle = handle_event.kv_handle
             first = replace(handle_event, finished=False, kv_handle=None)
             message = stream.on_event(first)
             if message is not None:
                 yield message
-            if stream.is_finished or pending.is_aborted:
-                # A stop string on the first token, or an abort: nobody will read the KV.
-                pending.owner = prefill  # _settle aborts it there, which frees the blocks
-                await self._detach(prefill, stream.request_id)
-                return
-            await self._detach(prefill, stream.request_id)
+            if pending.is_aborted and not stream.is_finished:
+                yield stream.abort_message()
+            if stream.is_finished:
+                return  # a stop string on the first token, or an abort
             item = replace(
                 item,
                 mode="decode",
                 kv_handles=(handle_event.kv_handle,),
                 first_token_id=handle_event.token_ids[0],
             )
-            decode_source = self._stream_from(pending, decode, item, on_refused=prefill)
-        else:
-            decode_source = self._stream_from(pending, decode, item)
-        async for message, _event in decode_source:
+        async for message, _event in self._stream_from(pending, decode, item):
             if message is not None:
                 yield message
 
     async def _stream_from(
-        self,
-        pending: _Pending,
-        worker: WorkerView,
-        item: WorkItem,
-        on_refused: WorkerView | None = None,
+        self, pending: _Pending, worker: WorkerView, item: WorkItem
     ) -> AsyncIterator[tuple[pb.GenerateResponse | None, TokenEvent | None]]:
         """Submit ``item`` to ``worker`` and yield (client message, event) until the end."""
         stream = pending.stream
@@ -259,13 +257,24 @@ class Router:
         worker.active.add(stream.request_id)
         if not stream.timing.submitted:
             stream.timing.submitted = time.monotonic()
+        # Shielded: a cancel must not race its abort past the submit (a threaded actor
+        # does not keep call order); _settle waits for this before aborting.
+        pending.submit = asyncio.ensure_future(worker.client.submit(item))
+        if item.mode == "decode":
+            # Once D has the handle, D's notice (or expiry) ends the lease: never decline it
+            # then, even if this coroutine is cancelled while the submit is in flight.
+            def delivered(future: asyncio.Future) -> None:
+                if not future.cancelled() and future.exception() is None:
+                    pending.unread_handle = None
+
+            pending.submit.add_done_callback(delivered)
         try:
-            await worker.client.submit(item)
+            await asyncio.shield(pending.submit)
+        except asyncio.CancelledError:
+            raise
         except Exception as exc:
             worker.active.discard(stream.request_id)
             pending.owner = None
-            if on_refused is not None:  # the handle never reached D: P must free its KV
-                await self._abort_on(on_refused, stream.request_id)
             raise RouterError("UNAVAILABLE", f"worker {worker.name}: {exc}") from None
         while True:
             source, event = await pending.events.get()
@@ -278,9 +287,11 @@ class Router:
                 continue
             if source != worker.name:
                 continue  # a late event from the previous owner
-            if event.finished and event.kv_handle is None:
+            if event.finished:
+                # Its end on this worker (a handle event ends the prefill worker's part).
                 worker.active.discard(stream.request_id)
-                pending.owner = None
+                if event.kv_handle is None:
+                    pending.owner = None
                 if event.error:
                     raise RouterError("INTERNAL", f"worker {worker.name}: {event.error}")
             if event.kv_handle is not None:
@@ -290,9 +301,6 @@ class Router:
             yield message, event
             if stream.is_finished:
                 return
-
-    async def _detach(self, worker: WorkerView, request_id: str) -> None:
-        worker.active.discard(request_id)
 
     def _route(self, valid: ValidRequest, token_ids: list[int]):
         cfg = self.config
@@ -321,26 +329,34 @@ class Router:
     async def _settle(self, pending: _Pending) -> None:
         """After the client's stream ended: make sure the worker side ended too."""
         request_id = pending.stream.request_id
-        owner = pending.owner
         try:
-            if owner is not None:
-                if pending.is_aborted or pending.stream.is_finished:
-                    await self._abort_on(owner, request_id)
-                deadline = time.monotonic() + _SETTLE_TIMEOUT_S
-                while request_id in owner.active and owner.is_alive:
-                    left = deadline - time.monotonic()
-                    if left <= 0:
-                        logger.warning("%s: no final event from %s", request_id, owner.name)
-                        break
-                    try:
-                        source, event = await asyncio.wait_for(pending.events.get(), left)
-                    except asyncio.TimeoutError:
-                        continue
-                    if source == owner.name and event is not None and event.finished:
-                        owner.active.discard(request_id)
-        finally:
-            if owner is not None:
+            if pending.submit is not None:  # let a submit in flight land before its abort
+                await asyncio.wait([pending.submit], timeout=_SETTLE_TIMEOUT_S)
+            if pending.unread_handle is not None:
+                await self._decline(pending.unread_handle, pending.decode)
+            owner = pending.owner
+            if owner is None or (owner.client.role == "prefill" and pending.unread_handle):
+                return
+            if pending.is_aborted or pending.stream.is_finished:
+                await self._abort_on(owner, request_id)
+            deadline = time.monotonic() + _SETTLE_TIMEOUT_S
+            while request_id in owner.active and owner.is_alive:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    logger.warning("%s: no final event from %s", request_id, owner.name)
+                    break
+                try:
+                    source, event = await asyncio.wait_for(pending.events.get(), left)
+                except asyncio.TimeoutError:
+                    continue
+                if source != owner.name or event is None or not event.finished:
+                    continue
                 owner.active.discard(request_id)
+                if event.kv_handle is not None:  # prefill finished before the abort came
+                    await self._decline(event.kv_handle, pending.decode)
+        finally:
+            if pending.owner is not None:
+                pending.owner.active.discard(request_id)
             self._requests.pop(request_id, None)
 
     async def _abort_on(self, worker: WorkerView, request_id: str) -> None:
@@ -348,6 +364,29 @@ class Router:
             await worker.client.abort(request_id)
         except Exception:
             logger.warning("abort of %s on %s failed", request_id, worker.name, exc_info=True)
+
+    async def _decline(self, handle: bytes, preferred: WorkerView | None) -> None:
+        """Release a prefill worker's held KV that no decode worker will read.
+
+        Any decode worker can send the notice (each knows every prefill worker); when
+        none can, the lease expires after ``kv_transfer.lease_seconds``.
+        """
+        candidates = [preferred] if preferred is not None else []
+        candidates += [v for v in self.decode if v is not preferred]
+        for view in candidates:
+            if not view.is_alive:
+                continue
+            try:
+                await view.client.decline((handle,))
+                return
+            except Exception:
+                logger.warning("decline through %s failed", view.name, exc_info=True)
+
+    def _spawn(self, coro) -> None:
+        """A background task, referenced until done (asyncio keeps only weak references)."""
+        task = asyncio.get_running_loop().create_task(coro)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
 
     # ---- workers ---------------------------------------------------------------------
     async def _poll_worker(self, view: WorkerView) -> None:
@@ -368,7 +407,10 @@ class Router:
                     pending.events.put_nowait((view.name, event))
                 elif event.kv_handle is not None:
                     # Its request is gone (aborted while prefilling): free the held KV.
-                    asyncio.get_running_loop().create_task(self._abort_on(view, event.request_id))
+                    self._spawn(self._decline(event.kv_handle, None))
+            if batch.report.error:
+                self._worker_died(view, batch.report.error)
+                return
 
     def _worker_died(self, view: WorkerView, error: str) -> None:
         logger.error("worker %s is gone: %s", view.name, error)

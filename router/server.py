@@ -39,20 +39,34 @@ class InferenceServicer(pb_grpc.InferenceServicer):
         except RouterError as exc:
             await context.abort(getattr(grpc.StatusCode, exc.code), exc.message)
         except Exception as exc:  # a bug: answer INTERNAL, keep serving
-            logger.exception("Generate failed")
-            await context.abort(grpc.StatusCode.INTERNAL, f"{type(exc).__name__}: {exc}")
+            await _internal(context, exc)
         finally:
             await stream.aclose()  # cancelled or deadline: aborts the request on the workers
 
     async def Abort(self, request, context):
-        found = await self.router.abort(request.request_id)
+        try:
+            found = await self.router.abort(request.request_id)
+        except Exception as exc:
+            await _internal(context, exc)
         return pb.AbortResponse(found=found)
 
     async def GetModelInfo(self, request, context):
-        return self.router.model_info()
+        try:
+            return self.router.model_info()
+        except Exception as exc:
+            await _internal(context, exc)
 
     async def GetClusterStatus(self, request, context):
-        return self.router.cluster_status(self.tp_pp)
+        try:
+            return self.router.cluster_status(self.tp_pp)
+        except Exception as exc:
+            await _internal(context, exc)
+
+
+async def _internal(context, exc: Exception) -> None:
+    """A bug: answer INTERNAL (not UNKNOWN) and keep serving."""
+    logger.exception("request failed")
+    await context.abort(grpc.StatusCode.INTERNAL, f"{type(exc).__name__}: {exc}")
 
 
 class Server:

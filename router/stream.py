@@ -95,8 +95,7 @@ class RequestStream:
         if stop_string is not None:
             return self._final(delta, pb.FINISH_REASON_STOP, stop_string=stop_string)
         if event.finished:
-            if event.stop_token_id is None:
-                delta.text += self._flush()  # held back for a stop string that never came
+            delta.text += self._flush()  # held back for a stop string that never came
             reason = _FINISH.get(event.finish_reason or "abort", pb.FINISH_REASON_ABORT)
             return self._final(delta, reason, stop_token_id=event.stop_token_id)
         if not token_ids:

@@ -197,6 +197,10 @@ class LLMEngine:
     def num_held(self) -> int:
         return len(self._held)
 
+    def is_held(self, request_id: str) -> bool:
+        """Prefill role: the request's KV blocks are held for a decode worker."""
+        return request_id in self._held
+
     def take_kv_receives(self) -> list[tuple[str, tuple[int, ...]]]:
         """Decode role: (request_id, block_ids) of the requests admitted into RECEIVING
         since the last call (by ``step``; also in a step that computed nothing). The

@@ -16,7 +16,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import msgpack
 
@@ -160,7 +160,12 @@ class WorkerActor:
         return ""
 
     def poll(self, timeout_s: float, hashes_version: int) -> bytes:
-        return encode(self.service.poll(timeout_s, hashes_version))
+        try:
+            return encode(self.service.poll(timeout_s, hashes_version))
+        except Exception:  # never let Ray pickle an exception; the router sees the report
+            logger.exception("poll failed")
+            report = replace(self.service.report(), healthy=False, error="poll failed")
+            return encode(OutputBatch((), report))
 
     def stop(self) -> str:
         self.service.stop()

@@ -149,10 +149,18 @@ class EngineService:
             self._shutdown_requests()
         except Exception as exc:  # a bug or a device failure: fail loudly, not silently
             logger.exception("engine loop of %s failed", self.name)
-            self._failed = f"{type(exc).__name__}: {exc}"
-            self._report = self._make_report(self._hashes_version, (), healthy=False)
-            with self._events_ready:
-                self._events_ready.notify_all()
+            self._fail(f"{type(exc).__name__}: {exc}")
+
+    def _fail(self, error: str) -> None:
+        """The loop is dead: every request it had fails now (the router answers INTERNAL)."""
+        self._failed = error
+        rids = set(self.engine.scheduler.requests) | set(self._receives)
+        events = [_failed_event(rid, 0, f"worker {self.name} failed: {error}") for rid in rids]
+        report = replace(self._report, healthy=False, error=error)
+        with self._events_ready:
+            self._events.extend(events)
+            self._report = report
+            self._events_ready.notify_all()
 
     def _drain_commands(self) -> None:
         while True:
@@ -161,17 +169,24 @@ class EngineService:
             except queue.Empty:
                 return
             kind = command[0]
-            if kind == "submit":
-                self._admit(command[1])
-            elif kind == "abort":
-                self._abort(command[1])
-            elif kind == "release":
-                self.engine.release_held(command[1])
-            elif kind == "decline":
-                self._decline(command[1])
+            try:
+                if kind == "submit":
+                    self._admit(command[1])
+                elif kind == "abort":
+                    self._abort(command[1])
+                elif kind == "release":
+                    self.engine.release_held(command[1])
+                elif kind == "decline":
+                    self._decline(command[1])
+            except Exception:  # one bad command must not take the worker down
+                logger.exception("%s: command %s failed", self.name, kind)
 
     def _admit(self, item: WorkItem) -> None:
         rid = item.request_id
+        if rid in self._receives or rid in self.engine.scheduler.requests:
+            # Touch nothing: the state under this id belongs to the request that has it.
+            self._publish([_failed_event(rid, 0, f"request_id {rid!r} is already in use")])
+            return
         try:
             if item.mode == "decode":
                 handles = tuple(decode_kv(h, KVHandle) for h in item.kv_handles)
@@ -190,19 +205,26 @@ class EngineService:
                     prefill_only=item.mode == "prefill",
                 )
         except Exception as exc:
-            # The router validated already; this is a worker-side refusal (duplicate id,
-            # a bad handle): the request fails, the worker keeps serving.
+            # The router validated already; this is a worker-side refusal (an id still
+            # held, a bad handle): the request fails, the worker keeps serving.
             receive = self._receives.pop(rid, None)
-            if receive is not None and self.connector is not None:
+            if receive is not None:
                 self._safe_decline(receive.handles)
             self._publish([_failed_event(rid, len(item.prompt_token_ids), f"{exc}")])
 
     def _abort(self, rid: str) -> None:
+        if self.engine.is_held(rid):
+            # Under a lease: only the lease's end (a decode worker's notice, or expiry)
+            # frees these blocks; a decode worker may be reading them right now.
+            return
         receive = self._receives.get(rid)
         if receive is not None and receive.future is not None and not receive.future.done():
             receive.is_aborted = True
             if self.connector is not None:
-                self.connector.abort(rid)
+                try:
+                    self.connector.abort(rid)
+                except Exception:  # the receive still ends by its deadline
+                    logger.warning("%s: cannot abort the receive of %s", self.name, rid)
         self.engine.abort_request(rid)
 
     def _decline(self, raw_handles: tuple[bytes, ...]) -> None:
@@ -346,7 +368,9 @@ class EngineService:
         for rid in list(self.engine.scheduler.requests):
             self._abort(rid)
         deadline = time.monotonic() + 5.0
-        while self._receives and time.monotonic() < deadline:
+        while any(r.future is not None for r in self._receives.values()):
+            if time.monotonic() > deadline:
+                break
             self._finish_receives()
             time.sleep(0.01)
         while self.engine.has_unfinished_requests() and time.monotonic() < deadline:

@@ -79,6 +79,7 @@ class WorkerReport:
     num_held: int  # prefill: requests whose KV waits for a decode worker
     hashes_version: int  # changes whenever the cached block hashes change
     cached_hashes: tuple[int, ...] | None  # sent only when the caller's version is stale
+    error: str = ""  # the engine loop died of this: the worker is gone for good
     kind: ClassVar[str] = "report"
 
 

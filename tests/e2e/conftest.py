@@ -57,7 +57,8 @@ def start_cluster(config: dict, workdir: Path, env: dict | None = None) -> Serve
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
-        env={**os.environ, **(env or {})},
+        # A Ray instance of its own, whatever else runs on this machine.
+        env={**os.environ, "RAY_ADDRESS": "local", **(env or {})},
     )
     lines: list[str] = []
     ready = threading.Event()

@@ -286,3 +286,47 @@ def test_refusals(model_dir):
         ("RESOURCE_EXHAUSTED", "1 requests in flight (router.max_queued_requests=1); retry later"),
         ("UNAVAILABLE", ""),
     ]
+
+
+def test_stop_token_id_ends_with_the_same_text_as_llm_generate(model_dir):
+    llm = LLM(str(model_dir), dtype="float32", max_model_len=256)
+    plain = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
+    stop_id = llm.generate([LONG_PREFIX], plain)[0].token_ids[6]
+    stopped = SamplingParams(
+        max_tokens=16, temperature=0, ignore_eos=True, stop_token_ids=[stop_id]
+    )
+    ref = llm.generate([LONG_PREFIX], stopped)[0]
+    cluster = Cluster(model_dir, disaggregation="always")
+
+    async def body(router):
+        request = req(LONG_PREFIX)
+        request.stopping.stop_token_ids.append(stop_id)
+        return await collect(router, request)
+
+    tokens, text, final = run(cluster, body)
+    assert tokens == list(ref.token_ids) and text == ref.text
+    assert final.finish_reason == pb.FINISH_REASON_STOP and final.stop_token_id == stop_id
+
+
+def test_a_crashed_engine_fails_its_requests_instead_of_hanging(model_dir):
+    cluster = Cluster(model_dir, disaggregation="never")
+    engine = cluster.services["decode-0"].engine
+    real_step, calls = engine.step, []
+
+    def failing_step():
+        calls.append(1)
+        if len(calls) > 3:
+            raise RuntimeError("device lost")
+        return real_step()
+
+    engine.step = failing_step
+
+    async def body(router):
+        with pytest.raises(RouterError) as info:
+            await asyncio.wait_for(collect(router, req(LONG_PREFIX, max_tokens=50)), 10)
+        assert info.value.code == "INTERNAL" and "device lost" in info.value.message
+        with pytest.raises(RouterError) as again:
+            await collect(router, req("next"))
+        return again.value.code, router.decode[0].is_alive
+
+    assert run(cluster, body) == ("UNAVAILABLE", False)
