@@ -68,15 +68,24 @@ def ray_head(tmp_path):
     }
     env.pop("RAY_JOB_ID", None)
     temp = Path(tempfile.mkdtemp(prefix="ray", dir="/tmp"))  # Ray's socket paths must be short
+    # Every port explicit: another Ray instance on this machine must not collide with it.
     ray_cli(
         "start", "--head", "--node-ip-address=127.0.0.1", f"--port={free_port()}",
-        "--dashboard-host=127.0.0.1", f"--dashboard-port={dashboard}", "--num-cpus=4",
-        "--disable-usage-stats", f"--temp-dir={temp}", env=env,
+        "--dashboard-host=127.0.0.1", f"--dashboard-port={dashboard}",
+        f"--dashboard-agent-listen-port={free_port()}",
+        f"--dashboard-agent-grpc-port={free_port()}", f"--metrics-export-port={free_port()}",
+        f"--runtime-env-agent-port={free_port()}", f"--node-manager-port={free_port()}",
+        f"--object-manager-port={free_port()}", "--num-cpus=4", "--disable-usage-stats",
+        f"--temp-dir={temp}", env=env,
     )  # fmt: skip
     try:
         yield env
     finally:
-        ray_cli("stop", "--force", env=env, check=False)
+        # Not `ray stop`: it would kill every Ray instance on the machine. Our head's
+        # processes name our temp dir; its workers die with their raylet.
+        for sig in ("-TERM", "-KILL"):
+            subprocess.run(["pkill", sig, "-f", str(temp)], check=False)
+            time.sleep(3)
         shutil.rmtree(temp, ignore_errors=True)
 
 
@@ -84,10 +93,18 @@ def test_ray_job_submit_serves_and_ray_job_stop_shuts_down(ray_head):
     env = ray_head
     port = yaml.safe_load((ROOT / CONFIG).read_text())["router"]["port"]
     runtime_env = json.dumps({"env_vars": {"BATON_CACHE_DIR": env["BATON_CACHE_DIR"]}})
-    submitted = ray_cli(
-        "job", "submit", "--no-wait", "--working-dir", ".", "--runtime-env-json", runtime_env,
-        "--", "python", "-m", "cluster", CONFIG, env=env,
-    )  # fmt: skip
+    deadline = time.monotonic() + 120
+    while True:  # right after `ray start` the job agent may not be up yet
+        submitted = ray_cli(
+            "job", "submit", "--no-wait", "--working-dir", ".", "--runtime-env-json", runtime_env,
+            "--", "python", "-m", "cluster", CONFIG, env=env, check=False,
+        )  # fmt: skip
+        if submitted.returncode == 0:
+            break
+        output = submitted.stdout + submitted.stderr
+        if "No available agent" not in output or time.monotonic() > deadline:
+            raise AssertionError(f"ray job submit failed:\n{output}")
+        time.sleep(2)
     job_id = next(
         word.strip("'\"")
         for line in submitted.stdout.splitlines()
@@ -113,8 +130,9 @@ def test_ray_job_submit_serves_and_ray_job_stop_shuts_down(ray_head):
         ray_cli("job", "stop", job_id, env=env, check=False)
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline:
-        status = ray_cli("job", "status", job_id, env=env).stdout
-        if any(s in status for s in ("STOPPED", "SUCCEEDED", "FAILED")):
+        proc = ray_cli("job", "status", job_id, env=env)
+        status = (proc.stdout + proc.stderr).lower()  # "Job '...' was stopped"
+        if any(s in status for s in ("stopped", "succeeded", "failed")):
             break
         time.sleep(1)
     logs = ray_cli("job", "logs", job_id, env=env).stdout
