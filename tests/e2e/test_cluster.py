@@ -263,6 +263,30 @@ def test_status_and_model_info(cluster):
     assert answer.status == health_pb2.HealthCheckResponse.SERVING
 
 
+def test_reflection_lists_the_services(cluster):
+    from grpc_reflection.v1alpha.proto_reflection_descriptor_database import (
+        ProtoReflectionDescriptorDatabase,
+    )
+
+    services = ProtoReflectionDescriptorDatabase(grpc.insecure_channel(cluster.address))
+    assert {"baton.v1.Inference", "grpc.health.v1.Health"} <= set(services.get_services())
+
+
+def test_cli_generate_and_status_against_the_cluster(cluster, capsys, llm):
+    from cluster import cli
+    from workers import SamplingParams
+
+    argv = ["generate", "--target", cluster.address, "--max-tokens", "12", "--temperature", "0"]
+    assert cli.main([*argv, "--ignore-eos", "--timing", PROMPTS[0]]) == 0
+    out, err = capsys.readouterr()
+    ref = llm.generate([PROMPTS[0]], SamplingParams(max_tokens=12, temperature=0, ignore_eos=True))
+    assert out.rstrip("\n") == ref[0].text
+    assert "prefill-0" in err and "decode-0" in err
+    assert cli.main(["status", "--target", cluster.address]) == 0
+    out = capsys.readouterr().out
+    assert "prefill-0" in out and "decode-0" in out and "nixl" in out
+
+
 def test_sigterm_drains_in_flight_requests_then_exits(cluster):
     """Last in the module: SIGTERM lets a running request finish, refuses new ones, exits 0."""
     stub = cluster.stub()
