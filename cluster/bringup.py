@@ -130,6 +130,7 @@ def bring_up(config: ClusterConfig) -> Cluster:
                 policy=config.router.policy,
                 disaggregation=config.router.disaggregation,
                 auto_local_prefill_tokens=config.router.auto_local_prefill_tokens,
+                saturated_queue=config.router.auto_saturated_queue,
                 max_queued_requests=config.router.max_queued_requests,
                 kv_transfer_backend=config.kv_transfer.backend,
             ),

@@ -85,6 +85,9 @@ class RouterSection:
     auto_local_prefill_tokens: int = option(
         256, "auto: prefill locally when at most this many prompt tokens are uncached", ge=0
     )
+    auto_saturated_queue: int = option(
+        8, "auto: also prefill locally when every prefill worker has this many waiting", ge=1
+    )
     max_queued_requests: int = option(
         1024, "Requests admitted but not finished; beyond: RESOURCE_EXHAUSTED", ge=1
     )
