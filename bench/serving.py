@@ -1,0 +1,783 @@
+"""Serving over gRPC: 1 prefill + 1 decode worker (disaggregated) against 2 aggregated
+workers on one mixed workload, and the router's added latency per streamed token.
+
+Both clusters are started here with ``python -m cluster CONFIG``, as a user would, one
+after the other, with the same model, block size, KV blocks and step budget.
+
+- Load: N requests with token-id prompts from a few length buckets, max_tokens in
+  [16, 128], greedy, EOS ignored, arriving as a Poisson process (``--rate``, one or
+  more; 0 = all at once) with at most ``--max-concurrency`` in flight. Lengths and
+  arrival times are the same in every repeat and configuration; token ids are fresh in
+  every run (no prefix-cache hits). Per request, on the client's clock: TTFT (send -> first
+  token), TPOT ((e2e - TTFT) / (tokens - 1)), the gaps between streamed chunks (ITL).
+- Router overhead: one request at a time, alternately through the aggregated cluster
+  and through an in-process ``LLMEngine`` with the workers' settings and torch threads.
+  *Delivery*: client receive time minus the moment the worker's engine loop published
+  the token, split where the router handled it (worker -> Ray -> router -> gRPC ->
+  client). *Cadence*: client inter-chunk gap minus the direct engine's step time for the
+  same request and token index. Every process reads the same ``time.monotonic`` clock;
+  the cluster's stamps come from a hook installed through ``sitecustomize`` (see
+  ``install_stamps``) that appends (kind, request id, tokens, time) to a list.
+
+    python bench/serving.py --rate 1.5 0.75 --repeats 3 --json bench/serving.json
+
+(about 14 minutes on 2 cores; with the default single rate, about 9.)
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import platform
+import random
+import shutil
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections import Counter, defaultdict
+from dataclasses import dataclass, field
+from itertools import pairwise
+from pathlib import Path
+
+import grpc
+import yaml
+
+from proto.baton.v1 import inference_pb2 as pb
+from proto.baton.v1 import inference_pb2_grpc as pb_grpc
+
+ROOT = Path(__file__).resolve().parents[1]
+# `python bench/serving.py` puts bench/ first on sys.path, where bench/kernels.py shadows
+# the `kernels` package that the engine imports.
+if sys.path and Path(sys.path[0]).resolve() == ROOT / "bench":
+    del sys.path[0]
+
+PROMPT_LENS = (32, 128, 320, 600)
+MAX_TOKENS = (16, 128)
+MODES = ("disaggregated", "aggregated")
+START_TIMEOUT_S = 240.0
+REQUEST_TIMEOUT_S = 300.0
+STAMPS_ENV = "BATON_BENCH_STAMPS"
+
+# ---- stamps inside the cluster's processes ------------------------------------------
+# Imported first by every Python process of the cluster (PYTHONPATH); once
+# workers.service or router.stream is imported, this script's install_stamps patches it.
+_SITECUSTOMIZE = """\
+import importlib.abc, importlib.util, os, sys
+
+class _StampHook(importlib.abc.MetaPathFinder):
+    names = {{"workers.service", "router.stream"}}
+
+    def find_spec(self, name, path=None, target=None):
+        if name not in self.names:
+            return None
+        self.names.discard(name)  # the find_spec below must not come back here
+        spec = importlib.util.find_spec(name)
+        run = spec.loader.exec_module
+
+        def exec_module(module):
+            run(module)
+            bench = sys.modules.get("_bench_serving")
+            if bench is None:
+                bench_spec = importlib.util.spec_from_file_location("_bench_serving", {path!r})
+                bench = importlib.util.module_from_spec(bench_spec)
+                sys.modules["_bench_serving"] = bench
+                bench_spec.loader.exec_module(bench)
+            bench.install_stamps(module, os.environ[{env!r}])
+
+        spec.loader.exec_module = exec_module
+        return spec
+
+if os.environ.get({env!r}):
+    sys.meta_path.insert(0, _StampHook())
+"""
+# A request reached a worker; a worker's engine loop published tokens; the router turned
+# a worker's event into the client's message.
+ARRIVE, PUBLISH, ROUTE = "arrive", "publish", "route"
+
+
+class _Recorder:
+    """Rows appended to a file twice a second by a daemon thread: not on the engine's
+    thread, and not only at stop (a worker that does not stop in time is killed)."""
+
+    def __init__(self, path: Path):
+        self.lock = threading.Lock()
+        self.rows: list[tuple[str, str, int, float]] = []
+        self.path = path
+        threading.Thread(target=self._flush, daemon=True).start()
+
+    def add(self, kind: str, request_id: str, num_tokens: int) -> None:
+        with self.lock:
+            self.rows.append((kind, request_id, num_tokens, time.monotonic()))
+
+    def _flush(self) -> None:
+        while True:
+            time.sleep(0.5)
+            with self.lock:
+                rows, self.rows = self.rows, []
+            if rows:
+                with self.path.open("a") as f:
+                    f.write("".join(json.dumps(row) + "\n" for row in rows))
+
+
+def install_stamps(module, out_dir: str) -> None:
+    """In a cluster process: stamp requests and token events as they pass
+    ``workers.service.EngineService`` (worker) or ``router.stream.RequestStream`` (router)."""
+    rec = _Recorder(Path(out_dir) / f"{module.__name__}-{os.getpid()}.jsonl")
+    if module.__name__ == "workers.service":
+        cls = module.EngineService
+        submit, publish = cls.submit, cls._publish
+
+        def _submit(self, item):
+            rec.add(ARRIVE, item.request_id, 0)
+            submit(self, item)
+
+        def _publish(self, events):
+            for e in events:
+                if e.token_ids:
+                    rec.add(PUBLISH, e.request_id, len(e.token_ids))
+            publish(self, events)
+
+        cls.submit, cls._publish = _submit, _publish
+    elif module.__name__ == "router.stream":
+        on_event = module.RequestStream.on_event
+
+        def _on_event(self, event):
+            if event.token_ids:
+                rec.add(ROUTE, self.request_id, len(event.token_ids))
+            return on_event(self, event)
+
+        module.RequestStream.on_event = _on_event
+
+
+# ---- workload and client -------------------------------------------------------------
+@dataclass(frozen=True)
+class Item:
+    prompt_ids: tuple[int, ...]
+    max_tokens: int
+    arrival_s: float = 0.0
+
+
+@dataclass
+class Result:
+    request_id: str
+    send: float = 0.0
+    recv: list[float] = field(default_factory=list)  # per message that carries tokens
+    counts: list[int] = field(default_factory=list)  # tokens in each of those
+    token_ids: list[int] = field(default_factory=list)
+    cached_tokens: int = 0
+    kv_transfer_s: float = 0.0
+    workers: str = ""
+    error: str = ""
+
+
+def make_workload(num: int, vocab: int, seed: int, rate: float, repeat: int) -> list[Item]:
+    shape = random.Random(seed)  # lengths and arrivals: the same in every run
+    content = random.Random(f"{seed}/{rate}/{repeat}")  # token ids: fresh in every run
+    work, at = [], 0.0
+    for _ in range(num):
+        prompt_len, max_tokens = shape.choice(PROMPT_LENS), shape.randint(*MAX_TOKENS)
+        work.append(Item(random_ids(content, prompt_len, vocab), max_tokens, at))
+        at += shape.expovariate(rate) if rate > 0 else 0.0
+    return work
+
+
+def random_ids(rng: random.Random, num: int, vocab: int) -> tuple[int, ...]:
+    return tuple(rng.randrange(10, vocab) for _ in range(num))
+
+
+async def generate(stub: pb_grpc.InferenceStub, request_id: str, item: Item) -> Result:
+    req = pb.GenerateRequest(request_id=request_id)
+    req.token_ids.ids.extend(item.prompt_ids)
+    req.sampling.temperature = 0.0
+    req.stopping.max_tokens = item.max_tokens
+    req.stopping.ignore_eos = True
+    req.output.return_text = False
+    req.output.return_timing = True
+    res = Result(request_id, send=time.monotonic())
+    try:
+        async for msg in stub.Generate(req, timeout=REQUEST_TIMEOUT_S):
+            now = time.monotonic()
+            final = msg.final if msg.WhichOneof("kind") == "final" else None
+            ids = final.delta.token_ids if final is not None else msg.delta.token_ids
+            if ids:
+                res.recv.append(now)
+                res.counts.append(len(ids))
+                res.token_ids.extend(ids)
+            if final is not None:
+                res.cached_tokens = final.usage.cached_prompt_tokens
+                res.kv_transfer_s = final.timing.kv_transfer_seconds
+                res.workers = f"{final.timing.prefill_worker or '-'}>{final.timing.decode_worker}"
+    except grpc.aio.AioRpcError as exc:
+        res.error = f"{exc.code().name}: {exc.details()}"
+    if not res.error and len(res.token_ids) != item.max_tokens:
+        res.error = f"{len(res.token_ids)} tokens, asked for {item.max_tokens}"
+    return res
+
+
+async def run_load(address: str, work: list[Item], max_concurrency: int, tag: str):
+    """Send ``work`` on its arrival schedule; returns (results, makespan seconds)."""
+    async with grpc.aio.insecure_channel(address) as channel:
+        stub = pb_grpc.InferenceStub(channel)
+        slots = asyncio.Semaphore(max_concurrency)
+        start = time.monotonic() + 0.05
+
+        async def one(i: int, item: Item) -> Result:
+            await asyncio.sleep(max(0.0, start + item.arrival_s - time.monotonic()))
+            async with slots:
+                return await generate(stub, f"{tag}-{i}", item)
+
+        results = await asyncio.gather(*(one(i, item) for i, item in enumerate(work)))
+    ends = [r.recv[-1] for r in results if r.recv]
+    makespan = max(ends) - min(r.send for r in results) if ends else 0.0
+    return list(results), makespan
+
+
+# ---- statistics ----------------------------------------------------------------------
+def pct(values: list[float], q: float) -> float:
+    """Percentile with linear interpolation (q in [0, 100]) of a non-empty list."""
+    xs = sorted(values)
+    pos = (len(xs) - 1) * q / 100
+    lo = int(pos)
+    return xs[lo] + (xs[min(lo + 1, len(xs) - 1)] - xs[lo]) * (pos - lo)
+
+
+def dist_ms(values: list[float]) -> dict[str, float | None]:
+    """p50/p90/p99/mean in milliseconds; None for no values (JSON has no NaN)."""
+    ms = [1e3 * v for v in values]
+    out = {f"p{q}": round(pct(ms, q), 3) if ms else None for q in (50, 90, 99)}
+    out["mean"] = round(statistics.fmean(ms), 3) if ms else None
+    return out
+
+
+def summarize(results: list[Result], makespan: float) -> dict:
+    ok = [r for r in results if not r.error]
+    per_s = 1 / makespan if makespan else 0.0
+    itl = [
+        (b - a) / n for r in ok for (a, b), n in zip(pairwise(r.recv), r.counts[1:], strict=True)
+    ]
+    return {
+        "num_ok": len(ok),
+        "errors": sorted({r.error for r in results if r.error}),
+        "makespan_s": round(makespan, 3),
+        "output_tok_s": round(sum(len(r.token_ids) for r in ok) * per_s, 2),
+        "req_s": round(len(ok) * per_s, 3),
+        "ttft_ms": dist_ms([r.recv[0] - r.send for r in ok]),
+        "tpot_ms": dist_ms(
+            [(r.recv[-1] - r.recv[0]) / (len(r.token_ids) - 1) for r in ok if len(r.token_ids) > 1]
+        ),
+        "itl_ms": dist_ms(itl),
+        "e2e_ms": dist_ms([r.recv[-1] - r.send for r in ok]),
+        "kv_transfer_ms": dist_ms([r.kv_transfer_s for r in ok if r.kv_transfer_s]),
+        "cached_prompt_tokens": sum(r.cached_tokens for r in ok),
+        "workers": dict(sorted(Counter(r.workers for r in ok).items())),
+    }
+
+
+class Stamps:
+    """The cluster's stamps: per kind, request id -> [(time, tokens)] in time order."""
+
+    def __init__(self, out_dir: Path):
+        self.rows: dict[str, dict[str, list]] = {
+            k: defaultdict(list) for k in (ARRIVE, PUBLISH, ROUTE)
+        }
+        for path in out_dir.glob("*.jsonl"):
+            for line in path.read_text().splitlines():
+                kind, request_id, num_tokens, at = json.loads(line)
+                self.rows[kind][request_id].append((at, num_tokens))
+        for by_request in self.rows.values():
+            for values in by_request.values():
+                values.sort()
+
+    def arrived(self, request_id: str) -> float | None:
+        """When the request reached its first worker."""
+        times = self.rows[ARRIVE].get(request_id)
+        return times[0][0] if times else None
+
+    def per_chunk(self, kind: str, res: Result) -> list[float] | None:
+        """The stamp of each client chunk's last token (None: the token counts differ)."""
+        per_token = [at for at, n in self.rows[kind].get(res.request_id, ()) for _ in range(n)]
+        if res.error or len(per_token) != len(res.token_ids):
+            return None
+        ends = [sum(res.counts[: k + 1]) - 1 for k in range(len(res.counts))]
+        return [per_token[e] for e in ends]
+
+
+def delivery(results: list[Result], stamps: Stamps) -> dict:
+    """Per streamed chunk: worker publish -> client receive, split where the router was."""
+    legs: dict[str, list[float]] = defaultdict(list)
+    missing = 0
+    for res in results:
+        published, routed = stamps.per_chunk(PUBLISH, res), stamps.per_chunk(ROUTE, res)
+        if published is None or routed is None:
+            missing += 1
+            continue
+        for p, r, c in zip(published, routed, res.recv, strict=True):
+            legs["delivery"].append(c - p)
+            legs["worker_to_router"].append(r - p)
+            legs["router_to_client"].append(c - r)
+    return {**{f"{k}_ms": dist_ms(v) for k, v in legs.items()}, "unmatched_requests": missing}
+
+
+def median_run(runs: list[dict]) -> dict:
+    """Each figure's median over the repeats (None where a run has none)."""
+
+    def median(values: list) -> float | None:
+        return None if None in values else statistics.median(values)
+
+    out = {}
+    for key, value in runs[0].items():
+        if isinstance(value, dict) and set(value) == {"p50", "p90", "p99", "mean"}:
+            out[key] = {k: median([r[key][k] for r in runs]) for k in value}
+        elif isinstance(value, float | int) and not isinstance(value, bool):
+            out[key] = median([r[key] for r in runs])
+    return out
+
+
+# ---- router overhead: the engine called directly ---------------------------------------
+class DirectEngine:
+    """The workers' engine (same model and settings) in this process, called directly."""
+
+    def __init__(self, model_dir: str, args: argparse.Namespace, num_threads: int):
+        import torch
+
+        from workers.config import EngineConfig
+        from workers.engine import LLMEngine
+
+        torch.set_num_threads(num_threads)
+        self.engine = LLMEngine(
+            EngineConfig(
+                model=model_dir,
+                device="cpu",
+                max_model_len=args.max_model_len,
+                block_size=args.block_size,
+                num_kv_blocks=args.num_blocks,
+                max_num_seqs=args.max_num_seqs,
+                max_num_batched_tokens=args.max_num_batched_tokens,
+                detokenize=False,
+            )
+        )
+
+    def run(self, item: Item) -> dict:
+        """Step one request alone: its tokens, TTFT, and when each token came out."""
+        from workers import SamplingParams
+
+        params = SamplingParams(max_tokens=item.max_tokens, temperature=0.0, ignore_eos=True)
+        start = time.monotonic()
+        request_id = self.engine.add_request(list(item.prompt_ids), params)
+        times, token_ids = [], []
+        while self.engine.has_unfinished_requests():
+            deltas = self.engine.step()
+            now = time.monotonic()
+            for d in deltas:
+                if d.request_id == request_id and d.token_ids:
+                    times.append(now)
+                    token_ids.extend(d.token_ids)
+        return {"token_ids": token_ids, "ttft": times[0] - start, "times": times}
+
+
+async def run_overhead(address: str, work: list[Item], engine: DirectEngine, tag: str):
+    """One request at a time, alternately through the cluster and directly, so both see
+    the same conditions over time. The first pair is a warm-up."""
+    served, direct = [], []
+    async with grpc.aio.insecure_channel(address) as channel:
+        stub = pb_grpc.InferenceStub(channel)
+        for i, item in enumerate(work):
+            served.append(await generate(stub, f"{tag}-{i}", item))
+            direct.append(engine.run(item))
+    return served[1:], direct[1:]
+
+
+def router_overhead(served: list[Result], direct: list[dict], stamps: Stamps) -> dict:
+    """Served streams against the same requests stepped directly, matched by request and
+    token index: per streamed chunk, and for the first token."""
+    m: dict[str, list[float]] = defaultdict(list)
+    differ = 0
+    for res, ref in zip(served, direct, strict=True):
+        if res.error or res.token_ids != ref["token_ids"] or set(res.counts) != {1}:
+            differ += 1
+            continue
+        published, arrived = stamps.per_chunk(PUBLISH, res), stamps.arrived(res.request_id)
+        if published is None or arrived is None:
+            continue
+        gaps = [b - a for a, b in pairwise(res.recv)]
+        steps = [b - a for a, b in pairwise(ref["times"])]
+        m["cadence_added"] += [g - s for g, s in zip(gaps, steps, strict=True)]
+        m["client_gap"] += gaps
+        m["worker_publish_gap"] += [b - a for a, b in pairwise(published)]
+        m["direct_engine_step"] += steps
+        m["ttft_client"].append(res.recv[0] - res.send)
+        m["ttft_direct_engine"].append(ref["ttft"])
+        m["ttft_in_worker"].append(published[0] - arrived)
+        m["ttft_added"].append(res.recv[0] - res.send - ref["ttft"])
+        m["request_path"].append(arrived - res.send)
+    return {
+        "outputs_differ_from_direct_engine": differ,
+        **delivery(served, stamps),
+        **{f"{k}_ms": dist_ms(v) for k, v in m.items()},
+    }
+
+
+# ---- the host: who else uses it --------------------------------------------------------
+_TICK = os.sysconf("SC_CLK_TCK")
+
+
+def _procs() -> dict[int, tuple[int, int, str]]:
+    """pid -> (parent pid, CPU ticks, command line) of every process."""
+    out = {}
+    for entry in os.scandir("/proc"):
+        if entry.name.isdigit():
+            try:
+                stat = Path(entry.path, "stat").read_text()
+                cmd = Path(entry.path, "cmdline").read_bytes()[:200].replace(b"\0", b" ")
+            except OSError:
+                continue
+            rest = stat[stat.rindex(")") + 2 :].split()
+            out[int(entry.name)] = (int(rest[1]), int(rest[11]) + int(rest[12]), cmd.decode())
+    return out
+
+
+def _tree(procs: dict, roots: list[int]) -> set[int]:
+    children = defaultdict(list)
+    for pid, (ppid, _, _) in procs.items():
+        children[ppid].append(pid)
+    seen, todo = set(), list(roots)
+    while todo:
+        pid = todo.pop()
+        if pid not in seen:
+            seen.add(pid)
+            todo.extend(children[pid])
+    return seen
+
+
+class Host:
+    """Core-seconds used by processes outside ours (this one + the cluster), and Ray
+    instances that are not ours."""
+
+    def __init__(self):
+        self.roots = [os.getpid()]
+
+    def sample(self) -> tuple[int, int]:
+        procs = _procs()
+        ours = sum(procs[p][1] for p in _tree(procs, self.roots) if p in procs)
+        fields = Path("/proc/stat").read_text().split()[1:9]
+        busy = sum(int(v) for i, v in enumerate(fields) if i not in (3, 4))  # not idle, iowait
+        return busy, ours
+
+    def foreign_s(self, start: tuple[int, int]) -> float:
+        end = self.sample()
+        return max(0.0, ((end[0] - start[0]) - (end[1] - start[1])) / _TICK)
+
+    def wait_quiet(self, max_wait_s: float, window_s: float = 2.0, cores: float = 0.15) -> float:
+        """Wait (at most ``max_wait_s``) for a window in which others use < ``cores``."""
+        deadline = time.monotonic() + max_wait_s
+        while True:
+            start = self.sample()
+            time.sleep(window_s)
+            load = self.foreign_s(start) / window_s
+            if load < cores or time.monotonic() > deadline:
+                return load
+
+    def wait_no_foreign_ray(self, max_wait_s: float) -> None:
+        """``python -m cluster`` joins any Ray instance on the host (Ray's "auto" finds
+        raylets by scanning processes), so start ours only while there is none."""
+        deadline = time.monotonic() + max_wait_s
+        while True:
+            procs = _procs()
+            ours = _tree(procs, self.roots)
+            pids = [p for p, v in procs.items() if "raylet/raylet" in v[2] and p not in ours]
+            if not pids:
+                return
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"another Ray instance runs on this host (raylet {pids})")
+            print(f"waiting for another Ray instance to end (raylet {pids})", flush=True)
+            time.sleep(5.0)
+
+    def count(self, root: int, needle: str) -> int:
+        """Processes under ``root`` whose command line contains ``needle``."""
+        procs = _procs()
+        return sum(needle in procs[p][2] for p in _tree(procs, [root]) if p in procs)
+
+
+# ---- the cluster -----------------------------------------------------------------------
+def cluster_config(model_dir: str, mode: str, args: argparse.Namespace) -> dict:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    pool = {
+        "max_num_seqs": args.max_num_seqs,
+        "max_num_batched_tokens": args.max_num_batched_tokens,
+    }
+    disaggregated = mode == "disaggregated"
+    return {
+        "model": {"path": model_dir, "name": "bench", "max_model_len": args.max_model_len},
+        "prefill": {"replicas": 1 if disaggregated else 0, **pool},
+        "decode": {"replicas": 1 if disaggregated else 2, **pool},
+        "kv_cache": {"block_size": args.block_size, "num_blocks": args.num_blocks},
+        "kv_transfer": {"backend": "nixl"},
+        "router": {
+            "port": port,
+            "policy": "kv_aware",
+            "disaggregation": "always" if disaggregated else "never",
+            "max_queued_requests": 4 * args.num_requests,
+            "drain_grace_seconds": 5,
+        },
+    }
+
+
+class Cluster:
+    """``python -m cluster`` in a subprocess, with its own Ray temp dir and the stamp hook."""
+
+    def __init__(self, config: dict, workdir: Path):
+        self.stamps_dir = workdir / "stamps"
+        hook = workdir / "hook"
+        for d in (self.stamps_dir, hook):
+            d.mkdir()
+        hook.joinpath("sitecustomize.py").write_text(
+            _SITECUSTOMIZE.format(path=str(Path(__file__).resolve()), env=STAMPS_ENV)
+        )
+        path = workdir / "cluster.yaml"
+        path.write_text(yaml.safe_dump(config))
+        self.address = f"127.0.0.1:{config['router']['port']}"
+        self.ray_tmp = tempfile.mkdtemp(prefix="ray", dir="/tmp")  # short: socket paths
+        env = {
+            **os.environ,
+            STAMPS_ENV: str(self.stamps_dir),
+            "PYTHONPATH": os.pathsep.join([str(hook), os.environ.get("PYTHONPATH", "")]),
+            "RAY_TMPDIR": self.ray_tmp,
+        }
+        self.process = subprocess.Popen(
+            [sys.executable, "-m", "cluster", str(path)],
+            cwd=ROOT,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            env=env,
+        )
+        self.lines: list[str] = []
+        ready = threading.Event()
+
+        def read() -> None:
+            assert self.process.stdout is not None
+            for line in self.process.stdout:
+                self.lines.append(line.rstrip())
+                if line.startswith("baton: serving"):
+                    ready.set()
+
+        threading.Thread(target=read, daemon=True).start()
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while not ready.wait(0.2):
+            if self.process.poll() is not None or time.monotonic() > deadline:
+                self.process.kill()
+                raise RuntimeError("cluster did not start:\n" + "\n".join(self.lines[-40:]))
+        if Host().count(self.process.pid, "raylet/raylet") == 0:
+            self.stop()  # no raylet of its own: it joined a Ray instance that it did not start
+            raise RuntimeError("the cluster joined another Ray instance; try again")
+
+    def stop(self, timeout_s: float = 90.0) -> int:
+        self.process.send_signal(signal.SIGTERM)
+        try:
+            return self.process.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            raise
+        finally:
+            shutil.rmtree(self.ray_tmp, ignore_errors=True)
+
+
+# ---- one configuration -----------------------------------------------------------------
+def measure(mode: str, model_dir: str, vocab: int, args: argparse.Namespace, host: Host) -> dict:
+    """Bring the configuration up, warm it, run every load (and the overhead run on the
+    aggregated cluster) ``--repeats`` times, interleaved; bring it down."""
+    loads: dict[str, list] = {str(rate): [] for rate in args.rate}
+    overhead = []
+    with tempfile.TemporaryDirectory(prefix="baton-serving-") as tmp:
+        host.wait_no_foreign_ray(args.ray_wait)
+        host.wait_quiet(args.quiet_wait)
+        started = time.monotonic()
+        cluster = Cluster(cluster_config(model_dir, mode, args), Path(tmp))
+        bring_up_s = time.monotonic() - started
+        host.roots.append(cluster.process.pid)
+        engine = None
+        try:
+            if mode == "aggregated" and args.overhead_requests:
+                # What bring-up gives each of the 2 workers when it starts Ray itself.
+                threads = max(1, (os.cpu_count() or 1) // 2)
+                engine = DirectEngine(model_dir, args, threads)
+            rng = random.Random(-1)
+            warm = [Item(random_ids(rng, n, vocab), 8) for n in PROMPT_LENS * 2]
+            results, _ = asyncio.run(run_load(cluster.address, warm, len(warm), "warm"))
+            if any(r.error for r in results):
+                raise RuntimeError(f"warm-up failed: {[r.error for r in results]}")
+            for r in range(args.repeats):
+                for rate in args.rate:
+                    work = make_workload(args.num_requests, vocab, args.seed, rate, r)
+                    quiet = host.wait_quiet(args.quiet_wait)
+                    cpu0 = host.sample()
+                    tag = f"{mode}-{rate}-r{r}"
+                    results, makespan = asyncio.run(
+                        run_load(cluster.address, work, args.max_concurrency, tag)
+                    )
+                    run = summarize(results, makespan)
+                    run["foreign_cores_before"] = round(quiet, 2)
+                    run["foreign_cpu_s"] = round(host.foreign_s(cpu0), 1)
+                    run["worker_actors"] = host.count(cluster.process.pid, "ray::WorkerActor")
+                    loads[str(rate)].append((run, results))
+                    print(f"{mode} @ {rate} req/s, run {r}: {_line(run)}", flush=True)
+                if engine is not None:
+                    rng = random.Random(f"overhead/{args.seed}/{r}")
+                    work = [
+                        Item(random_ids(rng, args.overhead_prompt, vocab), args.overhead_tokens)
+                        for _ in range(args.overhead_requests + 1)
+                    ]
+                    host.wait_quiet(args.quiet_wait)
+                    cpu0 = host.sample()
+                    pair = asyncio.run(run_overhead(cluster.address, work, engine, f"ovh-r{r}"))
+                    overhead.append((pair, round(host.foreign_s(cpu0), 1)))
+        finally:
+            time.sleep(1.0)  # the stamps reach their files twice a second
+            code = cluster.stop()
+            host.roots.remove(cluster.process.pid)
+        if code != 0:
+            print("\n".join(cluster.lines[-40:]), file=sys.stderr)
+            raise RuntimeError(f"{mode}: the cluster exited with {code}")
+        stamps = Stamps(cluster.stamps_dir)
+    out: dict = {"bring_up_s": round(bring_up_s, 1), "loads": {}}
+    for rate, pairs in loads.items():
+        runs = [{**run, **delivery(results, stamps)} for run, results in pairs]
+        out["loads"][rate] = {"median": median_run(runs), "runs": runs}
+    if overhead:
+        runs = []
+        for (served, direct), foreign in overhead:
+            run = router_overhead(served, direct, stamps)
+            run["foreign_cpu_s"], run["torch_threads"] = foreign, threads
+            runs.append(run)
+            print(f"overhead: {_overhead_line(run)}", flush=True)
+        out["overhead"] = {"median": median_run(runs), "runs": runs}
+    return out
+
+
+def _line(run: dict) -> str:
+    return (
+        f"{run['req_s']:.2f} req/s, {run['output_tok_s']:.1f} tok/s | TTFT p50 "
+        f"{run['ttft_ms']['p50']:.0f} p99 {run['ttft_ms']['p99']:.0f} ms | TPOT p50 "
+        f"{run['tpot_ms']['p50']:.1f} p99 {run['tpot_ms']['p99']:.1f} ms | ITL p99 "
+        f"{run['itl_ms']['p99']:.0f} ms | {run['num_ok']} ok | prompt tokens from the prefix "
+        f"cache: {run['cached_prompt_tokens']} | others used {run['foreign_cpu_s']} core-s"
+    )
+
+
+def _overhead_line(run: dict) -> str:
+    d, c = run["delivery_ms"], run["cadence_added_ms"]
+    return (
+        f"delivery p50 {d['p50']:.2f} p99 {d['p99']:.2f} ms (worker->router p50 "
+        f"{run['worker_to_router_ms']['p50']:.2f}, router->client "
+        f"{run['router_to_client_ms']['p50']:.2f}) | cadence added p50 {c['p50']:.2f} "
+        f"p99 {c['p99']:.2f} ms | outputs differ: {run['outputs_differ_from_direct_engine']}"
+        f" | others used {run['foreign_cpu_s']} core-s"
+    )
+
+
+# ---- report ----------------------------------------------------------------------------
+ROWS = [("req/s", "req_s", None), ("output tok/s", "output_tok_s", None)]
+ROWS += [
+    (f"{name} {q} (ms)", key, q)
+    for name, key in (("TTFT", "ttft_ms"), ("TPOT", "tpot_ms"), ("ITL", "itl_ms"))
+    for q in ("p50", "p90", "p99")
+]
+ROWS += [
+    ("E2E p50 (ms)", "e2e_ms", "p50"),
+    ("delivery p50 (ms)", "delivery_ms", "p50"),
+    ("delivery p99 (ms)", "delivery_ms", "p99"),
+]
+
+
+def ratios(d: dict, a: dict) -> dict[str, float]:
+    """Disaggregated / aggregated for every row of the table."""
+    return {
+        label: round((d[key] if q is None else d[key][q]) / (a[key] if q is None else a[key][q]), 3)
+        for label, key, q in ROWS
+    }
+
+
+def print_tables(configs: dict) -> None:
+    for rate in configs["disaggregated"]["loads"]:
+        d, a = (configs[m]["loads"][rate]["median"] for m in MODES)
+        print(f"\n{rate} req/s offered | disaggregated 1P+1D | aggregated 2x | D / A")
+        for (label, key, q), ratio in zip(ROWS, ratios(d, a).values(), strict=True):
+            dv, av = (d[key], a[key]) if q is None else (d[key][q], a[key][q])
+            print(f"{label:>20} | {dv:10.2f} | {av:10.2f} | {ratio:.2f}x")
+    if "overhead" in configs["aggregated"]:
+        print("\nper streamed chunk, 1 request at a time | p50 | p99 | mean (ms)")
+        for key, v in configs["aggregated"]["overhead"]["median"].items():
+            if key.endswith("_ms"):
+                print(f"{key:>28} | {v['p50']:8.3f} | {v['p99']:8.3f} | {v['mean']:8.3f}")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", help="HF model directory (default: make a small llama)")
+    ap.add_argument("--num-requests", type=int, default=48)
+    ap.add_argument("--rate", type=float, nargs="+", default=[1.5], help="Poisson req/s")
+    ap.add_argument("--max-concurrency", type=int, default=32)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--max-num-seqs", type=int, default=64)
+    ap.add_argument("--max-num-batched-tokens", type=int, default=512)
+    ap.add_argument("--max-model-len", type=int, default=1024)
+    ap.add_argument("--block-size", type=int, default=16)
+    ap.add_argument("--num-blocks", type=int, default=2048)
+    ap.add_argument("--overhead-requests", type=int, default=10, help="per repeat; 0 = skip")
+    ap.add_argument("--overhead-prompt", type=int, default=64)
+    ap.add_argument("--overhead-tokens", type=int, default=64)
+    ap.add_argument("--quiet-wait", type=float, default=60.0, help="before each run (s)")
+    ap.add_argument("--ray-wait", type=float, default=600.0, help="for another Ray to end (s)")
+    ap.add_argument("--json", type=Path, help="write the results here")
+    args = ap.parse_args()
+    if args.max_num_seqs < args.max_concurrency:
+        ap.error("--max-num-seqs must be >= --max-concurrency")
+
+    model_dir = Path(args.model) if args.model else ROOT / ".models/bench-small-llama"
+    if not args.model and not (model_dir / "config.json").exists():
+        from workers.make_model import make_model
+
+        make_model(model_dir, "llama", "small", seed=args.seed)
+    vocab = json.loads((model_dir / "config.json").read_text())["vocab_size"]
+
+    started, host = time.monotonic(), Host()
+    configs = {mode: measure(mode, str(model_dir), vocab, args, host) for mode in MODES}
+    print_tables(configs)
+    cpuinfo = Path("/proc/cpuinfo").read_text().splitlines()
+    cpu = next((ln.split(":", 1)[1].strip() for ln in cpuinfo if ln.startswith("model name")), "")
+    work = make_workload(args.num_requests, vocab, args.seed, args.rate[0], 0)
+    result = {
+        "machine": f"{cpu or platform.processor()}, {os.cpu_count()} cores",
+        "command": " ".join(["python", *sys.argv]),
+        "model_dir": str(model_dir),
+        "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
+        "workload": {
+            "prompt_lens": PROMPT_LENS,
+            "max_tokens": MAX_TOKENS,
+            "prompt_tokens": sum(len(i.prompt_ids) for i in work),
+            "output_tokens": sum(i.max_tokens for i in work),
+        },
+        "configs": configs,
+        "ratio_disaggregated_over_aggregated": {
+            rate: ratios(*(configs[m]["loads"][rate]["median"] for m in MODES))
+            for rate in configs["disaggregated"]["loads"]
+        },
+        "total_s": round(time.monotonic() - started, 1),
+    }
+    print(f"\ntotal {result['total_s']} s")
+    if args.json:
+        args.json.write_text(json.dumps(result, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()
