@@ -21,8 +21,14 @@ import json
 import platform
 import random
 import statistics
+import sys
 import time
 from pathlib import Path
+
+# Run as a script, bench/ comes first on sys.path, where bench/kernels.py would shadow
+# the `kernels` package the engine imports.
+if sys.path and Path(sys.path[0]).resolve() == Path(__file__).resolve().parent:
+    sys.path.pop(0)
 
 import torch
 
