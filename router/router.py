@@ -28,7 +28,7 @@ from dataclasses import dataclass, replace
 from proto.baton.v1 import inference_pb2 as pb
 from router.policy import NoHealthyWorker, RouteRequest, route
 from router.stream import RequestStream
-from router.validation import InvalidRequest, ValidRequest, check_length, validate
+from router.validation import InvalidRequest, ValidRequest, prompt_token_ids, validate
 from router.workers import WorkerClient, WorkerView
 from workers.block_manager import hash_prompt_blocks
 from workers.tokenizer import Tokenizer
@@ -181,24 +181,10 @@ class Router:
         return True
 
     def _validate(self, req: pb.GenerateRequest, request_id: str) -> tuple[ValidRequest, list[int]]:
+        cfg = self.config
         try:
-            valid = validate(req, self.config.model_name, request_id)
-            if isinstance(valid.prompt, str):
-                token_ids = self.tokenizer.encode(valid.prompt)
-                if not token_ids:
-                    raise InvalidRequest("text: the prompt encodes to no tokens")
-            else:
-                token_ids = valid.prompt
-                bad = [t for t in token_ids if t >= self.config.vocab_size]
-                if bad:
-                    raise InvalidRequest(
-                        f"token_ids: ids out of vocabulary [0, {self.config.vocab_size}): {bad[:5]}"
-                    )
-            check_length(len(token_ids), valid.params, self.config.max_model_len)
-            try:
-                valid.params.validate_for_model(self.config.vocab_size)
-            except ValueError as exc:
-                raise InvalidRequest(f"stopping.stop_token_ids: {exc}") from None
+            valid = validate(req, cfg.model_name, request_id)
+            token_ids = prompt_token_ids(valid, self.tokenizer, cfg.vocab_size, cfg.max_model_len)
         except InvalidRequest as exc:
             raise RouterError("INVALID_ARGUMENT", str(exc)) from None
         return valid, token_ids
@@ -421,44 +407,3 @@ class Router:
             if pending is not None and pending.owner is view:
                 pending.events.put_nowait((view.name, None))
         view.active.clear()
-
-    # ---- status ----------------------------------------------------------------------
-    def model_info(self) -> pb.ModelInfo:
-        cfg = self.config
-        return pb.ModelInfo(
-            name=cfg.model_name,
-            architecture=cfg.architecture,
-            dtype=cfg.dtype,
-            max_model_len=cfg.max_model_len,
-            vocab_size=cfg.vocab_size,
-            eos_token_ids=sorted(self.tokenizer.eos_token_ids),
-        )
-
-    def cluster_status(self, tp_pp: dict[str, tuple[int, int]] | None = None) -> pb.ClusterStatus:
-        cfg = self.config
-        status = pb.ClusterStatus(
-            model=cfg.model_name,
-            kv_transfer_backend=cfg.kv_transfer_backend,
-            policy=cfg.policy,
-            disaggregation=cfg.disaggregation,
-            draining=self.is_draining,
-        )
-        for role, views in (("prefill", self.prefill), ("decode", self.decode)):
-            pool = status.pools.add(role=role, replicas=len(views))
-            tp, pp = (tp_pp or {}).get(role, (1, 1))
-            for view in views:
-                report = view.report
-                pool.workers.add(
-                    name=view.name,
-                    role=role,
-                    healthy=view.is_healthy,
-                    tensor_parallel=tp,
-                    pipeline_parallel=pp,
-                    num_running=report.num_running if report else 0,
-                    num_waiting=report.num_waiting if report else 0,
-                    kv_blocks_total=report.kv_blocks_total if report else 0,
-                    kv_blocks_used=report.kv_blocks_used if report else 0,
-                    kv_blocks_cached=report.kv_blocks_cached if report else 0,
-                )
-            pool.healthy_replicas = sum(v.is_healthy for v in views)
-        return status

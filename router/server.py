@@ -19,6 +19,7 @@ from grpc_reflection.v1alpha import reflection
 from proto.baton.v1 import inference_pb2 as pb
 from proto.baton.v1 import inference_pb2_grpc as pb_grpc
 from router.router import Router, RouterError
+from router.status import cluster_status, model_info
 
 logger = logging.getLogger(__name__)
 
@@ -52,13 +53,13 @@ class InferenceServicer(pb_grpc.InferenceServicer):
 
     async def GetModelInfo(self, request, context):
         try:
-            return self.router.model_info()
+            return model_info(self.router)
         except Exception as exc:
             await _internal(context, exc)
 
     async def GetClusterStatus(self, request, context):
         try:
-            return self.router.cluster_status(self.tp_pp)
+            return cluster_status(self.router, self.tp_pp)
         except Exception as exc:
             await _internal(context, exc)
 

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 from proto.baton.v1 import inference_pb2 as pb
 from workers.sampling_params import SamplingParams
+from workers.tokenizer import Tokenizer
 
 # SamplingParams field -> the proto field path a client sees.
 _FIELD_PATHS = {
@@ -132,3 +133,25 @@ def check_length(num_prompt_tokens: int, params: SamplingParams, max_model_len: 
             f"stopping.max_tokens: prompt ({num_prompt_tokens} tokens) + max_tokens "
             f"({params.max_tokens}) exceeds max_model_len={max_model_len}"
         )
+
+
+def prompt_token_ids(
+    valid: ValidRequest, tokenizer: Tokenizer, vocab_size: int, max_model_len: int
+) -> list[int]:
+    """Tokenize (text prompts) and judge what needs the model: vocabulary, context length,
+    stop token ids. Raises InvalidRequest naming the field."""
+    if isinstance(valid.prompt, str):
+        token_ids = tokenizer.encode(valid.prompt)
+        if not token_ids:
+            raise InvalidRequest("text: the prompt encodes to no tokens")
+    else:
+        token_ids = valid.prompt
+        bad = [t for t in token_ids if t >= vocab_size]
+        if bad:
+            raise InvalidRequest(f"token_ids: ids out of vocabulary [0, {vocab_size}): {bad[:5]}")
+    check_length(len(token_ids), valid.params, max_model_len)
+    try:
+        valid.params.validate_for_model(vocab_size)
+    except ValueError as exc:
+        raise InvalidRequest(f"stopping.stop_token_ids: {exc}") from None
+    return token_ids
