@@ -140,15 +140,17 @@ def prompt_token_ids(
 ) -> list[int]:
     """Tokenize (text prompts) and judge what needs the model: vocabulary, context length,
     stop token ids. Raises InvalidRequest naming the field."""
+    kind = "text" if isinstance(valid.prompt, str) else "token_ids"
     if isinstance(valid.prompt, str):
         token_ids = tokenizer.encode(valid.prompt)
         if not token_ids:
             raise InvalidRequest("text: the prompt encodes to no tokens")
     else:
         token_ids = valid.prompt
-        bad = [t for t in token_ids if t >= vocab_size]
-        if bad:
-            raise InvalidRequest(f"token_ids: ids out of vocabulary [0, {vocab_size}): {bad[:5]}")
+    # Also for text: a tokenizer can have ids past the model's embedding.
+    bad = [t for t in token_ids if t >= vocab_size]
+    if bad:
+        raise InvalidRequest(f"{kind}: ids out of vocabulary [0, {vocab_size}): {bad[:5]}")
     check_length(len(token_ids), valid.params, max_model_len)
     try:
         valid.params.validate_for_model(vocab_size)

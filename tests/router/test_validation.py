@@ -78,3 +78,24 @@ def test_length_checks_after_tokenization():
         check_length(91, params, 100)
     with pytest.raises(InvalidRequest, match=r"^prompt: 100 tokens leave no room"):
         check_length(100, validate(request(), MODEL, "r").params, 100)
+
+
+class _Tokenizer:
+    """Encodes every character to its code point: ids past a small vocabulary."""
+
+    def encode(self, text: str) -> list[int]:
+        return [ord(c) for c in text]
+
+
+@pytest.mark.parametrize(
+    ("prompt", "named"),
+    [({"text": "hé"}, "text"), ({"token_ids": pb.TokenIds(ids=[3, 500])}, "token_ids")],
+)
+def test_prompt_ids_outside_the_vocabulary_name_the_prompt_field(prompt, named):
+    from router.validation import prompt_token_ids
+
+    valid = validate(pb.GenerateRequest(**prompt), "m", "r1")
+    with pytest.raises(InvalidRequest, match=rf"^{named}: ids out of vocabulary \[0, 200\)"):
+        prompt_token_ids(valid, _Tokenizer(), vocab_size=200, max_model_len=64)
+    ok = validate(pb.GenerateRequest(text="hi"), "m", "r2")
+    assert prompt_token_ids(ok, _Tokenizer(), vocab_size=200, max_model_len=64) == [104, 105]
