@@ -1,0 +1,128 @@
+"""The ``baton`` subcommands that talk to a running router over gRPC: ``generate
+--target`` and ``status`` (imported only when one of them runs: grpc stays out of the
+parser and of the offline commands)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+from cluster.cli import _EXIT_USAGE, _PROG, _end_line, _read_prompt
+
+
+def run_generate_remote(args: argparse.Namespace) -> int:
+    import grpc
+
+    from cluster.client import format_usage_and_timing, parse_target, stream_generate, wait_ready
+    from proto.baton.v1 import inference_pb2 as pb
+    from proto.baton.v1 import inference_pb2_grpc as pb_grpc
+
+    if args.dtype is not None:
+        raise ValueError("--dtype applies only with --model (the server chose its dtype)")
+    target = parse_target(args.target)
+    prompt = _read_prompt(args.prompt)
+    with grpc.insecure_channel(target) as channel:
+        if args.wait is not None:
+            try:
+                wait_ready(channel, args.wait)
+            except TimeoutError as exc:
+                print(f"{_PROG}: error: {exc}", file=sys.stderr)
+                return 1
+        stream = stream_generate(
+            pb_grpc.InferenceStub(channel),
+            prompt,
+            max_tokens=args.max_tokens,
+            temperature=args.temperature,
+            top_p=args.top_p,
+            top_k=args.top_k,
+            seed=args.seed,
+            stop=args.stop,
+            ignore_eos=args.ignore_eos,
+            disaggregation=args.disaggregation,
+            return_timing=args.timing,
+            timeout_s=args.timeout,
+        )
+        start = time.perf_counter()
+        first_token_time: float | None = None
+        num_tokens = 0
+        has_text = False
+        final = None
+        try:
+            for response in stream:
+                kind = response.WhichOneof("kind")
+                delta = response.delta if kind == "delta" else response.final.delta
+                if delta.token_ids and first_token_time is None:
+                    first_token_time = time.perf_counter()
+                num_tokens += len(delta.token_ids)
+                if delta.text:
+                    has_text = True  # before the write: Ctrl-C may land inside it
+                    sys.stdout.write(delta.text)
+                    sys.stdout.flush()
+                if kind == "final":
+                    final = response.final
+        except KeyboardInterrupt:
+            # Cancelling the call is how the server learns to abort the request and free
+            # its KV blocks (DESIGN.md §2.3); closing the channel alone would be later.
+            stream.cancel()
+            _end_line(has_text)
+            raise
+        except grpc.RpcError as exc:
+            _end_line(has_text)
+            return _report_rpc_error(exc)
+    elapsed = time.perf_counter() - start
+    sys.stdout.write("\n")
+    sys.stdout.flush()
+
+    if final is None:
+        print(f"{_PROG}: error: the stream from {target} ended without a Final", file=sys.stderr)
+        return 1
+    # FINISH_REASON_LENGTH -> "length": the words the offline form prints.
+    reason = pb.FinishReason.Name(final.finish_reason).removeprefix("FINISH_REASON_").lower()
+    ttft = "" if first_token_time is None else f", ttft {1e3 * (first_token_time - start):.0f} ms"
+    rate = num_tokens / elapsed if elapsed > 0 else 0.0
+    print(
+        f"[{num_tokens} tokens, finish: {reason}, {rate:.1f} tokens/s{ttft}]",
+        file=sys.stderr,
+    )
+    if args.timing:
+        print(format_usage_and_timing(final), file=sys.stderr)
+    return 0
+
+
+def _report_rpc_error(exc) -> int:  # exc: grpc.RpcError (grpc is imported lazily)
+    code = exc.code()
+    print(f"{_PROG}: error: {code.name}: {exc.details()}", file=sys.stderr)
+    # A bad request is the caller's mistake, like a bad flag; everything else is run time.
+    return _EXIT_USAGE if code.name == "INVALID_ARGUMENT" else 1
+
+
+def run_status(args: argparse.Namespace) -> int:
+    import grpc
+    from google.protobuf import json_format
+
+    from cluster.client import format_status, get_status, parse_target
+    from proto.baton.v1 import inference_pb2_grpc as pb_grpc
+
+    target = parse_target(args.target)
+    with grpc.insecure_channel(target) as channel:
+        try:
+            status = get_status(pb_grpc.InferenceStub(channel), args.timeout)
+        except grpc.RpcError as exc:
+            code = exc.code()
+            if code not in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
+                return _report_rpc_error(exc)
+            print(
+                f"{_PROG}: error: cannot reach a Baton router at {target} "
+                f"({code.name}: {exc.details()})",
+                file=sys.stderr,
+            )
+            return 1
+    if args.json:
+        text = json_format.MessageToJson(
+            status, preserving_proto_field_name=True, always_print_fields_with_no_presence=True
+        )
+    else:
+        text = format_status(status)
+    print(text)
+    return 0
