@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterator, Sequence
-from typing import Protocol
+from typing import Any, Protocol
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -128,36 +128,16 @@ def stream_generate(
     stub: pb_grpc.InferenceStub,
     prompt: str | list[int],
     *,
-    max_tokens: int | None = None,
-    temperature: float | None = None,
-    top_p: float | None = None,
-    top_k: int | None = None,
-    seed: int | None = None,
-    stop: Sequence[str] | None = None,
-    ignore_eos: bool = False,
-    disaggregation: str | None = None,
-    return_timing: bool = False,
     timeout_s: float | None = None,
+    **options: Any,
 ) -> GenerateStream:
     """Start one ``Generate`` call; iterate the result for Deltas, then one Final.
 
-    Options are those of :func:`make_request`; ``timeout_s`` is the call's deadline (None:
-    none). Iterating raises ``grpc.RpcError`` with the server's status code; ``cancel()``
-    on the returned stream aborts the request on the server.
+    ``options`` are :func:`make_request`'s keywords; ``timeout_s`` is the call's deadline
+    (None: none). Iterating raises ``grpc.RpcError`` with the server's status code;
+    ``cancel()`` on the returned stream aborts the request on the server.
     """
-    req = make_request(
-        prompt,
-        max_tokens=max_tokens,
-        temperature=temperature,
-        top_p=top_p,
-        top_k=top_k,
-        seed=seed,
-        stop=stop,
-        ignore_eos=ignore_eos,
-        disaggregation=disaggregation,
-        return_timing=return_timing,
-    )
-    return stub.Generate(req, timeout=timeout_s)
+    return stub.Generate(make_request(prompt, **options), timeout=timeout_s)
 
 
 def get_status(stub: pb_grpc.InferenceStub, timeout_s: float | None) -> pb.ClusterStatus:
