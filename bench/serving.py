@@ -32,14 +32,10 @@ import json
 import os
 import platform
 import random
-import shutil
-import signal
 import socket
 import statistics
-import subprocess
 import sys
 import tempfile
-import threading
 import time
 from collections import Counter, defaultdict
 from dataclasses import dataclass, field
@@ -47,7 +43,6 @@ from itertools import pairwise
 from pathlib import Path
 
 import grpc
-import yaml
 
 from proto.baton.v1 import inference_pb2 as pb
 from proto.baton.v1 import inference_pb2_grpc as pb_grpc
@@ -57,103 +52,17 @@ ROOT = Path(__file__).resolve().parents[1]
 # the `kernels` package that the engine imports.
 if sys.path and Path(sys.path[0]).resolve() == ROOT / "bench":
     del sys.path[0]
+# The repository first (its `kernels` package), bench/ last (serving_cluster, serving_stamps).
+sys.path[:0] = [str(ROOT)]
+sys.path.append(str(ROOT / "bench"))
+
+from serving_cluster import Cluster, Host  # noqa: E402
+from serving_stamps import PUBLISH, ROUTE, Stamps  # noqa: E402
 
 PROMPT_LENS = (32, 128, 320, 600)
 MAX_TOKENS = (16, 128)
 MODES = ("disaggregated", "aggregated")
-START_TIMEOUT_S = 240.0
 REQUEST_TIMEOUT_S = 300.0
-STAMPS_ENV = "BATON_BENCH_STAMPS"
-
-# ---- stamps inside the cluster's processes ------------------------------------------
-# Imported first by every Python process of the cluster (PYTHONPATH); once
-# workers.service or router.stream is imported, this script's install_stamps patches it.
-_SITECUSTOMIZE = """\
-import importlib.abc, importlib.util, os, sys
-
-class _StampHook(importlib.abc.MetaPathFinder):
-    names = {{"workers.service", "router.stream"}}
-
-    def find_spec(self, name, path=None, target=None):
-        if name not in self.names:
-            return None
-        self.names.discard(name)  # the find_spec below must not come back here
-        spec = importlib.util.find_spec(name)
-        run = spec.loader.exec_module
-
-        def exec_module(module):
-            run(module)
-            bench = sys.modules.get("_bench_serving")
-            if bench is None:
-                bench_spec = importlib.util.spec_from_file_location("_bench_serving", {path!r})
-                bench = importlib.util.module_from_spec(bench_spec)
-                sys.modules["_bench_serving"] = bench
-                bench_spec.loader.exec_module(bench)
-            bench.install_stamps(module, os.environ[{env!r}])
-
-        spec.loader.exec_module = exec_module
-        return spec
-
-if os.environ.get({env!r}):
-    sys.meta_path.insert(0, _StampHook())
-"""
-# A request reached a worker; a worker's engine loop published tokens; the router turned
-# a worker's event into the client's message.
-ARRIVE, PUBLISH, ROUTE = "arrive", "publish", "route"
-
-
-class _Recorder:
-    """Rows appended to a file twice a second by a daemon thread: not on the engine's
-    thread, and not only at stop (a worker that does not stop in time is killed)."""
-
-    def __init__(self, path: Path):
-        self.lock = threading.Lock()
-        self.rows: list[tuple[str, str, int, float]] = []
-        self.path = path
-        threading.Thread(target=self._flush, daemon=True).start()
-
-    def add(self, kind: str, request_id: str, num_tokens: int) -> None:
-        with self.lock:
-            self.rows.append((kind, request_id, num_tokens, time.monotonic()))
-
-    def _flush(self) -> None:
-        while True:
-            time.sleep(0.5)
-            with self.lock:
-                rows, self.rows = self.rows, []
-            if rows:
-                with self.path.open("a") as f:
-                    f.write("".join(json.dumps(row) + "\n" for row in rows))
-
-
-def install_stamps(module, out_dir: str) -> None:
-    """In a cluster process: stamp requests and token events as they pass
-    ``workers.service.EngineService`` (worker) or ``router.stream.RequestStream`` (router)."""
-    rec = _Recorder(Path(out_dir) / f"{module.__name__}-{os.getpid()}.jsonl")
-    if module.__name__ == "workers.service":
-        cls = module.EngineService
-        submit, publish = cls.submit, cls._publish
-
-        def _submit(self, item):
-            rec.add(ARRIVE, item.request_id, 0)
-            submit(self, item)
-
-        def _publish(self, events):
-            for e in events:
-                if e.token_ids:
-                    rec.add(PUBLISH, e.request_id, len(e.token_ids))
-            publish(self, events)
-
-        cls.submit, cls._publish = _submit, _publish
-    elif module.__name__ == "router.stream":
-        on_event = module.RequestStream.on_event
-
-        def _on_event(self, event):
-            if event.token_ids:
-                rec.add(ROUTE, self.request_id, len(event.token_ids))
-            return on_event(self, event)
-
-        module.RequestStream.on_event = _on_event
 
 
 # ---- workload and client -------------------------------------------------------------
@@ -280,35 +189,6 @@ def summarize(results: list[Result], makespan: float) -> dict:
     }
 
 
-class Stamps:
-    """The cluster's stamps: per kind, request id -> [(time, tokens)] in time order."""
-
-    def __init__(self, out_dir: Path):
-        self.rows: dict[str, dict[str, list]] = {
-            k: defaultdict(list) for k in (ARRIVE, PUBLISH, ROUTE)
-        }
-        for path in out_dir.glob("*.jsonl"):
-            for line in path.read_text().splitlines():
-                kind, request_id, num_tokens, at = json.loads(line)
-                self.rows[kind][request_id].append((at, num_tokens))
-        for by_request in self.rows.values():
-            for values in by_request.values():
-                values.sort()
-
-    def arrived(self, request_id: str) -> float | None:
-        """When the request reached its first worker."""
-        times = self.rows[ARRIVE].get(request_id)
-        return times[0][0] if times else None
-
-    def per_chunk(self, kind: str, res: Result) -> list[float] | None:
-        """The stamp of each client chunk's last token (None: the token counts differ)."""
-        per_token = [at for at, n in self.rows[kind].get(res.request_id, ()) for _ in range(n)]
-        if res.error or len(per_token) != len(res.token_ids):
-            return None
-        ends = [sum(res.counts[: k + 1]) - 1 for k in range(len(res.counts))]
-        return [per_token[e] for e in ends]
-
-
 def delivery(results: list[Result], stamps: Stamps) -> dict:
     """Per streamed chunk: worker publish -> client receive, split where the router was."""
     legs: dict[str, list[float]] = defaultdict(list)
@@ -424,87 +304,6 @@ def router_overhead(served: list[Result], direct: list[dict], stamps: Stamps) ->
     }
 
 
-# ---- the host: who else uses it --------------------------------------------------------
-_TICK = os.sysconf("SC_CLK_TCK")
-
-
-def _procs() -> dict[int, tuple[int, int, str]]:
-    """pid -> (parent pid, CPU ticks, command line) of every process."""
-    out = {}
-    for entry in os.scandir("/proc"):
-        if entry.name.isdigit():
-            try:
-                stat = Path(entry.path, "stat").read_text()
-                cmd = Path(entry.path, "cmdline").read_bytes()[:200].replace(b"\0", b" ")
-            except OSError:
-                continue
-            rest = stat[stat.rindex(")") + 2 :].split()
-            out[int(entry.name)] = (int(rest[1]), int(rest[11]) + int(rest[12]), cmd.decode())
-    return out
-
-
-def _tree(procs: dict, roots: list[int]) -> set[int]:
-    children = defaultdict(list)
-    for pid, (ppid, _, _) in procs.items():
-        children[ppid].append(pid)
-    seen, todo = set(), list(roots)
-    while todo:
-        pid = todo.pop()
-        if pid not in seen:
-            seen.add(pid)
-            todo.extend(children[pid])
-    return seen
-
-
-class Host:
-    """Core-seconds used by processes outside ours (this one + the cluster), and Ray
-    instances that are not ours."""
-
-    def __init__(self):
-        self.roots = [os.getpid()]
-
-    def sample(self) -> tuple[int, int]:
-        procs = _procs()
-        ours = sum(procs[p][1] for p in _tree(procs, self.roots) if p in procs)
-        fields = Path("/proc/stat").read_text().split()[1:9]
-        busy = sum(int(v) for i, v in enumerate(fields) if i not in (3, 4))  # not idle, iowait
-        return busy, ours
-
-    def foreign_s(self, start: tuple[int, int]) -> float:
-        end = self.sample()
-        return max(0.0, ((end[0] - start[0]) - (end[1] - start[1])) / _TICK)
-
-    def wait_quiet(self, max_wait_s: float, window_s: float = 2.0, cores: float = 0.15) -> float:
-        """Wait (at most ``max_wait_s``) for a window in which others use < ``cores``."""
-        deadline = time.monotonic() + max_wait_s
-        while True:
-            start = self.sample()
-            time.sleep(window_s)
-            load = self.foreign_s(start) / window_s
-            if load < cores or time.monotonic() > deadline:
-                return load
-
-    def wait_no_foreign_ray(self, max_wait_s: float) -> None:
-        """``python -m cluster`` joins any Ray instance on the host (Ray's "auto" finds
-        raylets by scanning processes), so start ours only while there is none."""
-        deadline = time.monotonic() + max_wait_s
-        while True:
-            procs = _procs()
-            ours = _tree(procs, self.roots)
-            pids = [p for p, v in procs.items() if "raylet/raylet" in v[2] and p not in ours]
-            if not pids:
-                return
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"another Ray instance runs on this host (raylet {pids})")
-            print(f"waiting for another Ray instance to end (raylet {pids})", flush=True)
-            time.sleep(5.0)
-
-    def count(self, root: int, needle: str) -> int:
-        """Processes under ``root`` whose command line contains ``needle``."""
-        procs = _procs()
-        return sum(needle in procs[p][2] for p in _tree(procs, [root]) if p in procs)
-
-
 # ---- the cluster -----------------------------------------------------------------------
 def cluster_config(model_dir: str, mode: str, args: argparse.Namespace) -> dict:
     with socket.socket() as s:
@@ -531,66 +330,6 @@ def cluster_config(model_dir: str, mode: str, args: argparse.Namespace) -> dict:
     }
 
 
-class Cluster:
-    """``python -m cluster`` in a subprocess, with its own Ray temp dir and the stamp hook."""
-
-    def __init__(self, config: dict, workdir: Path):
-        self.stamps_dir = workdir / "stamps"
-        hook = workdir / "hook"
-        for d in (self.stamps_dir, hook):
-            d.mkdir()
-        hook.joinpath("sitecustomize.py").write_text(
-            _SITECUSTOMIZE.format(path=str(Path(__file__).resolve()), env=STAMPS_ENV)
-        )
-        path = workdir / "cluster.yaml"
-        path.write_text(yaml.safe_dump(config))
-        self.address = f"127.0.0.1:{config['router']['port']}"
-        self.ray_tmp = tempfile.mkdtemp(prefix="ray", dir="/tmp")  # short: socket paths
-        env = {
-            **os.environ,
-            STAMPS_ENV: str(self.stamps_dir),
-            "PYTHONPATH": os.pathsep.join([str(hook), os.environ.get("PYTHONPATH", "")]),
-            "RAY_TMPDIR": self.ray_tmp,
-        }
-        self.process = subprocess.Popen(
-            [sys.executable, "-m", "cluster", str(path)],
-            cwd=ROOT,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-            env=env,
-        )
-        self.lines: list[str] = []
-        ready = threading.Event()
-
-        def read() -> None:
-            assert self.process.stdout is not None
-            for line in self.process.stdout:
-                self.lines.append(line.rstrip())
-                if line.startswith("baton: serving"):
-                    ready.set()
-
-        threading.Thread(target=read, daemon=True).start()
-        deadline = time.monotonic() + START_TIMEOUT_S
-        while not ready.wait(0.2):
-            if self.process.poll() is not None or time.monotonic() > deadline:
-                self.process.kill()
-                raise RuntimeError("cluster did not start:\n" + "\n".join(self.lines[-40:]))
-        if Host().count(self.process.pid, "raylet/raylet") == 0:
-            self.stop()  # no raylet of its own: it joined a Ray instance that it did not start
-            raise RuntimeError("the cluster joined another Ray instance; try again")
-
-    def stop(self, timeout_s: float = 90.0) -> int:
-        self.process.send_signal(signal.SIGTERM)
-        try:
-            return self.process.wait(timeout_s)
-        except subprocess.TimeoutExpired:
-            self.process.kill()
-            raise
-        finally:
-            shutil.rmtree(self.ray_tmp, ignore_errors=True)
-
-
 # ---- one configuration -----------------------------------------------------------------
 def measure(mode: str, model_dir: str, vocab: int, args: argparse.Namespace, host: Host) -> dict:
     """Bring the configuration up, warm it, run every load (and the overhead run on the
@@ -598,7 +337,6 @@ def measure(mode: str, model_dir: str, vocab: int, args: argparse.Namespace, hos
     loads: dict[str, list] = {str(rate): [] for rate in args.rate}
     overhead = []
     with tempfile.TemporaryDirectory(prefix="baton-serving-") as tmp:
-        host.wait_no_foreign_ray(args.ray_wait)
         host.wait_quiet(args.quiet_wait)
         started = time.monotonic()
         cluster = Cluster(cluster_config(model_dir, mode, args), Path(tmp))
@@ -737,7 +475,6 @@ def main() -> None:
     ap.add_argument("--overhead-prompt", type=int, default=64)
     ap.add_argument("--overhead-tokens", type=int, default=64)
     ap.add_argument("--quiet-wait", type=float, default=60.0, help="before each run (s)")
-    ap.add_argument("--ray-wait", type=float, default=600.0, help="for another Ray to end (s)")
     ap.add_argument("--json", type=Path, help="write the results here")
     args = ap.parse_args()
     if args.max_num_seqs < args.max_concurrency:

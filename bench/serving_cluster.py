@@ -1,0 +1,148 @@
+"""The host and the served cluster for bench/serving.py.
+
+- :class:`Host`: how much CPU *other* processes use (the machine is shared and noisy), and
+  the processes of our own tree.
+- :class:`Cluster`: ``python -m cluster CONFIG`` in a subprocess with its own Ray instance
+  (``RAY_ADDRESS=local``), its own Ray temp dir and the stamp hook of ``serving_stamps``.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections import defaultdict
+from pathlib import Path
+
+import yaml
+from serving_stamps import STAMPS_ENV, write_sitecustomize
+
+ROOT = Path(__file__).resolve().parents[1]
+START_TIMEOUT_S = 240.0
+
+
+# ---- the host: who else uses it --------------------------------------------------------
+_TICK = os.sysconf("SC_CLK_TCK")
+
+
+def _procs() -> dict[int, tuple[int, int, str]]:
+    """pid -> (parent pid, CPU ticks, command line) of every process."""
+    out = {}
+    for entry in os.scandir("/proc"):
+        if entry.name.isdigit():
+            try:
+                stat = Path(entry.path, "stat").read_text()
+                cmd = Path(entry.path, "cmdline").read_bytes()[:200].replace(b"\0", b" ")
+            except OSError:
+                continue
+            rest = stat[stat.rindex(")") + 2 :].split()
+            out[int(entry.name)] = (int(rest[1]), int(rest[11]) + int(rest[12]), cmd.decode())
+    return out
+
+
+def _tree(procs: dict, roots: list[int]) -> set[int]:
+    children = defaultdict(list)
+    for pid, (ppid, _, _) in procs.items():
+        children[ppid].append(pid)
+    seen, todo = set(), list(roots)
+    while todo:
+        pid = todo.pop()
+        if pid not in seen:
+            seen.add(pid)
+            todo.extend(children[pid])
+    return seen
+
+
+class Host:
+    """Core-seconds used by processes outside ours (this one + the cluster), and Ray
+    instances that are not ours."""
+
+    def __init__(self):
+        self.roots = [os.getpid()]
+
+    def sample(self) -> tuple[int, int]:
+        procs = _procs()
+        ours = sum(procs[p][1] for p in _tree(procs, self.roots) if p in procs)
+        fields = Path("/proc/stat").read_text().split()[1:9]
+        busy = sum(int(v) for i, v in enumerate(fields) if i not in (3, 4))  # not idle, iowait
+        return busy, ours
+
+    def foreign_s(self, start: tuple[int, int]) -> float:
+        end = self.sample()
+        return max(0.0, ((end[0] - start[0]) - (end[1] - start[1])) / _TICK)
+
+    def wait_quiet(self, max_wait_s: float, window_s: float = 2.0, cores: float = 0.15) -> float:
+        """Wait (at most ``max_wait_s``) for a window in which others use < ``cores``."""
+        deadline = time.monotonic() + max_wait_s
+        while True:
+            start = self.sample()
+            time.sleep(window_s)
+            load = self.foreign_s(start) / window_s
+            if load < cores or time.monotonic() > deadline:
+                return load
+
+    def count(self, root: int, needle: str) -> int:
+        """Processes under ``root`` whose command line contains ``needle``."""
+        procs = _procs()
+        return sum(needle in procs[p][2] for p in _tree(procs, [root]) if p in procs)
+
+
+class Cluster:
+    """``python -m cluster`` in a subprocess, with its own Ray temp dir and the stamp hook."""
+
+    def __init__(self, config: dict, workdir: Path):
+        self.stamps_dir = workdir / "stamps"
+        hook = workdir / "hook"
+        for d in (self.stamps_dir, hook):
+            d.mkdir()
+        write_sitecustomize(hook)
+        path = workdir / "cluster.yaml"
+        path.write_text(yaml.safe_dump(config))
+        self.address = f"127.0.0.1:{config['router']['port']}"
+        self.ray_tmp = tempfile.mkdtemp(prefix="ray", dir="/tmp")  # short: socket paths
+        env = {
+            **os.environ,
+            STAMPS_ENV: str(self.stamps_dir),
+            "PYTHONPATH": os.pathsep.join([str(hook), os.environ.get("PYTHONPATH", "")]),
+            "RAY_TMPDIR": self.ray_tmp,
+            "RAY_ADDRESS": "local",  # a Ray instance of its own, whatever else runs here
+        }
+        self.process = subprocess.Popen(
+            [sys.executable, "-m", "cluster", str(path)],
+            cwd=ROOT,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            env=env,
+        )
+        self.lines: list[str] = []
+        ready = threading.Event()
+
+        def read() -> None:
+            assert self.process.stdout is not None
+            for line in self.process.stdout:
+                self.lines.append(line.rstrip())
+                if line.startswith("baton: serving"):
+                    ready.set()
+
+        threading.Thread(target=read, daemon=True).start()
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while not ready.wait(0.2):
+            if self.process.poll() is not None or time.monotonic() > deadline:
+                self.process.kill()
+                raise RuntimeError("cluster did not start:\n" + "\n".join(self.lines[-40:]))
+
+    def stop(self, timeout_s: float = 90.0) -> int:
+        self.process.send_signal(signal.SIGTERM)
+        try:
+            return self.process.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            raise
+        finally:
+            shutil.rmtree(self.ray_tmp, ignore_errors=True)
