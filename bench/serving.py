@@ -17,7 +17,7 @@ after the other, with the same model, block size, KV blocks and step budget.
   client). *Cadence*: client inter-chunk gap minus the direct engine's step time for the
   same request and token index. Every process reads the same ``time.monotonic`` clock;
   the cluster's stamps come from a hook installed through ``sitecustomize`` (see
-  ``install_stamps``) that appends (kind, request id, tokens, time) to a list.
+  ``bench/serving_stamps.py``) that appends (kind, request id, tokens, time) to a list.
 
     python bench/serving.py --rate 1.5 0.75 --repeats 3 --json bench/serving.json
 
