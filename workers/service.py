@@ -70,6 +70,7 @@ class EngineService:
         self._errors: dict[str, str] = {}  # loop thread only: why a request failed
         self._transfer: dict[str, tuple[float, int]] = {}  # loop thread only
         self._hashes: frozenset[int] = frozenset()
+        self._hashes_tuple: tuple[int, ...] = ()  # what reports carry; rebuilt on change only
         self._hashes_version = 0
         self._hashes_at = 0.0
         self._stopping = False
@@ -342,8 +343,9 @@ class EngineService:
             hashes = frozenset(self.engine.block_manager.cached_block_hashes())
             if hashes != self._hashes:
                 self._hashes = hashes
+                self._hashes_tuple = tuple(hashes)
                 self._hashes_version += 1
-        self._report = self._make_report(self._hashes_version, tuple(self._hashes))
+        self._report = self._make_report(self._hashes_version, self._hashes_tuple)
 
     def _make_report(
         self, version: int, hashes: tuple[int, ...], healthy: bool = True
