@@ -4,7 +4,10 @@ Ray: connect to the cluster in ``RAY_ADDRESS`` (what ``ray job submit`` sets) or
 running local one (``address="auto"``); else start a local instance, which keeps Ray's
 token authentication on. Each worker replica gets its own placement group (its TP x PP
 ranks packed on one node) and one actor; every decode worker is then introduced to
-every prefill worker (KV-transfer metadata both ways) before the router starts.
+every prefill worker (KV-transfer metadata both ways) before the router starts. Workers
+push their token events to the router over an event channel (``workers/channel.py``)
+whose listener binds to loopback when the whole Ray cluster is this node, else to this
+node's Ray address; connections must present the listener's random token.
 Tear-down stops the actors (their leases released), removes the placement groups and
 shuts down a Ray instance that we started.
 """
@@ -23,6 +26,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from cluster.config import ClusterConfig, PoolSection
 from cluster.model_source import resolve_model_dir, served_name
 from router.router import Router, RouterConfig
+from workers.channel import ChannelListener
 from workers.ray_worker import ACTOR_CONCURRENCY, RayWorkerClient, WorkerActor, WorkerSpec
 from workers.tokenizer import Tokenizer
 from workers.wire import WorkerInfo, decode_as
@@ -38,6 +42,7 @@ _RUN_ID = uuid.uuid4().hex[:8]
 class Cluster:
     config: ClusterConfig
     router: Router
+    listener: ChannelListener
     actors: dict[str, object] = field(default_factory=dict)  # name -> actor handle
     placement_groups: list = field(default_factory=list)
     started_ray: bool = False
@@ -101,7 +106,8 @@ def bring_up(config: ClusterConfig) -> Cluster:
     name = served_name(config.model.name, model_dir)
     num_workers = config.prefill.replicas + config.decode.replicas
     started = connect_ray(num_workers)
-    cluster = Cluster(config, router=None, started_ray=started)  # type: ignore[arg-type]
+    listener = ChannelListener(_channel_host())
+    cluster = Cluster(config, router=None, listener=listener, started_ray=started)  # type: ignore[arg-type]
     try:
         has_gpu = ray.cluster_resources().get("GPU", 0) > 0
         # Local CPU workers share the machine's cores; give each its share of threads.
@@ -115,7 +121,7 @@ def bring_up(config: ClusterConfig) -> Cluster:
                 actor, pg = _start_actor(spec, device)
                 cluster.actors[worker] = actor
                 cluster.placement_groups.append(pg)
-                clients[role].append(RayWorkerClient(worker, role, actor))
+                clients[role].append(RayWorkerClient(worker, role, actor, listener))
         infos = _wait_ready(cluster.actors)
         _introduce(cluster.actors, clients)
         info = _check_agree(infos)
@@ -142,6 +148,15 @@ def bring_up(config: ClusterConfig) -> Cluster:
         cluster.shutdown()
         raise
     return cluster
+
+
+def _channel_host() -> str:
+    """Where workers can reach this process: loopback unless Ray spans other nodes."""
+    here = ray.util.get_node_ip_address()
+    nodes = [n for n in ray.nodes() if n.get("Alive")]
+    if all(n.get("NodeManagerAddress") == here for n in nodes):
+        return "127.0.0.1"
+    return here
 
 
 def _spec(

@@ -59,6 +59,7 @@ async def serve(config: ClusterConfig, on_ready: Callable[[str], None] | None = 
         if server is not None:
             await server.stop()
         await cluster.router.stop()
+        await cluster.listener.close()
         cluster.shutdown()
     print("baton: stopped", flush=True)
     return 0

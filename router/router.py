@@ -13,7 +13,7 @@ and streams the rest. Who must be told when the request ends early:
   blocks), and the lease is never read;
 - after: D only (it stops or declines the transfer, whose notice frees P's blocks).
 
-Each worker has one poll loop that dispatches its events to the requests' queues.
+Each worker has one listening task that dispatches its events to the requests' queues.
 """
 
 from __future__ import annotations
@@ -36,7 +36,6 @@ from workers.wire import TokenEvent, WorkItem
 
 logger = logging.getLogger(__name__)
 
-_POLL_TIMEOUT_S = 0.5
 _SETTLE_TIMEOUT_S = 10.0  # how long an ended request waits for its worker's last event
 
 
@@ -100,9 +99,10 @@ class Router:
 
     # ---- lifecycle -------------------------------------------------------------------
     async def start(self, ready_timeout_s: float = 120.0) -> None:
-        """Start one poll loop per worker and wait until each has reported once."""
+        """Open every worker's event channel, listen to each, wait until each has reported."""
+        await asyncio.gather(*(v.client.start() for v in self._by_name.values()))
         for view in self._by_name.values():
-            self._tasks.append(asyncio.create_task(self._poll_worker(view)))
+            self._tasks.append(asyncio.create_task(self._listen(view)))
         deadline = time.monotonic() + ready_timeout_s
         while any(v.report is None and v.is_alive for v in self._by_name.values()):
             if time.monotonic() > deadline:
@@ -114,6 +114,8 @@ class Router:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
         self._tasks.clear()
+        for view in self._by_name.values():
+            view.client.close()
 
     @property
     def num_in_flight(self) -> int:
@@ -375,18 +377,16 @@ class Router:
         task.add_done_callback(self._background.discard)
 
     # ---- workers ---------------------------------------------------------------------
-    async def _poll_worker(self, view: WorkerView) -> None:
-        version = -1
+    async def _listen(self, view: WorkerView) -> None:
         while True:
             try:
-                batch = await view.client.poll(_POLL_TIMEOUT_S, version)
+                batch = await view.client.next_batch()
             except asyncio.CancelledError:
                 raise
             except Exception as exc:
                 self._worker_died(view, f"{type(exc).__name__}: {exc}")
                 return
             view.update(batch.report)
-            version = batch.report.hashes_version
             for event in batch.events:
                 pending = self._requests.get(event.request_id)
                 if pending is not None:

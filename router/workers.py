@@ -1,10 +1,11 @@
 """The router's side of its workers: the client Protocol and what it last heard from each.
 
 The router never calls Ray itself: ``cluster/`` hands it one :class:`WorkerClient` per
-worker (``workers.ray_worker.RayWorkerClient`` in production, in-process fakes in tests).
-Each worker has one poll loop (``Router._poll_worker``) that receives its token events
-and :class:`~workers.wire.WorkerReport`; :class:`WorkerView` keeps the latest report and
-the worker's cached block hashes for the routing policy.
+worker (``workers.ray_worker.RayWorkerClient`` in production, in-process services in
+tests). Each worker has one listening task (``Router._listen``) that receives its token
+events and :class:`~workers.wire.WorkerReport` as the worker pushes them;
+:class:`WorkerView` keeps the latest report and the worker's cached block hashes for the
+routing policy.
 """
 
 from __future__ import annotations
@@ -29,8 +30,14 @@ class WorkerClient(Protocol):
     async def decline(self, handles: tuple[bytes, ...]) -> None:
         """Decode workers: release a prefill worker's held KV that will never be read."""
 
-    async def poll(self, timeout_s: float, hashes_version: int) -> OutputBatch:
-        """Token events since the last poll (waits up to ``timeout_s``) and a report."""
+    async def start(self) -> None:
+        """Open the worker's event channel; raises when the worker cannot be reached."""
+
+    async def next_batch(self) -> OutputBatch:
+        """The worker's next batch of token events and its report; raises when it is gone."""
+
+    def close(self) -> None:
+        """Close the event channel."""
 
 
 @dataclass

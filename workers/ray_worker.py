@@ -7,8 +7,9 @@ pickles only objects msgpack cannot represent); messages are our own msgpack
 (``workers/wire.py``, ``kvtransfer/messages.py``). Methods return errors as values rather
 than raising, because Ray ships exceptions pickled.
 
-The actor is threaded (``max_concurrency``): the router's long ``poll`` must not block
-``submit`` and ``abort``. The engine itself runs on the service's own thread.
+Ray carries the control calls only; token events and reports come back over the worker's
+event channel (``workers/channel.py``), which the router asks it to open at start.
+The engine runs on the service's own thread.
 """
 
 from __future__ import annotations
@@ -16,10 +17,11 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import msgpack
 
+from workers.channel import ChannelListener, ChannelReader, ChannelSender
 from workers.wire import OutputBatch, WorkerInfo, WorkItem, decode_as, encode
 
 logger = logging.getLogger(__name__)
@@ -75,6 +77,7 @@ class WorkerActor:
         if spec.num_threads > 0:
             torch.set_num_threads(spec.num_threads)
         self.spec = spec
+        self._sender: ChannelSender | None = None
         engine = LLMEngine(
             EngineConfig(
                 model=spec.model,
@@ -164,26 +167,47 @@ class WorkerActor:
             return f"{type(exc).__name__}: {exc}"
         return ""
 
-    def poll(self, timeout_s: float, hashes_version: int) -> bytes:
+    def open_channel(self, host: str, port: int, token: str) -> str:
+        """Connect to the router's event channel and push every batch there from now on."""
         try:
-            return encode(self.service.poll(timeout_s, hashes_version))
-        except Exception:  # never let Ray pickle an exception; the router sees the report
-            logger.exception("poll failed")
-            report = replace(self.service.report(), healthy=False, error="poll failed")
-            return encode(OutputBatch((), report))
+            sender = ChannelSender(host, port, self.spec.name, token)
+        except Exception as exc:
+            return f"{type(exc).__name__}: {exc}"
+        try:
+            self.service.attach(sender.send)
+        except Exception as exc:  # the engine loop has failed
+            sender.close()
+            return f"{type(exc).__name__}: {exc}"
+        if self._sender is not None:
+            self._sender.close()
+        self._sender = sender
+        return ""
 
     def stop(self) -> str:
         self.service.stop()
+        if self._sender is not None:
+            self._sender.close()
         return ""
 
 
 class RayWorkerClient:
     """The router's async view of one worker actor (implements router.workers.WorkerClient)."""
 
-    def __init__(self, name: str, role: str, actor):
+    def __init__(self, name: str, role: str, actor, listener: ChannelListener):
         self.name = name
         self.role = role
         self._actor = actor
+        self._listener = listener
+        self._channel: ChannelReader | None = None
+
+    async def start(self) -> None:
+        listener = self._listener
+        await listener.start()
+        future = listener.expect(self.name)
+        error = await self._actor.open_channel.remote(listener.host, listener.port, listener.token)
+        if error:
+            raise ConnectionError(f"worker {self.name} cannot open its event channel: {error}")
+        self._channel = await listener.accepted(self.name, future)
 
     async def submit(self, item: WorkItem) -> None:
         error = await self._actor.submit.remote(encode(item))
@@ -196,6 +220,11 @@ class RayWorkerClient:
     async def decline(self, handles: tuple[bytes, ...]) -> None:
         await self._actor.decline.remote(list(handles))
 
-    async def poll(self, timeout_s: float, hashes_version: int) -> OutputBatch:
-        data = await self._actor.poll.remote(timeout_s, hashes_version)
-        return decode_as(data, OutputBatch)
+    async def next_batch(self) -> OutputBatch:
+        if self._channel is None:
+            raise RuntimeError(f"worker {self.name}: start() first")
+        return await self._channel.next_batch()
+
+    def close(self) -> None:
+        if self._channel is not None:
+            self._channel.close()

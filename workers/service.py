@@ -4,7 +4,9 @@ The service is what a prefill or decode worker runs (the Ray actor in ``ray_work
 is a thin adapter around it; tests use it in-process). The engine and the block manager
 are not thread-safe, so *only the loop thread touches them*: ``submit``, ``abort`` and
 ``decline`` queue commands; the KV connector's ``on_release`` queues ids; transfer
-futures wake the loop; ``poll`` reads the events the loop published.
+futures wake the loop. The loop pushes its output batches into a sink from its own
+thread (``attach``: the worker's event channel to the router, ``workers/channel.py``);
+until a sink is attached it keeps them.
 
 Who frees which block, and when (the hazards of the hand-off):
 
@@ -31,6 +33,7 @@ from dataclasses import dataclass, replace
 from kvtransfer import KVConnector, KVHandle
 from kvtransfer.messages import decode_as as decode_kv
 from kvtransfer.messages import encode as encode_kv
+from workers.channel import HEARTBEAT_S
 from workers.engine import LLMEngine
 from workers.outputs import StreamDelta
 from workers.wire import OutputBatch, TokenEvent, WorkerReport, WorkItem
@@ -39,6 +42,7 @@ logger = logging.getLogger(__name__)
 
 _IDLE_WAIT_S = 0.05  # nothing to compute: how long the loop sleeps unless woken
 _HASHES_EVERY_S = 0.1  # how often the cached-hash set is recomputed for the router
+Sink = Callable[[OutputBatch], None]
 
 
 @dataclass
@@ -64,8 +68,7 @@ class EngineService:
         self.on_failure = on_failure
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._wake = threading.Event()
-        self._events: list[TokenEvent] = []
-        self._events_ready = threading.Condition()
+        self._events: list[TokenEvent] = []  # loop thread only: kept until a sink attaches
         self._receives: dict[str, _Receive] = {}  # loop thread only
         self._errors: dict[str, str] = {}  # loop thread only: why a request failed
         self._transfer: dict[str, tuple[float, int]] = {}  # loop thread only
@@ -76,6 +79,9 @@ class EngineService:
         self._stopping = False
         self._failed: str | None = None
         self._report = self._make_report(0, ())
+        self._sink: Sink | None = None  # loop thread only
+        self._sink_version = -1  # the hashes version the sink last received
+        self._sent_at = 0.0
         self.connector = (
             connector_factory(engine, self._on_release) if connector_factory is not None else None
         )
@@ -93,19 +99,14 @@ class EngineService:
         """Decode side, for a request aborted before it reached this worker: free P's blocks."""
         self._command(("decline", tuple(handles)))
 
-    def poll(self, timeout_s: float, hashes_version: int = -1) -> OutputBatch:
-        """Events since the last poll (waits up to ``timeout_s`` for one) and a fresh report.
+    def attach(self, sink: Sink) -> None:
+        """From now on the loop calls ``sink`` on its own thread with every batch of events,
+        and with its report at least every ``HEARTBEAT_S``; what came before goes first.
 
-        One poller per worker (the router): events are handed out once.
+        The report carries the cached block hashes only when they changed since the sink's
+        last batch. A sink that raises is dropped (the router sees its channel close).
         """
-        with self._events_ready:
-            if not self._events and not self._stopping:
-                self._events_ready.wait(timeout_s)
-            events, self._events = tuple(self._events), []
-            report = self._report
-        if report.hashes_version == hashes_version:
-            report = _without_hashes(report)
-        return OutputBatch(events, report)
+        self._command(("attach", sink))
 
     def report(self) -> WorkerReport:
         return self._report
@@ -117,8 +118,6 @@ class EngineService:
         self._thread.join(timeout_s)
         if self.connector is not None:
             self.connector.close()
-        with self._events_ready:
-            self._events_ready.notify_all()
 
     def _command(self, command: tuple) -> None:
         if self._failed is not None:
@@ -145,6 +144,8 @@ class EngineService:
                     # Only receiving, or waiting for blocks: sleep until something wakes us.
                     did_work = bool(deltas or started or self.engine.scheduler.running)
                 self._refresh_report()
+                if self._sink is not None and time.monotonic() - self._sent_at >= HEARTBEAT_S:
+                    self._send(())
                 if not did_work:
                     self._wake.wait(_IDLE_WAIT_S)
             self._shutdown_requests()
@@ -158,10 +159,11 @@ class EngineService:
         rids = set(self.engine.scheduler.requests) | set(self._receives)
         events = [_failed_event(rid, 0, f"worker {self.name} failed: {error}") for rid in rids]
         report = replace(self._report, healthy=False, error=error)
-        with self._events_ready:
+        self._report = report
+        if self._sink is not None:
+            self._send(events)  # even with no events: the report says the loop is dead
+        else:
             self._events.extend(events)
-            self._report = report
-            self._events_ready.notify_all()
 
     def _drain_commands(self) -> None:
         while True:
@@ -179,6 +181,10 @@ class EngineService:
                     self.engine.release_held(command[1])
                 elif kind == "decline":
                     self._decline(command[1])
+                elif kind == "attach":
+                    self._sink = command[1]
+                    events, self._events = self._events, []
+                    self._send(events)
             except Exception:  # one bad command must not take the worker down
                 logger.exception("%s: command %s failed", self.name, kind)
 
@@ -332,9 +338,23 @@ class EngineService:
     def _publish(self, events: list[TokenEvent]) -> None:
         if not events:
             return
-        with self._events_ready:
+        if self._sink is not None:
+            self._send(events)
+        else:
             self._events.extend(events)
-            self._events_ready.notify_all()
+
+    def _send(self, events: Sequence[TokenEvent]) -> None:
+        report = self._report
+        if report.hashes_version == self._sink_version:
+            report = _without_hashes(report)
+        try:
+            self._sink(OutputBatch(tuple(events), report))  # type: ignore[misc]
+        except Exception:
+            logger.exception("%s: the event sink failed; dropping it", self.name)
+            self._sink = None
+            return
+        self._sink_version = report.hashes_version
+        self._sent_at = time.monotonic()
 
     def _refresh_report(self) -> None:
         now = time.monotonic()

@@ -4,9 +4,9 @@
   worker does with it: ``full`` (prefill and decode here), ``prefill`` (compute the prompt,
   sample the first token, hold the KV under a lease and answer with a handle) or
   ``decode`` (receive the KV through the handles, then continue from the first token).
-- :class:`TokenEvent` (worker → router): new tokens of one request, batched per poll in
-  an :class:`OutputBatch` together with the worker's :class:`WorkerReport`, so a stream
-  costs one Ray call per engine step batch, not one per token.
+- :class:`TokenEvent` (worker → router): new tokens of one request, batched per engine
+  step in an :class:`OutputBatch` together with the worker's :class:`WorkerReport`, and
+  pushed over the worker's event channel (``workers/channel.py``), not one call per token.
 
 Every message encodes as ``[kind, version, fields...]``; decoding checks the kind, the
 version and the field count, so a foreign or stale message raises ``ValueError``.
@@ -47,7 +47,7 @@ class WorkItem:
 
 @dataclass(frozen=True)
 class TokenEvent:
-    """New output of one request since the previous poll (possibly its end)."""
+    """New output of one request since its previous event (possibly its end)."""
 
     request_id: str
     token_ids: tuple[int, ...]
@@ -78,7 +78,7 @@ class WorkerReport:
     kv_blocks_cached: int
     num_held: int  # prefill: requests whose KV waits for a decode worker
     hashes_version: int  # changes whenever the cached block hashes change
-    cached_hashes: tuple[int, ...] | None  # sent only when the caller's version is stale
+    cached_hashes: tuple[int, ...] | None  # None: unchanged since the channel's last batch
     error: str = ""  # the engine loop died of this: the worker is gone for good
     kind: ClassVar[str] = "report"
 

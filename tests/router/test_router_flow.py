@@ -1,8 +1,8 @@
 """The router's request flow over real engines in one process (no Ray, no gRPC).
 
 Each worker is a real :class:`~workers.service.EngineService` (engine thread, KV
-connector) on the in-process KV backend; only the Ray transport is replaced by a direct
-adapter. This is where the policies and the awkward moments of the hand-off (abort while
+connector) on the in-process KV backend, pushing its events to the router over the real
+event channel (loopback TCP); only the Ray control calls are replaced by direct calls. This is where the policies and the awkward moments of the hand-off (abort while
 the KV is in flight, a lost transfer) are pinned down quickly; tests/e2e repeats the
 main paths through Ray, NIXL and gRPC.
 """
@@ -18,6 +18,7 @@ from kvtransfer.local_backend import LocalFabric
 from proto.baton.v1 import inference_pb2 as pb
 from router.router import Router, RouterConfig, RouterError
 from workers import LLM, SamplingParams
+from workers.channel import ChannelListener, ChannelReader, ChannelSender
 from workers.config import EngineConfig
 from workers.engine import LLMEngine
 from workers.make_model import make_model
@@ -35,10 +36,23 @@ def model_dir(tmp_path_factory):
 class InProcessClient:
     """A WorkerClient that calls the service directly (stands in for the Ray actor)."""
 
-    def __init__(self, service: EngineService):
+    def __init__(self, service: EngineService, listener: ChannelListener):
         self.service = service
         self.name = service.name
         self.role = service.role
+        self.listener = listener
+        self.sender: ChannelSender | None = None
+        self.channel: ChannelReader | None = None
+
+    async def start(self):
+        listener = self.listener
+        await listener.start()
+        future = listener.expect(self.name)
+        self.sender = await asyncio.to_thread(
+            ChannelSender, listener.host, listener.port, self.name, listener.token
+        )
+        self.service.attach(self.sender.send)
+        self.channel = await listener.accepted(self.name, future)
 
     async def submit(self, item):
         self.service.submit(item)
@@ -49,13 +63,18 @@ class InProcessClient:
     async def decline(self, handles):
         self.service.decline(handles)
 
-    async def poll(self, timeout_s, hashes_version):
-        return await asyncio.to_thread(self.service.poll, timeout_s, hashes_version)
+    async def next_batch(self):
+        return await self.channel.next_batch()
+
+    def close(self):
+        if self.channel is not None:
+            self.channel.close()
 
 
 class Cluster:
     def __init__(self, model_dir, num_prefill=1, num_decode=1, hold_transfers=False, **router):
         self.fabric = LocalFabric(hold_transfers=hold_transfers)
+        self.listener = ChannelListener()
         config = KVTransferConfig(backend="local", lease_seconds=20, transfer_timeout_s=5)
         self.services: dict[str, EngineService] = {}
         for role, count in (("prefill", num_prefill), ("decode", num_decode)):
@@ -99,9 +118,12 @@ class Cluster:
                 **router,
             ),
             Tokenizer.from_dir(model_dir),
-            [InProcessClient(s) for s in self.services.values() if s.role == "prefill"],
-            [InProcessClient(s) for s in self.services.values() if s.role == "decode"],
+            [self._client(s) for s in self.services.values() if s.role == "prefill"],
+            [self._client(s) for s in self.services.values() if s.role == "decode"],
         )
+
+    def _client(self, service: EngineService) -> InProcessClient:
+        return InProcessClient(service, self.listener)
 
     def used_blocks(self) -> dict[str, int]:
         return {n: s.engine.block_manager.num_used_blocks for n, s in self.services.items()}
@@ -117,6 +139,9 @@ class Cluster:
     def close(self) -> None:
         for s in self.services.values():
             s.stop()
+        for client in [*self.router.prefill, *self.router.decode]:
+            if client.client.sender is not None:
+                client.client.sender.close()
 
 
 def run(cluster: Cluster, body):
@@ -127,6 +152,7 @@ def run(cluster: Cluster, body):
         finally:
             await cluster.router.stop()
             cluster.close()
+            await cluster.listener.close()
 
     return asyncio.run(main())
 
