@@ -254,16 +254,15 @@ def _add_serve_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _run_serve(args: argparse.Namespace) -> int:
-    import asyncio
     import logging
 
     from cluster.config import load_config
-    from cluster.serve import serve
+    from cluster.serve import run
 
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s: %(message)s")
     config = load_config(args.config)  # ConfigError is a ValueError: exit 2, key path named
     try:
-        return asyncio.run(serve(config))
+        return run(config)
     except RuntimeError as exc:  # bring-up failed (a worker did not start, no resources)
         print(f"{_PROG}: error: {exc}", file=sys.stderr)
         return 1

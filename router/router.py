@@ -13,7 +13,7 @@ and streams the rest. Who must be told when the request ends early:
   blocks), and the lease is never read;
 - after: D only (it stops or declines the transfer, whose notice frees P's blocks).
 
-Each worker has one listening task that dispatches its events to the requests' queues.
+Each worker's batches are dispatched to the requests' queues as they arrive.
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, replace
+from functools import partial
 
 from proto.baton.v1 import inference_pb2 as pb
 from router.policy import NoHealthyWorker, RouteRequest, route
@@ -32,7 +33,7 @@ from router.validation import InvalidRequest, ValidRequest, prompt_token_ids, va
 from router.workers import WorkerClient, WorkerView
 from workers.block_manager import hash_prompt_blocks
 from workers.tokenizer import Tokenizer
-from workers.wire import TokenEvent, WorkItem
+from workers.wire import OutputBatch, TokenEvent, WorkItem
 
 logger = logging.getLogger(__name__)
 
@@ -94,7 +95,6 @@ class Router:
         self._by_name = {v.name: v for v in [*self.prefill, *self.decode]}
         self._requests: dict[str, _Pending] = {}
         self._cursor = 0
-        self._tasks: list[asyncio.Task] = []
         self._background: set[asyncio.Task] = set()
 
     # ---- lifecycle -------------------------------------------------------------------
@@ -102,7 +102,7 @@ class Router:
         """Open every worker's event channel, listen to each, wait until each has reported."""
         await asyncio.gather(*(v.client.start() for v in self._by_name.values()))
         for view in self._by_name.values():
-            self._tasks.append(asyncio.create_task(self._listen(view)))
+            view.client.listen(partial(self._on_batch, view), partial(self._worker_died, view))
         deadline = time.monotonic() + ready_timeout_s
         while any(v.report is None and v.is_alive for v in self._by_name.values()):
             if time.monotonic() > deadline:
@@ -110,11 +110,8 @@ class Router:
             await asyncio.sleep(0.05)
 
     async def stop(self) -> None:
-        for task in self._tasks:
-            task.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
-        self._tasks.clear()
         for view in self._by_name.values():
+            view.is_alive = False  # what follows (the channel closing) is no failure
             view.client.close()
 
     @property
@@ -377,28 +374,23 @@ class Router:
         task.add_done_callback(self._background.discard)
 
     # ---- workers ---------------------------------------------------------------------
-    async def _listen(self, view: WorkerView) -> None:
-        while True:
-            try:
-                batch = await view.client.next_batch()
-            except asyncio.CancelledError:
-                raise
-            except Exception as exc:
-                self._worker_died(view, f"{type(exc).__name__}: {exc}")
-                return
-            view.update(batch.report)
-            for event in batch.events:
-                pending = self._requests.get(event.request_id)
-                if pending is not None:
-                    pending.events.put_nowait((view.name, event))
-                elif event.kv_handle is not None:
-                    # Its request is gone (aborted while prefilling): free the held KV.
-                    self._spawn(self._decline(event.kv_handle, None))
-            if batch.report.error:
-                self._worker_died(view, batch.report.error)
-                return
+    def _on_batch(self, view: WorkerView, batch: OutputBatch) -> None:
+        if not view.is_alive:
+            return
+        view.update(batch.report)
+        for event in batch.events:
+            pending = self._requests.get(event.request_id)
+            if pending is not None:
+                pending.events.put_nowait((view.name, event))
+            elif event.kv_handle is not None:
+                # Its request is gone (aborted while prefilling): free the held KV.
+                self._spawn(self._decline(event.kv_handle, None))
+        if batch.report.error:
+            self._worker_died(view, batch.report.error)
 
     def _worker_died(self, view: WorkerView, error: str) -> None:
+        if not view.is_alive:
+            return
         logger.error("worker %s is gone: %s", view.name, error)
         view.is_alive = False
         view.error = error

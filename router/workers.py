@@ -2,14 +2,15 @@
 
 The router never calls Ray itself: ``cluster/`` hands it one :class:`WorkerClient` per
 worker (``workers.ray_worker.RayWorkerClient`` in production, in-process services in
-tests). Each worker has one listening task (``Router._listen``) that receives its token
-events and :class:`~workers.wire.WorkerReport` as the worker pushes them;
+tests). Each worker pushes its token events and :class:`~workers.wire.WorkerReport` to the
+router, which dispatches them as they arrive (``Router._on_batch``);
 :class:`WorkerView` keeps the latest report and the worker's cached block hashes for the
 routing policy.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -33,8 +34,11 @@ class WorkerClient(Protocol):
     async def start(self) -> None:
         """Open the worker's event channel; raises when the worker cannot be reached."""
 
-    async def next_batch(self) -> OutputBatch:
-        """The worker's next batch of token events and its report; raises when it is gone."""
+    def listen(
+        self, on_batch: Callable[[OutputBatch], None], on_lost: Callable[[str], None]
+    ) -> None:
+        """Call ``on_batch`` (on the event loop) with each batch of token events and the
+        worker's report, and ``on_lost`` once, with why, when the worker is gone."""
 
     def close(self) -> None:
         """Close the event channel."""

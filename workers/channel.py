@@ -23,6 +23,8 @@ import logging
 import secrets
 import socket
 import struct
+import time
+from collections.abc import Callable
 
 import msgpack
 
@@ -35,6 +37,8 @@ SILENCE_S = 15.0  # no frame for this long: the worker is hung (a crash closes t
 MAX_FRAME_BYTES = 64 << 20
 _HEADER = struct.Struct("!I")
 _HELLO_TIMEOUT_S = 10.0
+_MAX_HELLO_BYTES = 4096
+_WATCHDOG_EVERY_S = 1.0
 _SEND_TIMEOUT_S = 10.0  # a router that reads nothing for this long is treated as gone
 
 
@@ -63,32 +67,141 @@ class ChannelSender:
         self._sock.close()
 
 
-class ChannelReader:
-    """The router's end of one worker's connection."""
+BatchHandler = Callable[[OutputBatch], None]
+LostHandler = Callable[[str], None]
 
-    def __init__(self, name: str, reader: asyncio.StreamReader, writer: asyncio.StreamWriter):
-        self.name = name
-        self._reader = reader
-        self._writer = writer
 
-    async def next_batch(self, silence_s: float = SILENCE_S) -> OutputBatch:
-        """The next batch; ConnectionError when the worker closed or went silent."""
-        try:
-            data = await asyncio.wait_for(self._read_frame(), silence_s)
-        except asyncio.IncompleteReadError:
-            raise ConnectionError(f"worker {self.name} closed its event channel") from None
-        except asyncio.TimeoutError:
-            raise ConnectionError(f"worker {self.name} sent nothing for {silence_s:g} s") from None
-        return decode_as(data, OutputBatch)
+class ChannelReader(asyncio.Protocol):
+    """The router's end of one worker's connection.
 
-    async def _read_frame(self) -> bytes:
-        (size,) = _HEADER.unpack(await self._reader.readexactly(_HEADER.size))
-        if size > MAX_FRAME_BYTES:
-            raise ConnectionError(f"worker {self.name} sent a {size}-byte frame")
-        return await self._reader.readexactly(size)
+    A protocol rather than a stream reader: the frames are decoded in ``data_received``
+    and handed to ``on_batch`` right there, so a token reaches the request's coroutine
+    with one wake-up of the event loop, not three (stream reader, listening task, request).
+    """
+
+    def __init__(self, listener: ChannelListener):
+        self.name = ""
+        self._listener = listener
+        self._transport: asyncio.Transport | None = None
+        self._buffer = bytearray()
+        self._early: list[OutputBatch] = []  # frames before ``listen``
+        self._on_batch: BatchHandler | None = None
+        self._on_lost: LostHandler | None = None
+        self._why_lost = ""
+        self._last_frame = 0.0
+        self._silence_s = SILENCE_S
+        self._watchdog: asyncio.TimerHandle | None = None
+        self._hello_timer: asyncio.TimerHandle | None = None
+
+    def listen(
+        self, on_batch: BatchHandler, on_lost: LostHandler, silence_s: float = SILENCE_S
+    ) -> None:
+        """Call ``on_batch`` with every batch (earlier ones first), and ``on_lost`` once with
+        the reason when the worker closes the connection, sends garbage or goes silent."""
+        self._on_batch, self._on_lost, self._silence_s = on_batch, on_lost, silence_s
+        early, self._early = self._early, []
+        for batch in early:
+            on_batch(batch)
+        if self._why_lost:
+            on_lost(self._why_lost)
+            return
+        self._last_frame = time.monotonic()
+        self._arm_watchdog()
 
     def close(self) -> None:
-        self._writer.close()
+        self._why_lost = self._why_lost or "closed by the router"
+        if self._watchdog is not None:
+            self._watchdog.cancel()
+        if self._transport is not None:
+            self._transport.close()
+
+    # ---- asyncio.Protocol ----------------------------------------------------------------
+    def connection_made(self, transport) -> None:
+        self._transport = transport
+        sock = transport.get_extra_info("socket")
+        if sock is not None:
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        self._hello_timer = asyncio.get_running_loop().call_later(
+            _HELLO_TIMEOUT_S, self._refuse, "no hello in time"
+        )
+
+    def data_received(self, data: bytes) -> None:
+        buffer = self._buffer
+        buffer += data
+        while len(buffer) >= _HEADER.size:
+            (size,) = _HEADER.unpack_from(buffer)
+            limit = MAX_FRAME_BYTES if self.name else _MAX_HELLO_BYTES
+            if size > limit:
+                self._lose(f"worker {self.name or '?'} sent a {size}-byte frame")
+                return
+            end = _HEADER.size + size
+            if len(buffer) < end:
+                return
+            payload = bytes(buffer[_HEADER.size : end])
+            del buffer[:end]
+            if not self.name:
+                if not self._hello(payload):
+                    return
+                continue
+            try:
+                batch = decode_as(payload, OutputBatch)
+            except ValueError as exc:
+                self._lose(f"worker {self.name} sent a bad frame: {exc}")
+                return
+            self._last_frame = time.monotonic()
+            if self._on_batch is None:
+                self._early.append(batch)
+            else:
+                self._on_batch(batch)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        if self._hello_timer is not None:
+            self._hello_timer.cancel()
+        if self.name:
+            self._lose(f"worker {self.name} closed its event channel")
+
+    # ---- internals ---------------------------------------------------------------------
+    def _hello(self, payload: bytes) -> bool:
+        try:
+            name = self._listener.admit(msgpack.unpackb(payload, raw=False), self)
+        except Exception as exc:  # whoever it is, it does not get in
+            self._refuse(str(exc))
+            return False
+        self.name = name
+        if self._hello_timer is not None:
+            self._hello_timer.cancel()
+        return True
+
+    def _refuse(self, why: str) -> None:
+        if self.name or self._transport is None:
+            return
+        peer = self._transport.get_extra_info("peername")
+        logger.warning("refused an event-channel connection from %s: %s", peer, why)
+        self._transport.abort()
+
+    def _lose(self, why: str) -> None:
+        if self._why_lost:
+            return
+        self._why_lost = why
+        if self._watchdog is not None:
+            self._watchdog.cancel()
+        if self._transport is not None:
+            self._transport.abort()
+        if self._on_lost is not None:
+            self._on_lost(why)
+
+    def _arm_watchdog(self) -> None:
+        self._watchdog = asyncio.get_running_loop().call_later(
+            _WATCHDOG_EVERY_S, self._check_silence
+        )
+
+    def _check_silence(self) -> None:
+        if self._why_lost:
+            return
+        if time.monotonic() - self._last_frame > self._silence_s:
+            self._lose(f"worker {self.name} sent nothing for {self._silence_s:g} s")
+        else:
+            self._arm_watchdog()
 
 
 class ChannelListener:
@@ -103,7 +216,8 @@ class ChannelListener:
 
     async def start(self) -> None:
         if self._server is None:
-            self._server = await asyncio.start_server(self._on_connect, self.host, 0)
+            loop = asyncio.get_running_loop()
+            self._server = await loop.create_server(lambda: ChannelReader(self), self.host, 0)
             self.port = self._server.sockets[0].getsockname()[1]
 
     def expect(self, name: str) -> asyncio.Future[ChannelReader]:
@@ -131,32 +245,17 @@ class ChannelListener:
             await self._server.wait_closed()
             self._server = None
 
-    async def _on_connect(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter):
-        peer = writer.get_extra_info("peername")
-        try:
-            hello = await asyncio.wait_for(_read_hello(reader), _HELLO_TIMEOUT_S)
-            if not (isinstance(hello, list) and len(hello) == 4 and hello[0] == "hello"):
-                raise ValueError("not a hello")
-            _, version, name, token = hello
-            if version != WIRE_VERSION:
-                raise ValueError(f"wire version {version}, expected {WIRE_VERSION}")
-            if not isinstance(token, str) or not hmac.compare_digest(token, self.token):
-                raise ValueError("wrong token")
-            future = self._waiting.pop(name, None)
-            if future is None or future.done():
-                raise ValueError(f"no worker named {name!r} is expected")
-        except Exception as exc:  # whoever it is, it does not get in
-            logger.warning("refused an event-channel connection from %s: %s", peer, exc)
-            writer.close()
-            return
-        sock = writer.get_extra_info("socket")
-        if sock is not None:
-            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        future.set_result(ChannelReader(name, reader, writer))
-
-
-async def _read_hello(reader: asyncio.StreamReader):
-    (size,) = _HEADER.unpack(await reader.readexactly(_HEADER.size))
-    if size > 4096:
-        raise ValueError(f"a {size}-byte hello")
-    return msgpack.unpackb(await reader.readexactly(size), raw=False)
+    def admit(self, hello: object, reader: ChannelReader) -> str:
+        """Check a hello frame; returns the worker's name or raises with why not."""
+        if not (isinstance(hello, list) and len(hello) == 4 and hello[0] == "hello"):
+            raise ValueError("not a hello")
+        _, version, name, token = hello
+        if version != WIRE_VERSION:
+            raise ValueError(f"wire version {version}, expected {WIRE_VERSION}")
+        if not isinstance(token, str) or not hmac.compare_digest(token, self.token):
+            raise ValueError("wrong token")
+        future = self._waiting.pop(name, None) if isinstance(name, str) else None
+        if future is None or future.done():
+            raise ValueError(f"no worker named {name!r} is expected")
+        future.set_result(reader)
+        return name

@@ -21,8 +21,8 @@ from dataclasses import dataclass
 
 import msgpack
 
-from workers.channel import ChannelListener, ChannelReader, ChannelSender
-from workers.wire import OutputBatch, WorkerInfo, WorkItem, decode_as, encode
+from workers.channel import BatchHandler, ChannelListener, ChannelReader, ChannelSender, LostHandler
+from workers.wire import WorkerInfo, WorkItem, decode_as, encode
 
 logger = logging.getLogger(__name__)
 
@@ -220,10 +220,10 @@ class RayWorkerClient:
     async def decline(self, handles: tuple[bytes, ...]) -> None:
         await self._actor.decline.remote(list(handles))
 
-    async def next_batch(self) -> OutputBatch:
+    def listen(self, on_batch: BatchHandler, on_lost: LostHandler) -> None:
         if self._channel is None:
             raise RuntimeError(f"worker {self.name}: start() first")
-        return await self._channel.next_batch()
+        self._channel.listen(on_batch, on_lost)
 
     def close(self) -> None:
         if self._channel is not None:

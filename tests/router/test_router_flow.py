@@ -63,8 +63,8 @@ class InProcessClient:
     async def decline(self, handles):
         self.service.decline(handles)
 
-    async def next_batch(self):
-        return await self.channel.next_batch()
+    def listen(self, on_batch, on_lost):
+        self.channel.listen(on_batch, on_lost)
 
     def close(self):
         if self.channel is not None:

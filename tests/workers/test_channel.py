@@ -1,19 +1,22 @@
 """The worker → router event channel over real loopback sockets.
 
-What must hold: batches arrive intact and in order; only a worker that is expected and
-knows the token gets in; a closed or silent worker, or a frame that claims to be huge,
-is reported as a ConnectionError rather than a hang; an EngineService with a sink pushes
-its buffered events, a report with the block hashes, then heartbeats without them.
+What must hold: batches arrive intact and in order (those sent before the router listens
+first); only a worker that is expected and knows the token gets in; a closed or silent
+worker, a frame that claims to be huge or one that is not a batch is reported once, with
+why, rather than hanging; an EngineService with a sink pushes its buffered events, a
+report with the block hashes, then heartbeats without them.
 """
 
 from __future__ import annotations
 
 import asyncio
 import itertools
+import re
 import socket
 import struct
 import time
 
+import msgpack
 import pytest
 
 from workers import SamplingParams
@@ -22,7 +25,7 @@ from workers.config import EngineConfig
 from workers.engine import LLMEngine
 from workers.make_model import make_model
 from workers.service import EngineService
-from workers.wire import OutputBatch, TokenEvent, WorkerReport, WorkItem
+from workers.wire import WIRE_VERSION, OutputBatch, TokenEvent, WorkerReport, WorkItem
 
 
 def _report(version: int = 3, hashes: tuple[int, ...] | None = (7, 8)) -> WorkerReport:
@@ -50,84 +53,104 @@ async def _connect(listener: ChannelListener, name: str = "w", token: str | None
     return sender, future
 
 
-def test_batches_arrive_intact_and_in_order():
+class _Collector:
+    """What a listening router saw: the batches, and why the channel was lost."""
+
+    def __init__(self):
+        self.batches: list[OutputBatch] = []
+        self.lost: list[str] = []
+
+    async def wait(self, until, timeout_s: float = 5.0) -> None:
+        deadline = time.monotonic() + timeout_s
+        while not until():
+            assert time.monotonic() < deadline, (self.batches, self.lost)
+            await asyncio.sleep(0.01)
+
+
+def _batch(i: int) -> OutputBatch:
+    event = TokenEvent(f"r{i}", (i, i + 1), finished=i == 2, finish_reason="length")
+    return OutputBatch((event,), _report(i, None if i else (1, 2, 3)))
+
+
+def test_batches_arrive_intact_in_order_and_the_close_is_reported():
     async def main():
         listener = ChannelListener()
         sender, future = await _connect(listener)
         reader = await listener.accepted("w", future)
-        sent = [
-            OutputBatch(
-                (TokenEvent(f"r{i}", (i, i + 1), finished=i == 2, finish_reason="length"),),
-                _report(i, None if i else (1, 2, 3)),
-            )
-            for i in range(3)
-        ]
-        for batch in sent:
+        sent = [_batch(i) for i in range(3)]
+        sender.send(sent[0])  # before the router listens: kept, delivered first
+        await asyncio.sleep(0.05)
+        seen = _Collector()
+        reader.listen(seen.batches.append, seen.lost.append)
+        for batch in sent[1:]:
             sender.send(batch)
-        got = [await reader.next_batch() for _ in sent]
+        await seen.wait(lambda: len(seen.batches) == 3)
         sender.close()
-        with pytest.raises(ConnectionError, match="closed its event channel"):
-            await reader.next_batch()
+        await seen.wait(lambda: seen.lost)
         await listener.close()
-        return sent, got
+        return sent, seen
 
-    sent, got = asyncio.run(main())
-    assert got == sent
+    sent, seen = asyncio.run(main())
+    assert seen.batches == sent
+    assert seen.lost == ["worker w closed its event channel"]
 
 
-@pytest.mark.parametrize("case", ["wrong token", "unexpected name"])
+@pytest.mark.parametrize("case", ["wrong token", "unexpected name", "not a hello"])
 def test_strangers_are_refused(case):
     async def main():
         listener = ChannelListener()
         await listener.start()
         future = listener.expect("w")
-        name, token = ("w", "0" * 32) if case == "wrong token" else ("x", listener.token)
-        sender = await asyncio.to_thread(ChannelSender, listener.host, listener.port, name, token)
-        # The listener closes the connection: the stranger reads EOF.
-        sender._sock.settimeout(5)
-        data = await asyncio.to_thread(sender._sock.recv, 1)
+        sock = socket.create_connection((listener.host, listener.port), timeout=5)
+        if case == "not a hello":
+            sock.sendall(struct.pack("!I", 3) + b"abc")
+        else:
+            name, token = ("w", "0" * 32) if case == "wrong token" else ("x", listener.token)
+            hello = msgpack.packb(["hello", WIRE_VERSION, name, token])
+            sock.sendall(struct.pack("!I", len(hello)) + hello)
+        # The listener drops the connection: the stranger reads EOF (or a reset).
+        try:
+            data = await asyncio.to_thread(sock.recv, 1)
+        except ConnectionResetError:
+            data = b""
+        sock.close()
         with pytest.raises(ConnectionError, match="did not connect"):
             await listener.accepted("w", future, timeout_s=0.2)
-        sender.close()
         await listener.close()
         return data
 
     assert asyncio.run(main()) == b""
 
 
-def test_silence_and_oversized_frames_are_errors():
+@pytest.mark.parametrize(
+    ("case", "reason"),
+    [
+        ("silent", r"worker w sent nothing for 0\.2 s"),
+        ("huge frame", r"worker w sent a 2147483648-byte frame"),
+        ("bad frame", r"worker w sent a bad frame: not a OutputBatch message"),
+    ],
+)
+def test_silence_and_bad_frames_lose_the_worker(case, reason):
     async def main():
         listener = ChannelListener()
         sender, future = await _connect(listener)
         reader = await listener.accepted("w", future)
-        started = time.monotonic()
-        with pytest.raises(ConnectionError, match=r"sent nothing for 0\.2 s"):
-            await reader.next_batch(silence_s=0.2)
-        waited = time.monotonic() - started
-        sender._sock.sendall(struct.pack("!I", 1 << 31))
-        with pytest.raises(ConnectionError, match="byte frame"):
-            await reader.next_batch()
+        seen = _Collector()
+        reader.listen(seen.batches.append, seen.lost.append, silence_s=0.2)
+        if case == "huge frame":
+            sender._sock.sendall(struct.pack("!I", 1 << 31))
+        elif case == "bad frame":
+            junk = msgpack.packb(["report", WIRE_VERSION])
+            sender._sock.sendall(struct.pack("!I", len(junk)) + junk)
+        await seen.wait(lambda: seen.lost)
         sender.close()
+        await asyncio.sleep(0.05)
         await listener.close()
-        return waited
+        return seen
 
-    assert 0.15 < asyncio.run(main()) < 5
-
-
-def test_a_hello_that_is_not_one_is_refused():
-    async def main():
-        listener = ChannelListener()
-        await listener.start()
-        future = listener.expect("w")
-        sock = socket.create_connection((listener.host, listener.port), timeout=5)
-        sock.sendall(struct.pack("!I", 3) + b"abc")
-        data = await asyncio.to_thread(sock.recv, 1)
-        sock.close()
-        assert not future.done()
-        await listener.close()
-        return data
-
-    assert asyncio.run(main()) == b""
+    seen = asyncio.run(main())
+    assert len(seen.lost) == 1 and re.fullmatch(reason, seen.lost[0]), seen.lost
+    assert not seen.batches
 
 
 @pytest.fixture(scope="module")
