@@ -42,7 +42,7 @@ _RUN_ID = uuid.uuid4().hex[:8]
 class Cluster:
     config: ClusterConfig
     router: Router
-    listener: ChannelListener
+    listener: ChannelListener | None  # the workers' event channels; set once they run
     actors: dict[str, object] = field(default_factory=dict)  # name -> actor handle
     placement_groups: list = field(default_factory=list)
     started_ray: bool = False
@@ -106,13 +106,12 @@ def bring_up(config: ClusterConfig) -> Cluster:
     name = served_name(config.model.name, model_dir)
     num_workers = config.prefill.replicas + config.decode.replicas
     started = connect_ray(num_workers)
-    listener = ChannelListener(_channel_host())
-    cluster = Cluster(config, router=None, listener=listener, started_ray=started)  # type: ignore[arg-type]
+    cluster = Cluster(config, router=None, listener=None, started_ray=started)  # type: ignore[arg-type]
     try:
         has_gpu = ray.cluster_resources().get("GPU", 0) > 0
         # Local CPU workers share the machine's cores; give each its share of threads.
         threads = max(1, (os.cpu_count() or 1) // num_workers) if started else 0
-        clients: dict[str, list[RayWorkerClient]] = {"prefill": [], "decode": []}
+        roles: dict[str, str] = {}
         for role, pool in (("prefill", config.prefill), ("decode", config.decode)):
             device = pool.device if pool.device != "auto" else ("cuda" if has_gpu else "cpu")
             for index in range(pool.replicas):
@@ -121,8 +120,13 @@ def bring_up(config: ClusterConfig) -> Cluster:
                 actor, pg = _start_actor(spec, device)
                 cluster.actors[worker] = actor
                 cluster.placement_groups.append(pg)
-                clients[role].append(RayWorkerClient(worker, role, actor, listener))
+                roles[worker] = role
         infos = _wait_ready(cluster.actors)
+        # Only now, with every worker placed, is it known whether they all run on this node.
+        listener = cluster.listener = ChannelListener(_channel_host())
+        clients: dict[str, list[RayWorkerClient]] = {"prefill": [], "decode": []}
+        for worker, role in roles.items():
+            clients[role].append(RayWorkerClient(worker, role, cluster.actors[worker], listener))
         _introduce(cluster.actors, clients)
         info = _check_agree(infos)
         cluster.router = Router(

@@ -73,7 +73,8 @@ async def serve(config: ClusterConfig, on_ready: Callable[[str], None] | None = 
         if server is not None:
             await server.stop()
         await cluster.router.stop()
-        await cluster.listener.close()
+        if cluster.listener is not None:
+            await cluster.listener.close()
         cluster.shutdown()
     print("baton: stopped", flush=True)
     return 0
