@@ -33,12 +33,15 @@ def resolve_num_blocks(
     dtype: torch.dtype,
     device: torch.device,
     max_model_len: int,
+    num_kv_heads: int | None = None,
 ) -> int:
     """KV-cache blocks: config.num_kv_blocks, else what the memory budget holds (capped
-    where more memory buys nothing). Raises ValueError if one full-length request can't fit."""
+    where more memory buys nothing). Raises ValueError if one full-length request can't fit.
+
+    ``num_kv_heads``: the KV heads this rank keeps (default: all of the model's)."""
     per_block = bytes_per_block(
         arch.num_hidden_layers,
-        arch.num_key_value_heads,
+        num_kv_heads or arch.num_key_value_heads,
         config.block_size,
         arch.head_dim,
         dtype,

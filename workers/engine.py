@@ -29,6 +29,7 @@ from workers.detokenizer import IncrementalDetokenizer
 from workers.kv_cache import allocate_kv_cache
 from workers.model_runner import ModelRunner
 from workers.models.loader import load_model
+from workers.models.parallel import ParallelContext
 from workers.outputs import StreamDelta
 from workers.request import FinishReason, Request
 from workers.sampler import Sampler, SamplerOutput, SamplingRow, TokenLogprobs, make_generator
@@ -39,23 +40,35 @@ from workers.tokenizer import Tokenizer
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig, tokenizer: Tokenizer | None = None):
+    def __init__(
+        self,
+        config: EngineConfig,
+        tokenizer: Tokenizer | None = None,
+        parallel: ParallelContext | None = None,
+    ):
+        """``parallel``: this engine is one tensor-parallel rank. Every rank of the group
+        must then be given the same requests in the same order and step in lockstep (the
+        collectives inside the model pair up step by step)."""
         self.config = config
+        self.parallel = parallel or ParallelContext()
         self.device = config.resolve_device()
         self.dtype = config.resolve_dtype(self.device)
         if self.device.type == "cpu":
             keep_freed_memory_mapped()
-        self.model, self.arch = load_model(config.model, dtype=self.dtype, device=self.device)
+        self.model, self.arch = load_model(
+            config.model, dtype=self.dtype, device=self.device, parallel=self.parallel
+        )
         self.tokenizer = tokenizer if tokenizer is not None else Tokenizer.from_dir(config.model)
         self.max_model_len = resolve_max_model_len(config, self.arch)
         self.vocab_size = self.arch.vocab_size
+        self.num_kv_heads, _ = self.parallel.kv_heads(self.arch.num_key_value_heads)
         num_blocks = resolve_num_blocks(
-            config, self.arch, self.dtype, self.device, self.max_model_len
+            config, self.arch, self.dtype, self.device, self.max_model_len, self.num_kv_heads
         )
         self.kv_cache = allocate_kv_cache(
             num_blocks,
             self.arch.num_hidden_layers,
-            self.arch.num_key_value_heads,
+            self.num_kv_heads,
             config.block_size,
             self.arch.head_dim,
             self.dtype,

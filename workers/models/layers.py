@@ -124,13 +124,7 @@ class QKVParallelLinear(ColumnParallelLinear):
         self.total_num_heads = total_num_heads
         self.total_num_kv_heads = total_num_kv_heads
         self.num_heads = divide(total_num_heads, tp_size, "num_attention_heads")
-        if tp_size >= total_num_kv_heads:
-            num_replicas = divide(tp_size, total_num_kv_heads, "tp_size over num_key_value_heads")
-            self.num_kv_heads = 1
-            self.kv_shard_rank = parallel.tp_rank // num_replicas
-        else:
-            self.num_kv_heads = divide(total_num_kv_heads, tp_size, "num_key_value_heads")
-            self.kv_shard_rank = parallel.tp_rank
+        self.num_kv_heads, self.kv_shard_rank = parallel.kv_heads(total_num_kv_heads)
         output_size = (self.num_heads + 2 * self.num_kv_heads) * head_dim * tp_size
         super().__init__(hidden_size, output_size, bias, parallel)
 

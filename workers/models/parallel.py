@@ -28,6 +28,14 @@ class ParallelContext:
             dist.all_reduce(x, group=self.group)
         return x
 
+    def kv_heads(self, total_num_kv_heads: int) -> tuple[int, int]:
+        """(KV heads on this rank, which slice of them): heads split across the ranks, or,
+        with fewer KV heads than ranks, one head each, shared by ``tp_size // heads`` ranks."""
+        if self.tp_size >= total_num_kv_heads:
+            replicas = divide(self.tp_size, total_num_kv_heads, "tp_size over num_key_value_heads")
+            return 1, self.tp_rank // replicas
+        return divide(total_num_kv_heads, self.tp_size, "num_key_value_heads"), self.tp_rank
+
     def all_gather(self, x: torch.Tensor, dim: int = -1) -> torch.Tensor:
         """Concatenate every rank's ``x`` along ``dim`` (rank order); returns a new tensor."""
         if self.tp_size == 1:

@@ -1,0 +1,108 @@
+"""Tensor parallelism across real processes: gloo on CPU, each rank loading its shard.
+
+Every rank runs an :class:`LLMEngine` with its :class:`ParallelContext`, given the same
+requests and stepping in lockstep; the all-reduces of the row-parallel layers and the
+all-gather of the LM head pair up step by step. What must hold: each rank's greedy tokens
+equal the single-process engine's (which tests/workers/test_models.py holds against
+transformers), for two architectures, with KV heads split across ranks (TP=2) and
+replicated when there are fewer KV heads than ranks (TP=4 on 2 KV heads), through chunked
+prefill and decode; each rank's KV cache keeps only its own heads.
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from workers import SamplingParams
+from workers.config import EngineConfig
+from workers.engine import LLMEngine
+from workers.make_model import make_model
+from workers.models.parallel import ParallelContext
+
+# Lengths around the 32-token step budget and the 8-token blocks: chunked prefill, a
+# prompt ending mid-block, and one exactly on a block boundary.
+PROMPT_LENGTHS = (5, 16, 45)
+MAX_TOKENS = 12
+
+
+def _config(model_dir: str) -> EngineConfig:
+    return EngineConfig(
+        model=model_dir,
+        dtype="float32",
+        device="cpu",
+        max_model_len=128,
+        block_size=8,
+        num_kv_blocks=64,
+        max_num_seqs=4,
+        max_num_batched_tokens=32,
+        detokenize=False,
+    )
+
+
+def _generate(engine: LLMEngine) -> dict[str, list[int]]:
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    for i, length in enumerate(PROMPT_LENGTHS):
+        prompt = [(37 * i + 11 * j) % (engine.vocab_size - 1) + 1 for j in range(length)]
+        engine.add_request(prompt, params, f"r{i}")
+    tokens: dict[str, list[int]] = {f"r{i}": [] for i in range(len(PROMPT_LENGTHS))}
+    while engine.has_unfinished_requests():
+        for delta in engine.step():
+            tokens[delta.request_id].extend(delta.token_ids)
+    return tokens
+
+
+def _rank_main(rank: int, world: int, port: int, model_dir: str, out_dir: str) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world
+    )
+    try:
+        engine = LLMEngine(_config(model_dir), parallel=ParallelContext(rank, world))
+        result = {"tokens": _generate(engine), "kv_cache_shape": list(engine.kv_cache.shape)}
+        Path(out_dir, f"rank{rank}.json").write_text(json.dumps(result))
+    finally:
+        dist.destroy_process_group()
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@pytest.fixture(scope="module", params=["llama", "qwen2"])
+def model_dir(request, tmp_path_factory) -> str:
+    path = tmp_path_factory.mktemp(f"tp-{request.param}") / "tiny"
+    return str(make_model(path, request.param, "tiny"))
+
+
+@pytest.fixture(scope="module")
+def single_rank(model_dir) -> dict[str, list[int]]:
+    return _generate(LLMEngine(_config(model_dir)))
+
+
+@pytest.mark.parametrize("tp_size", [2, 4])
+def test_tensor_parallel_ranks_match_the_single_process_engine(
+    model_dir, single_rank, tp_size, tmp_path
+):
+    mp.start_processes(
+        _rank_main,
+        args=(tp_size, _free_port(), model_dir, str(tmp_path)),
+        nprocs=tp_size,
+        join=True,
+        start_method="spawn",
+    )
+    total_kv_heads = 2  # the tiny models': 4 attention heads, 2 KV heads
+    for rank in range(tp_size):
+        result = json.loads((tmp_path / f"rank{rank}.json").read_text())
+        assert result["tokens"] == single_rank, f"rank {rank} of {tp_size}"
+        # (blocks, layers, K/V, heads, block size, head dim): only this rank's heads.
+        assert result["kv_cache_shape"][3] == max(1, total_kv_heads // tp_size)
+    assert all(len(t) == MAX_TOKENS for t in single_rank.values())
