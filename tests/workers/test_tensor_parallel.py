@@ -6,7 +6,8 @@ all-gather of the LM head pair up step by step. What must hold: each rank's gree
 equal the single-process engine's (which tests/workers/test_models.py holds against
 transformers), for two architectures, with KV heads split across ranks (TP=2) and
 replicated when there are fewer KV heads than ranks (TP=4 on 2 KV heads), through chunked
-prefill and decode; each rank's KV cache keeps only its own heads.
+prefill and decode; each rank's KV cache keeps only its own heads, and each rank reads
+only its shard of the checkpoint.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from workers import SamplingParams
 from workers.config import EngineConfig
 from workers.engine import LLMEngine
 from workers.make_model import make_model
+from workers.models import loader
 from workers.models.parallel import ParallelContext
 
 # Lengths around the 32-token step budget and the 8-token blocks: chunked prefill, a
@@ -106,3 +108,26 @@ def test_tensor_parallel_ranks_match_the_single_process_engine(
         # (blocks, layers, K/V, heads, block size, head dim): only this rank's heads.
         assert result["kv_cache_shape"][3] == max(1, total_kv_heads // tp_size)
     assert all(len(t) == MAX_TOKENS for t in single_rank.values())
+
+
+def test_each_rank_reads_only_its_shard_of_the_checkpoint(model_dir, monkeypatch):
+    read: list[loader.CheckpointTensor] = []
+    iter_tensors = loader._iter_tensors
+
+    def recording(files):
+        for name, tensor in iter_tensors(files):
+            read.append(tensor)
+            yield name, tensor
+
+    monkeypatch.setattr(loader, "_iter_tensors", recording)
+    totals = []
+    for rank in range(2):
+        read.clear()
+        model, _ = loader.load_model(
+            model_dir, torch.float32, torch.device("cpu"), ParallelContext(rank, 2)
+        )
+        in_file = sum(t.shape.numel() for t in read)
+        # Every element read lands in this rank's parameters, and nothing else is read.
+        assert sum(t.elements_read for t in read) == sum(p.numel() for p in model.parameters())
+        totals.append(sum(t.elements_read for t in read))
+    assert all(total < 0.75 * in_file for total in totals), (totals, in_file)

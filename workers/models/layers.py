@@ -3,7 +3,10 @@
 
 Every parameter carries ``weight_loader(param, loaded_weight, shard_id=None)``, which takes
 the *full* checkpoint tensor, checks its shape (ValueError "expected ..., found ...") and
-copies this rank's shard (converting dtype/device) into the parameter. Fused parameters
+copies this rank's shard (converting dtype/device) into the parameter. The loaders touch
+``loaded_weight`` only through ``shape``, ``narrow``, first-dimension slices and ``[:]``, so
+that the checkpoint loader can pass a lazy ``CheckpointTensor`` and each rank reads only
+its shard from the file. Fused parameters
 take a ``shard_id`` naming the piece: "q"/"k"/"v" for ``qkv_proj``, 0/1 (gate/up) for
 ``gate_up_proj``. Collectives sit in ``forward`` where they happen; at tp_size 1 they are no-ops.
 """
@@ -31,7 +34,7 @@ def default_weight_loader(
 ) -> None:
     """Copy a replicated (unsharded) parameter whole."""
     _check_shape(loaded_weight, param.shape)
-    param.data.copy_(loaded_weight)
+    param.data.copy_(loaded_weight[:])
 
 
 def new_param(shape: Sequence[int], weight_loader) -> nn.Parameter:

@@ -55,7 +55,9 @@ def load_model(
 
 
 def load_weights(
-    model: nn.Module, weights: Iterator[tuple[str, torch.Tensor]], config: ArchConfig
+    model: nn.Module,
+    weights: Iterator[tuple[str, torch.Tensor | CheckpointTensor]],
+    config: ArchConfig,
 ) -> None:
     """Copy checkpoint tensors (HF names) into ``model``'s parameters; mutates the model."""
     params = dict(model.named_parameters())
@@ -126,11 +128,35 @@ def _weight_files(model_dir: Path) -> list[Path]:
     )
 
 
-def _iter_tensors(files: list[Path]) -> Iterator[tuple[str, torch.Tensor]]:
+class CheckpointTensor:
+    """A checkpoint tensor read lazily: a tensor-parallel rank reads only its shard.
+
+    Offers what the weight loaders use of a tensor (``shape``, ``narrow``, slicing the
+    first dimension, ``[:]`` for all of it); each returns a real tensor with just those
+    elements, read from the file. ``elements_read`` counts them.
+    """
+
+    def __init__(self, file_slice) -> None:
+        self._slice = file_slice
+        self.shape = torch.Size(file_slice.get_shape())
+        self.elements_read = 0
+
+    def narrow(self, dim: int, start: int, length: int) -> torch.Tensor:
+        index = [slice(None)] * len(self.shape)
+        index[dim] = slice(start, start + length)
+        return self[tuple(index)]
+
+    def __getitem__(self, key) -> torch.Tensor:
+        tensor = self._slice[key]
+        self.elements_read += tensor.numel()
+        return tensor
+
+
+def _iter_tensors(files: list[Path]) -> Iterator[tuple[str, CheckpointTensor]]:
     for path in files:
         with safe_open(path, framework="pt", device="cpu") as f:
             for name in f.keys():  # noqa: SIM118 (safe_open is not a dict)
-                yield name, f.get_tensor(name)
+                yield name, CheckpointTensor(f.get_slice(name))
 
 
 def _short_list(names: list[str], limit: int = 10) -> str:
