@@ -28,7 +28,7 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 from kvtransfer import KVConnector, KVHandle
 from kvtransfer.messages import decode_as as decode_kv
@@ -36,12 +36,12 @@ from kvtransfer.messages import encode as encode_kv
 from workers.channel import HEARTBEAT_S
 from workers.engine import LLMEngine
 from workers.outputs import StreamDelta
-from workers.wire import OutputBatch, TokenEvent, WorkerReport, WorkItem
+from workers.wire import OutputBatch, TokenEvent, WorkItem
+from workers.worker_report import ReportBuilder
 
 logger = logging.getLogger(__name__)
 
 _IDLE_WAIT_S = 0.05  # nothing to compute: how long the loop sleeps unless woken
-_HASHES_EVERY_S = 0.1  # how often the cached-hash set is recomputed for the router
 Sink = Callable[[OutputBatch], None]
 
 
@@ -72,15 +72,10 @@ class EngineService:
         self._receives: dict[str, _Receive] = {}  # loop thread only
         self._errors: dict[str, str] = {}  # loop thread only: why a request failed
         self._transfer: dict[str, tuple[float, int]] = {}  # loop thread only
-        self._hashes: frozenset[int] = frozenset()
-        self._hashes_tuple: tuple[int, ...] = ()  # what reports carry; rebuilt on change only
-        self._hashes_version = 0
-        self._hashes_at = 0.0
+        self._reports = ReportBuilder(engine, name, role)  # loop thread only
         self._stopping = False
         self._failed: str | None = None
-        self._report = self._make_report(0, ())
         self._sink: Sink | None = None  # loop thread only
-        self._sink_version = -1  # the hashes version the sink last received
         self._sent_at = 0.0
         self.connector = (
             connector_factory(engine, self._on_release) if connector_factory is not None else None
@@ -107,9 +102,6 @@ class EngineService:
         last batch. A sink that raises is dropped (the router sees its channel close).
         """
         self._command(("attach", sink))
-
-    def report(self) -> WorkerReport:
-        return self._report
 
     def stop(self, timeout_s: float = 10.0) -> None:
         """Abort everything, release every lease, stop the loop."""
@@ -143,7 +135,7 @@ class EngineService:
                     self._publish([self._event(d) for d in deltas])
                     # Only receiving, or waiting for blocks: sleep until something wakes us.
                     did_work = bool(deltas or started or self.engine.scheduler.running)
-                self._refresh_report()
+                self._reports.refresh_hashes()
                 if self._sink is not None and time.monotonic() - self._sent_at >= HEARTBEAT_S:
                     self._send(())
                 if not did_work:
@@ -158,8 +150,6 @@ class EngineService:
         self._failed = error
         rids = set(self.engine.scheduler.requests) | set(self._receives)
         events = [_failed_event(rid, 0, f"worker {self.name} failed: {error}") for rid in rids]
-        report = replace(self._report, healthy=False, error=error)
-        self._report = report
         if self._sink is not None:
             self._send(events)  # even with no events: the report says the loop is dead
         else:
@@ -183,6 +173,7 @@ class EngineService:
                     self._decline(command[1])
                 elif kind == "attach":
                     self._sink = command[1]
+                    self._reports.resend_hashes()  # a new receiver knows none yet
                     events, self._events = self._events, []
                     self._send(events)
             except Exception:  # one bad command must not take the worker down
@@ -344,46 +335,16 @@ class EngineService:
             self._events.extend(events)
 
     def _send(self, events: Sequence[TokenEvent]) -> None:
-        report = self._report
-        if report.hashes_version == self._sink_version:
-            report = _without_hashes(report)
+        """Push ``events`` with a fresh report (built only now: nobody reads one between)."""
+        failed = self._failed
+        report = self._reports.next(healthy=not (self._stopping or failed), error=failed or "")
         try:
             self._sink(OutputBatch(tuple(events), report))  # type: ignore[misc]
         except Exception:
             logger.exception("%s: the event sink failed; dropping it", self.name)
             self._sink = None
             return
-        self._sink_version = report.hashes_version
         self._sent_at = time.monotonic()
-
-    def _refresh_report(self) -> None:
-        now = time.monotonic()
-        if now - self._hashes_at >= _HASHES_EVERY_S:
-            self._hashes_at = now
-            hashes = frozenset(self.engine.block_manager.cached_block_hashes())
-            if hashes != self._hashes:
-                self._hashes = hashes
-                self._hashes_tuple = tuple(hashes)
-                self._hashes_version += 1
-        self._report = self._make_report(self._hashes_version, self._hashes_tuple)
-
-    def _make_report(
-        self, version: int, hashes: tuple[int, ...], healthy: bool = True
-    ) -> WorkerReport:
-        sched, bm = self.engine.scheduler, self.engine.block_manager
-        return WorkerReport(
-            name=self.name,
-            role=self.role,
-            healthy=healthy and not self._stopping,
-            num_running=len(sched.running) + self.engine.num_receiving,
-            num_waiting=len(sched.waiting),
-            kv_blocks_total=bm.num_blocks,
-            kv_blocks_used=bm.num_used_blocks,
-            kv_blocks_cached=bm.num_cached_blocks,
-            num_held=self.engine.num_held,
-            hashes_version=version,
-            cached_hashes=hashes,
-        )
 
     def _shutdown_requests(self) -> None:
         """Stopping: abort what runs, wait for receives to settle, free held blocks."""
@@ -398,11 +359,6 @@ class EngineService:
         while self.engine.has_unfinished_requests() and time.monotonic() < deadline:
             self._finish_receives()
             self._publish([self._event(d) for d in self.engine.step()])
-        self._refresh_report()
-
-
-def _without_hashes(report: WorkerReport) -> WorkerReport:
-    return replace(report, cached_hashes=None)
 
 
 def _failed_event(rid: str, num_prompt_tokens: int, error: str) -> TokenEvent:
