@@ -9,6 +9,7 @@ kvtransfer messages travel as their own msgpack bytes, errors as [code, message]
 
 from __future__ import annotations
 
+import os
 import random
 import threading
 import time
@@ -94,6 +95,9 @@ class KVWorker:
     # ---- control plane --------------------------------------------------------------
     def metadata(self) -> bytes:
         return self.connector.metadata()
+
+    def pid(self) -> int:
+        return os.getpid()
 
     def agent_name(self) -> str:
         return self.connector.agent_name

@@ -150,6 +150,18 @@ def test_lease_expiry_frees_the_prefill_blocks(ray_session):
     ray.kill(prefill)
 
 
+def _wait_gone(pid: int, timeout_s: float = 30.0) -> None:
+    """Until the process has exited (ray.kill returns before it has; same host)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return
+        time.sleep(0.02)
+    raise AssertionError(f"the killed actor's process {pid} is still running")
+
+
 @pytest.mark.parametrize("direction", ["pull", "push"])
 def test_killed_peer_gives_a_typed_error_within_the_deadline(ray_session, direction):
     prefill = spawn(f"doomed-{direction}", seed=3)
@@ -157,8 +169,9 @@ def test_killed_peer_gives_a_typed_error_within_the_deadline(ray_session, direct
     handshake(prefill, decode)
     old_meta = ray.get(prefill.metadata.remote())
     handle = ray.get(prefill.prefill.remote("orphan", 32))
+    pid = ray.get(prefill.pid.remote())
     ray.kill(prefill, no_restart=True)
-    time.sleep(0.5)  # the process is gone
+    _wait_gone(pid)
     ray.get(decode.start_receive.remote([handle], 32, 2.0))
     code, message, waited, _ = ray.get(decode.wait_receive.remote("orphan"))
     # UCX reports the dead endpoint at once (NIXL_ERR_REMOTE_DISCONNECT on the READ, or
