@@ -31,7 +31,7 @@ from workers.model_runner import ModelRunner
 from workers.models.loader import load_model
 from workers.models.parallel import ParallelContext
 from workers.outputs import StreamDelta
-from workers.request import FinishReason, Request
+from workers.request import Request, check_stop
 from workers.sampler import Sampler, SamplerOutput, SamplingRow, TokenLogprobs, make_generator
 from workers.sampling_params import SamplingParams
 from workers.scheduler import Scheduler, SchedulerOutput
@@ -170,7 +170,7 @@ class LLMEngine:
             # state after it (a stop string or a character may continue past it).
             may_stop = req.num_output_tokens >= req.params.min_tokens
             stop_matched = detok.step([token_id], check_stop=may_stop).stop_matched
-        reason, _ = self._finish_reason(req, token_id, stop_matched)
+        reason, _ = check_stop(req, token_id, stop_matched, self.max_model_len)
         if reason is not None:
             raise ValueError(
                 f"remote_first_token {token_id} already ends the request ({reason.value}); "
@@ -302,7 +302,7 @@ class LLMEngine:
             may_stop = req.num_output_tokens >= req.params.min_tokens
             step = detok.step([token_id], check_stop=may_stop)
             text, stop_matched = step.text, step.stop_matched
-        reason, stop_reason = self._finish_reason(req, token_id, stop_matched)
+        reason, stop_reason = check_stop(req, token_id, stop_matched, self.max_model_len)
         new_logprobs = (logprobs,) if logprobs is not None else None
         if reason is None and req.is_prefill_only:
             return self._hold(req, token_id, text, new_logprobs)
@@ -319,23 +319,6 @@ class LLMEngine:
         req.stop_reason = stop_reason
         self.scheduler.finish(req, reason)
         return self._final_delta(req, (token_id,), text, new_logprobs)
-
-    def _finish_reason(
-        self, req: Request, token_id: int, stop_matched: str | None
-    ) -> tuple[FinishReason | None, str | int | None]:
-        """(finish reason, stop reason) after ``token_id`` was appended; (None, None) = go on."""
-        # EOS, stop ids and stop strings apply once min_tokens are out (stop_matched is
-        # None before that, and always when the router matches stop strings itself).
-        if req.num_output_tokens >= req.params.min_tokens:
-            if token_id in req.eos_token_ids:
-                return FinishReason.STOP, None
-            if token_id in req.params.stop_token_ids:
-                return FinishReason.STOP, token_id
-            if stop_matched is not None:
-                return FinishReason.STOP, stop_matched
-        if req.num_output_tokens >= req.max_tokens or req.num_tokens >= self.max_model_len:
-            return FinishReason.LENGTH, None
-        return None, None
 
     def _hold(
         self,

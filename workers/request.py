@@ -81,3 +81,21 @@ class Request:
 
     def append_token(self, token_id: int) -> None:
         self.token_ids.append(token_id)
+
+
+def check_stop(
+    req: Request, token_id: int, stop_matched: str | None, max_model_len: int
+) -> tuple[FinishReason | None, str | int | None]:
+    """(finish reason, stop reason) after ``token_id`` was appended; (None, None) = go on."""
+    # EOS, stop ids and stop strings apply once min_tokens are out (stop_matched is
+    # None before that, and always when the router matches stop strings itself).
+    if req.num_output_tokens >= req.params.min_tokens:
+        if token_id in req.eos_token_ids:
+            return FinishReason.STOP, None
+        if token_id in req.params.stop_token_ids:
+            return FinishReason.STOP, token_id
+        if stop_matched is not None:
+            return FinishReason.STOP, stop_matched
+    if req.num_output_tokens >= req.max_tokens or req.num_tokens >= max_model_len:
+        return FinishReason.LENGTH, None
+    return None, None
