@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import time
 import uuid
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from workers.block_manager import BlockManager
 from workers.cache_sizing import resolve_max_model_len, resolve_num_blocks
@@ -35,6 +35,7 @@ from workers.request import Request, check_stop
 from workers.sampler import Sampler, SamplerOutput, SamplingRow, TokenLogprobs, make_generator
 from workers.sampling_params import SamplingParams
 from workers.scheduler import Scheduler, SchedulerOutput
+from workers.step_inputs import StepInputs
 from workers.step_times import StepTimes
 from workers.tokenizer import Tokenizer
 
@@ -45,10 +46,17 @@ class LLMEngine:
         config: EngineConfig,
         tokenizer: Tokenizer | None = None,
         parallel: ParallelContext | None = None,
+        *,
+        before_forward: Callable[[StepInputs], None] | None = None,
+        agree_num_blocks: Callable[[int], int] | None = None,
     ):
-        """``parallel``: this engine is one tensor-parallel rank. Every rank of the group
-        must then be given the same requests in the same order and step in lockstep (the
-        collectives inside the model pair up step by step)."""
+        """``parallel``: this engine is one tensor-parallel rank. The ranks' forward passes
+        must then run in lockstep on the same inputs (the collectives inside the model
+        pair up step by step): either every rank is given the same requests, or rank 0
+        schedules and its ``before_forward`` sends each step's inputs to the other ranks,
+        which run ``runner.run`` on them (``workers/replica_*.py``).
+        ``agree_num_blocks``: maps this rank's KV-cache size to the size all ranks use
+        (their minimum), so that block ids mean the same on every rank."""
         self.config = config
         self.parallel = parallel or ParallelContext()
         self.device = config.resolve_device()
@@ -65,6 +73,8 @@ class LLMEngine:
         num_blocks = resolve_num_blocks(
             config, self.arch, self.dtype, self.device, self.max_model_len, self.num_kv_heads
         )
+        if agree_num_blocks is not None:
+            num_blocks = agree_num_blocks(num_blocks)
         self.kv_cache = allocate_kv_cache(
             num_blocks,
             self.arch.num_hidden_layers,
@@ -80,7 +90,9 @@ class LLMEngine:
         self.scheduler = Scheduler(
             self.block_manager, config.max_num_seqs, config.max_num_batched_tokens
         )
-        self.runner = ModelRunner(self.model, self.kv_cache, config.block_size, self.device)
+        self.runner = ModelRunner(
+            self.model, self.kv_cache, config.block_size, self.device, before_forward
+        )
         self.sampler = Sampler(self.vocab_size, seed=config.seed)
         # Empty when config.detokenize is False (the router detokenizes at the edge).
         self._detokenizers: dict[str, IncrementalDetokenizer] = {}

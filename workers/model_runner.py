@@ -2,15 +2,19 @@
 
 Input preparation: the step's chunks (decodes first) become one run of token ids
 with their positions, the KV slot of every new token (``slot_mapping``), padded
-block tables, context lengths and ``cu_seqlens_q``. Logits are computed only for
-the last token of chunks that sample (a prefill chunk that does not reach the
-end of its prompt produces none). No policy decisions here.
+block tables, context lengths and ``cu_seqlens_q`` (a :class:`StepInputs`). Logits are
+computed only for the last token of chunks that sample (a prefill chunk that does not
+reach the end of its prompt produces none). No policy decisions here.
+
+In a tensor-parallel replica, rank 0 hands each step's inputs to ``before_forward``
+(which sends them to the other ranks) and every rank then runs ``run`` on the same
+inputs: the collectives inside the model pair up.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 
 import numpy as np
 import torch
@@ -20,22 +24,27 @@ from workers.kv_cache import copy_blocks
 from workers.models.base import CausalLM
 from workers.request import Request
 from workers.scheduler import SchedulerOutput
+from workers.step_inputs import StepInputs
 
 
 class ModelRunner:
     def __init__(
-        self, model: CausalLM, kv_cache: torch.Tensor, block_size: int, device: torch.device
+        self,
+        model: CausalLM,
+        kv_cache: torch.Tensor,
+        block_size: int,
+        device: torch.device,
+        before_forward: Callable[[StepInputs], None] | None = None,
     ):
         self.model = model
         self.kv_cache = kv_cache
         self.block_size = block_size
         self.device = device
+        self.before_forward = before_forward
         self.last_prepare_s = 0.0  # input preparation time of the last step (engine stats)
 
-    def prepare(
-        self, sched: SchedulerOutput, requests: Mapping[str, Request]
-    ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor]:
-        """Build (input_ids, positions, metadata, sample_indices) for the step."""
+    def prepare_inputs(self, sched: SchedulerOutput, requests: Mapping[str, Request]) -> StepInputs:
+        """The step's flat batch as host arrays."""
         bs = self.block_size
         chunks = sched.chunks
         num_seqs = len(chunks)
@@ -46,7 +55,6 @@ class ModelRunner:
         max_blocks = max(len(c.block_ids) for c in chunks)
         block_tables = np.zeros((num_seqs, max_blocks), dtype=np.int32)
         seq_lens: list[int] = []
-        query_lens: list[int] = []
         query_start_loc = [0]
         sample_indices: list[int] = []
         num_decodes = 0
@@ -69,41 +77,64 @@ class ModelRunner:
                 slot_mapping[offset : offset + n] = table[pos // bs] * bs + pos % bs
             offset += n
             seq_lens.append(end)
-            query_lens.append(n)
             query_start_loc.append(offset)
             if chunk.needs_sample:
                 sample_indices.append(offset - 1)
+        return StepInputs(
+            input_ids=input_ids,
+            positions=positions,
+            slot_mapping=slot_mapping,
+            block_tables=block_tables,
+            seq_lens=tuple(seq_lens),
+            query_start_loc=tuple(query_start_loc),
+            num_decodes=num_decodes,
+            sample_indices=tuple(sample_indices),
+            block_copies=tuple(sched.block_copies),
+        )
 
-        def to_dev(array: np.ndarray | list[int], dtype: torch.dtype) -> torch.Tensor:
+    def to_device(
+        self, inputs: StepInputs
+    ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor]:
+        """(input_ids, positions, metadata, sample_indices) as tensors on the device."""
+
+        def to_dev(array: np.ndarray | tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
             tensor = torch.as_tensor(array, dtype=dtype)
             return (
                 tensor.to(self.device, non_blocking=True) if self.device.type != "cpu" else tensor
             )
 
+        query_lens = inputs.query_lens
         metadata = AttentionMetadata(
-            slot_mapping=to_dev(slot_mapping, torch.int64),
-            block_tables=to_dev(block_tables, torch.int32),
-            seq_lens=to_dev(seq_lens, torch.int32),
-            query_start_loc=to_dev(query_start_loc, torch.int32),
-            num_decodes=num_decodes,
+            slot_mapping=to_dev(inputs.slot_mapping, torch.int64),
+            block_tables=to_dev(inputs.block_tables, torch.int32),
+            seq_lens=to_dev(inputs.seq_lens, torch.int32),
+            query_start_loc=to_dev(inputs.query_start_loc, torch.int32),
+            num_decodes=inputs.num_decodes,
             max_query_len=max(query_lens),
-            max_seq_len=max(seq_lens),
-            seq_lens_cpu=tuple(seq_lens),
-            query_lens_cpu=tuple(query_lens),
+            max_seq_len=max(inputs.seq_lens),
+            seq_lens_cpu=inputs.seq_lens,
+            query_lens_cpu=query_lens,
         )
         return (
-            to_dev(input_ids, torch.int64),
-            to_dev(positions, torch.int64),
+            to_dev(inputs.input_ids, torch.int64),
+            to_dev(inputs.positions, torch.int64),
             metadata,
-            to_dev(sample_indices, torch.int64),
+            to_dev(inputs.sample_indices, torch.int64),
         )
 
-    @torch.inference_mode()
     def execute(self, sched: SchedulerOutput, requests: Mapping[str, Request]) -> torch.Tensor:
         """Run the step; returns float32 logits [num_sampling_chunks, vocab] (possibly 0 rows)."""
         t0 = time.perf_counter()
-        copy_blocks(self.kv_cache, sched.block_copies)
-        input_ids, positions, metadata, sample_indices = self.prepare(sched, requests)
+        inputs = self.prepare_inputs(sched, requests)
+        if self.before_forward is not None:
+            self.before_forward(inputs)
         self.last_prepare_s = time.perf_counter() - t0
+        return self.run(inputs)
+
+    @torch.inference_mode()
+    def run(self, inputs: StepInputs) -> torch.Tensor:
+        """The forward pass of prepared inputs (every rank of a replica runs this)."""
+        copy_blocks(self.kv_cache, inputs.block_copies)
+        input_ids, positions, metadata, sample_indices = self.to_device(inputs)
         hidden = self.model.forward(input_ids, positions, self.kv_cache, metadata)
         return self.model.compute_logits(hidden[sample_indices])

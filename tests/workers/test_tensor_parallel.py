@@ -1,13 +1,15 @@
 """Tensor parallelism across real processes: gloo on CPU, each rank loading its shard.
 
-Every rank runs an :class:`LLMEngine` with its :class:`ParallelContext`, given the same
-requests and stepping in lockstep; the all-reduces of the row-parallel layers and the
-all-gather of the LM head pair up step by step. What must hold: each rank's greedy tokens
-equal the single-process engine's (which tests/workers/test_models.py holds against
-transformers), for two architectures, with KV heads split across ranks (TP=2) and
-replicated when there are fewer KV heads than ranks (TP=4 on 2 KV heads), through chunked
-prefill and decode; each rank's KV cache keeps only its own heads, and each rank reads
-only its shard of the checkpoint.
+A replica as the cluster runs it: rank 0's engine schedules and samples and sends each
+step's inputs to the other ranks (typed commands, ``workers/replica_*.py``), which run
+the same forward pass on their shards; the all-reduces of the row-parallel layers and
+the all-gather of the LM head pair up step by step. What must hold: rank 0's greedy
+tokens equal the single-process engine's (which tests/workers/test_models.py holds
+against transformers), for two architectures, with KV heads split across ranks (TP=2)
+and replicated when there are fewer KV heads than ranks (TP=4 on 2 KV heads), through
+chunked prefill and decode; every other rank ran exactly one forward pass per step of
+rank 0; each rank's KV cache keeps only its own heads, and each rank reads only its
+shard of the checkpoint.
 """
 
 from __future__ import annotations
@@ -18,7 +20,6 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from workers import SamplingParams
@@ -27,6 +28,10 @@ from workers.engine import LLMEngine
 from workers.make_model import make_model
 from workers.models import loader
 from workers.models.parallel import ParallelContext
+from workers.replica import agree_min, join_replica, leave_replica
+from workers.replica_follower import RankFollower
+from workers.replica_kv import ReplicaKV
+from workers.step_inputs import StepInputs
 
 # Lengths around the 32-token step budget and the 8-token blocks: chunked prefill, a
 # prompt ending mid-block, and one exactly on a block boundary.
@@ -62,15 +67,36 @@ def _generate(engine: LLMEngine) -> dict[str, list[int]]:
 
 def _rank_main(rank: int, world: int, port: int, model_dir: str, out_dir: str) -> None:
     torch.set_num_threads(1)
-    dist.init_process_group(
-        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world
-    )
+    parallel, link = join_replica(rank, world, "127.0.0.1", port, "cpu")
     try:
-        engine = LLMEngine(_config(model_dir), parallel=ParallelContext(rank, world))
-        result = {"tokens": _generate(engine), "kv_cache_shape": list(engine.kv_cache.shape)}
+        if rank == 0:
+            kv = ReplicaKV(link)
+            sent: list[StepInputs] = []
+
+            def send(inputs: StepInputs) -> None:
+                sent.append(inputs)
+                kv.before_forward(inputs)
+
+            engine = LLMEngine(
+                _config(model_dir),
+                parallel=parallel,
+                before_forward=send,
+                agree_num_blocks=agree_min(link),
+            )
+            tokens = _generate(engine)
+            kv.close()
+            result = {"tokens": tokens, "steps": len(sent)}
+        else:
+            engine = LLMEngine(
+                _config(model_dir), parallel=parallel, agree_num_blocks=agree_min(link)
+            )
+            follower = RankFollower(engine, link)
+            follower.run()
+            result = {"steps": follower.steps}
+        result["kv_cache_shape"] = list(engine.kv_cache.shape)
         Path(out_dir, f"rank{rank}.json").write_text(json.dumps(result))
     finally:
-        dist.destroy_process_group()
+        leave_replica()
 
 
 def _free_port() -> int:
@@ -102,9 +128,11 @@ def test_tensor_parallel_ranks_match_the_single_process_engine(
         start_method="spawn",
     )
     total_kv_heads = 2  # the tiny models': 4 attention heads, 2 KV heads
-    for rank in range(tp_size):
-        result = json.loads((tmp_path / f"rank{rank}.json").read_text())
-        assert result["tokens"] == single_rank, f"rank {rank} of {tp_size}"
+    results = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(tp_size)]
+    assert results[0]["tokens"] == single_rank
+    assert results[0]["steps"] > len(PROMPT_LENGTHS)
+    for rank, result in enumerate(results):
+        assert result["steps"] == results[0]["steps"], f"rank {rank} of {tp_size}"
         # (blocks, layers, K/V, heads, block size, head dim): only this rank's heads.
         assert result["kv_cache_shape"][3] == max(1, total_kv_heads // tp_size)
     assert all(len(t) == MAX_TOKENS for t in single_rank.values())

@@ -1,0 +1,146 @@
+"""Rank 0 <-> rank messages: typed round trips, refusal of anything else, and the link's
+inline and overflow paths over a real two-process gloo group."""
+
+from __future__ import annotations
+
+import json
+import socket
+from pathlib import Path
+
+import msgpack
+import numpy as np
+import pytest
+import torch.multiprocessing as mp
+
+from workers.rank_link import COMMAND_INLINE_BYTES, REPLY_INLINE_BYTES
+from workers.replica import join_replica, leave_replica
+from workers.replica_messages import (
+    Offered,
+    OfferOp,
+    RankCommand,
+    RankReply,
+    Received,
+    ReceiveOp,
+    decode_command,
+    decode_reply,
+    encode_command,
+    encode_reply,
+)
+from workers.step_inputs import StepInputs
+
+
+def _inputs(num_tokens: int = 5) -> StepInputs:
+    return StepInputs(
+        input_ids=np.arange(num_tokens, dtype=np.int64) + 7,
+        positions=np.arange(num_tokens, dtype=np.int64),
+        slot_mapping=np.arange(num_tokens, dtype=np.int64) + 32,
+        block_tables=np.array([[4, 0], [5, 9]], dtype=np.int32),
+        seq_lens=(9, num_tokens - 1),
+        query_start_loc=(0, 1, num_tokens),
+        num_decodes=1,
+        sample_indices=(0, num_tokens - 1),
+        block_copies=((3, 4),),
+    )
+
+
+def _same_inputs(a: StepInputs, b: StepInputs) -> None:
+    for name in ("input_ids", "positions", "slot_mapping", "block_tables"):
+        np.testing.assert_array_equal(getattr(a, name), getattr(b, name))
+    for name in ("seq_lens", "query_start_loc", "num_decodes", "sample_indices", "block_copies"):
+        assert getattr(a, name) == getattr(b, name)
+
+
+def test_a_command_round_trips_with_every_field():
+    command = RankCommand(
+        seq=41,
+        step=_inputs(),
+        offers=(OfferOp("a", (1, 2, 3), 40, 17),),
+        receives=(ReceiveOp("b", (b"h0", b"h1"), (8, 9)),),
+        aborts=("c",),
+        declines=((b"h2",),),
+        reply=True,
+    )
+    got = decode_command(encode_command(command))
+    _same_inputs(got.step, command.step)
+    assert (got.seq, got.offers, got.receives, got.aborts, got.declines) == (
+        41,
+        command.offers,
+        command.receives,
+        ("c",),
+        ((b"h2",),),
+    )
+    assert got.reply and not got.stop
+    assert decode_command(encode_command(RankCommand(seq=0, stop=True))).step is None
+
+
+def test_a_reply_round_trips():
+    reply = RankReply(
+        rank=3,
+        offered=(Offered("a", b"handle"), Offered("b", b"", "boom")),
+        released=("c", "d"),
+        received=(Received("e", "", 0.25, 4096), Received("f", "PeerLostError: gone")),
+    )
+    assert decode_reply(encode_reply(reply)) == reply
+
+
+@pytest.mark.parametrize(
+    "data, error",
+    [
+        (b"\xc1", "undecodable"),
+        (msgpack.packb(["reply", 1, 0, [], [], []]), "not a cmd"),
+        (msgpack.packb(["cmd", 99, 0, None, [], [], [], [], False, False]), "version 99"),
+        (
+            msgpack.packb(["cmd", 1, 0, None, [["a", [1], 2]], [], [], [], False, False]),
+            "malformed",
+        ),
+    ],
+)
+def test_anything_but_a_command_is_refused(data, error):
+    with pytest.raises(ValueError, match=error):
+        decode_command(data)
+
+
+def test_step_inputs_whose_lengths_disagree_are_refused():
+    msg = _inputs().to_msg()
+    msg[6] = [0, 1, 3]  # query_start_loc no longer ends at num_tokens
+    with pytest.raises(ValueError, match="disagree"):
+        StepInputs.from_msg(msg)
+
+
+# ---- the link, between two real processes ------------------------------------------------
+
+
+def _link_main(rank: int, port: int, out_dir: str) -> None:
+    _, link = join_replica(rank, 2, "127.0.0.1", port, "cpu")
+    try:
+        sizes = (0, 100, COMMAND_INLINE_BYTES - 8, COMMAND_INLINE_BYTES + 5, 300_000)
+        got = []
+        for size in sizes:
+            data = bytes((i * 7 + size) % 251 for i in range(size))
+            received = link.broadcast(data if rank == 0 else None)
+            got.append(received == data)
+        # Replies: rank 1's overflows the inline buffer, rank 0's is empty.
+        mine = b"" if rank == 0 else bytes(i % 253 for i in range(REPLY_INLINE_BYTES * 3))
+        replies = link.gather(mine)
+        result = {"broadcast_ok": got}
+        if rank == 0:
+            expected = bytes(i % 253 for i in range(REPLY_INLINE_BYTES * 3))
+            result["gather_ok"] = replies == [b"", expected]
+        else:
+            result["gather_none"] = replies is None
+        Path(out_dir, f"rank{rank}.json").write_text(json.dumps(result))
+    finally:
+        leave_replica()
+
+
+def test_the_link_carries_short_and_long_messages_both_ways(tmp_path):
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    mp.start_processes(
+        _link_main, args=(port, str(tmp_path)), nprocs=2, join=True, start_method="spawn"
+    )
+    rank0 = json.loads((tmp_path / "rank0.json").read_text())
+    rank1 = json.loads((tmp_path / "rank1.json").read_text())
+    assert rank0["broadcast_ok"] == [True] * 5 and rank1["broadcast_ok"] == [True] * 5
+    assert rank0["gather_ok"] and rank1["gather_none"]
