@@ -108,16 +108,19 @@ def route(
     cursor: int = 0,
 ) -> RouteDecision:
     """Pick the decode worker, and the prefill worker when the request is handed off."""
-    decode, cursor = pick(policy, decode_pool, req, cursor)
+    # Round robin: request n goes to decode worker n and prefill worker n (each modulo
+    # its pool): one cursor step per request. (Stepping it for each pool would send
+    # every request to the same decode worker when the pools add up to an even step.)
+    decode, next_cursor = pick(policy, decode_pool, req, cursor)
     local_cached = cached_prefix_blocks(decode, req.block_hashes) * req.block_size
     if disaggregation == "never":
-        return RouteDecision(decode.name, None, local_cached, cursor)
+        return RouteDecision(decode.name, None, local_cached, next_cursor)
     healthy_prefill = [w for w in prefill_pool if w.healthy]
     if disaggregation == "auto":
         uncached = req.num_prompt_tokens - local_cached
         saturated = all(w.num_waiting >= saturated_queue for w in healthy_prefill)
         if uncached <= auto_local_prefill_tokens or saturated:
-            return RouteDecision(decode.name, None, local_cached, cursor)
-    prefill, cursor = pick(policy, healthy_prefill, req, cursor)
+            return RouteDecision(decode.name, None, local_cached, next_cursor)
+    prefill, _ = pick(policy, healthy_prefill, req, cursor)
     cached = cached_prefix_blocks(prefill, req.block_hashes) * req.block_size
-    return RouteDecision(decode.name, prefill.name, cached, cursor)
+    return RouteDecision(decode.name, prefill.name, cached, next_cursor)

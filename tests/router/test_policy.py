@@ -88,3 +88,25 @@ def test_always_and_never():
         decide("always", [WorkerState("p0", healthy=False)], decode)
     with pytest.raises(NoHealthyWorker):
         decide("never", prefill, [WorkerState("d0", healthy=False)])
+
+
+def test_round_robin_with_hand_off_cycles_over_both_pools():
+    """One cursor step per request: with 1 prefill and 2 decode workers the decode
+    workers alternate (stepping the cursor per pool would pin every request to one)."""
+    prefill = [WorkerState("p0")]
+    decode = [WorkerState("d0"), WorkerState("d1")]
+    cursor, picks = 0, []
+    for _ in range(4):
+        decision = route(
+            REQ,
+            prefill,
+            decode,
+            policy="round_robin",
+            disaggregation="always",
+            auto_local_prefill_tokens=0,
+            saturated_queue=1,
+            cursor=cursor,
+        )
+        cursor = decision.round_robin_cursor
+        picks.append((decision.prefill, decision.decode))
+    assert picks == [("p0", "d0"), ("p0", "d1"), ("p0", "d0"), ("p0", "d1")]
