@@ -74,7 +74,7 @@ class _Pending:
         self.owner: WorkerView | None = None  # the worker whose final event ends it there
         self.decode: WorkerView | None = None
         # A prefill worker's handle that no decode worker took: it must be declined.
-        self.unread_handle: bytes | None = None
+        self.unread_handles: tuple[bytes, ...] = ()  # one per prefill rank
         self.submit: asyncio.Future | None = None  # the last submit call in flight
         self.is_aborted = False
 
@@ -203,7 +203,7 @@ class Router:
             async for message, event in self._stream_from(
                 pending, prefill, replace(item, mode="prefill")
             ):
-                if event is not None and event.kv_handle is not None:
+                if event is not None and event.kv_handles:
                     handle_event = event
                     break
                 if message is not None:
@@ -212,8 +212,8 @@ class Router:
                 return  # ended on the prefill worker (first token was the last, or abort)
             # P holds the KV under a lease until a decode worker's notice or expiry; until
             # D has the handle, ending the request means declining it (see _settle).
-            pending.unread_handle = handle_event.kv_handle
-            first = replace(handle_event, finished=False, kv_handle=None)
+            pending.unread_handles = handle_event.kv_handles
+            first = replace(handle_event, finished=False, kv_handles=())
             message = stream.on_event(first)
             if message is not None:
                 yield message
@@ -224,7 +224,7 @@ class Router:
             item = replace(
                 item,
                 mode="decode",
-                kv_handles=(handle_event.kv_handle,),
+                kv_handles=handle_event.kv_handles,
                 first_token_id=handle_event.token_ids[0],
             )
         async for message, _event in self._stream_from(pending, decode, item):
@@ -250,7 +250,7 @@ class Router:
             # then, even if this coroutine is cancelled while the submit is in flight.
             def delivered(future: asyncio.Future) -> None:
                 if not future.cancelled() and future.exception() is None:
-                    pending.unread_handle = None
+                    pending.unread_handles = ()
 
             pending.submit.add_done_callback(delivered)
         try:
@@ -275,11 +275,11 @@ class Router:
             if event.finished:
                 # Its end on this worker (a handle event ends the prefill worker's part).
                 worker.active.discard(stream.request_id)
-                if event.kv_handle is None:
+                if not event.kv_handles:
                     pending.owner = None
                 if event.error:
                     raise RouterError("INTERNAL", f"worker {worker.name}: {event.error}")
-            if event.kv_handle is not None:
+            if event.kv_handles:
                 yield None, event
                 continue
             message = stream.on_event(event)
@@ -317,10 +317,10 @@ class Router:
         try:
             if pending.submit is not None:  # let a submit in flight land before its abort
                 await asyncio.wait([pending.submit], timeout=_SETTLE_TIMEOUT_S)
-            if pending.unread_handle is not None:
-                await self._decline(pending.unread_handle, pending.decode)
+            if pending.unread_handles:
+                await self._decline(pending.unread_handles, pending.decode)
             owner = pending.owner
-            if owner is None or (owner.client.role == "prefill" and pending.unread_handle):
+            if owner is None or (owner.client.role == "prefill" and pending.unread_handles):
                 return
             if pending.is_aborted or pending.stream.is_finished:
                 await self._abort_on(owner, request_id)
@@ -337,8 +337,8 @@ class Router:
                 if source != owner.name or event is None or not event.finished:
                     continue
                 owner.active.discard(request_id)
-                if event.kv_handle is not None:  # prefill finished before the abort came
-                    await self._decline(event.kv_handle, pending.decode)
+                if event.kv_handles:  # prefill finished before the abort came
+                    await self._decline(event.kv_handles, pending.decode)
         finally:
             if pending.owner is not None:
                 pending.owner.active.discard(request_id)
@@ -350,7 +350,7 @@ class Router:
         except Exception:
             logger.warning("abort of %s on %s failed", request_id, worker.name, exc_info=True)
 
-    async def _decline(self, handle: bytes, preferred: WorkerView | None) -> None:
+    async def _decline(self, handles: tuple[bytes, ...], preferred: WorkerView | None) -> None:
         """Release a prefill worker's held KV that no decode worker will read.
 
         Any decode worker can send the notice (each knows every prefill worker); when
@@ -362,7 +362,7 @@ class Router:
             if not view.is_alive:
                 continue
             try:
-                await view.client.decline((handle,))
+                await view.client.decline(handles)
                 return
             except Exception:
                 logger.warning("decline through %s failed", view.name, exc_info=True)
@@ -382,9 +382,9 @@ class Router:
             pending = self._requests.get(event.request_id)
             if pending is not None:
                 pending.events.put_nowait((view.name, event))
-            elif event.kv_handle is not None:
+            elif event.kv_handles:
                 # Its request is gone (aborted while prefilling): free the held KV.
-                self._spawn(self._decline(event.kv_handle, None))
+                self._spawn(self._decline(event.kv_handles, None))
         if batch.report.error:
             self._worker_died(view, batch.report.error)
 

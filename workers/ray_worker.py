@@ -1,7 +1,8 @@
 """The prefill / decode worker as a Ray actor, and the router's async handle on it.
 
 :class:`WorkerActor` is a thin adapter: it builds the engine and the KV connector from a
-:class:`WorkerSpec` and forwards calls to :class:`~workers.service.EngineService`. Every
+:class:`~workers.worker_spec.WorkerSpec` and forwards calls to
+:class:`~workers.service.EngineService`. Every
 argument and result is bytes, str, int or float, so Ray carries them as msgpack (Ray
 pickles only objects msgpack cannot represent); messages are our own msgpack
 (``workers/wire.py``, ``kvtransfer/messages.py``). Methods return errors as values rather
@@ -14,108 +15,79 @@ The engine runs on the service's own thread.
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import os
-from dataclasses import dataclass
-
-import msgpack
 
 from workers.channel import BatchHandler, ChannelListener, ChannelReader, ChannelSender, LostHandler
 from workers.wire import WorkerInfo, WorkItem, decode_as, encode
+from workers.worker_spec import WorkerSpec, build_engine, connector_factory
 
 logger = logging.getLogger(__name__)
 
 ACTOR_CONCURRENCY = 8
 
 
-@dataclass(frozen=True)
-class WorkerSpec:
-    """Everything a worker needs to start (built by cluster/ from the cluster config)."""
-
-    name: str
-    role: str  # prefill | decode
-    model: str  # Hugging Face directory
-    model_id: str  # served name: part of the KV layout fingerprint
-    dtype: str = "auto"
-    device: str = "auto"
-    max_model_len: int | None = None
-    block_size: int = 16
-    num_kv_blocks: int | None = None
-    kv_cache_memory_gib: float = 2.0
-    gpu_memory_fraction: float = 0.90
-    max_num_seqs: int = 64
-    max_num_batched_tokens: int = 2048
-    enable_prefix_caching: bool = True
-    kv_backend: str = "nixl"
-    kv_direction: str = "auto"
-    lease_seconds: float = 30.0
-    transfer_timeout_s: float = 10.0
-    on_failure: str = "recompute"
-    num_threads: int = 0  # torch intra-op threads on CPU; 0 = torch's default
-
-    def to_bytes(self) -> bytes:
-        return msgpack.packb(dataclasses.asdict(self), use_bin_type=True)
-
-    @classmethod
-    def from_bytes(cls, data: bytes) -> WorkerSpec:
-        return cls(**msgpack.unpackb(data, raw=False))
-
-
 class WorkerActor:
-    """Runs one worker replica (tensor/pipeline parallel size 1) inside a Ray actor."""
+    """Rank 0 of a worker replica inside a Ray actor: the engine loop, the router's work and
+    the KV hand-off; with tensor_parallel > 1 it drives the other ranks (``ray_rank.py``).
+
+    Built in two calls: the constructor only keeps the spec, so that bring-up can ask
+    this rank where the replica meets (``rendezvous``) before every rank ``start``s.
+    """
 
     def __init__(self, spec_bytes: bytes):
-        spec = WorkerSpec.from_bytes(spec_bytes)
-        import torch
+        self.spec = WorkerSpec.from_bytes(spec_bytes)
+        self.service = None
+        self._sender: ChannelSender | None = None
 
-        from kvtransfer import KVLayout, KVTransferConfig, create_connector
-        from workers.config import EngineConfig
-        from workers.engine import LLMEngine
+    def rendezvous(self) -> list:
+        """[address, port] where the replica's ranks join rank 0's process group."""
+        import ray
+
+        from workers.replica import free_port
+
+        host = ray.util.get_node_ip_address()
+        return [host, free_port(host)]
+
+    def start(self, address: str = "", port: int = 0) -> str:
+        """Load the model and start the engine loop; "" or the error."""
+        try:
+            self._start(address, port)
+        except Exception as exc:
+            logger.exception("worker %s failed to start", self.spec.name)
+            return f"{type(exc).__name__}: {exc}"
+        return ""
+
+    def _start(self, address: str, port: int) -> None:
+        from workers.replica import agree_min, join_replica
+        from workers.replica_kv import ReplicaKV
         from workers.service import EngineService
 
-        if spec.num_threads > 0:
-            torch.set_num_threads(spec.num_threads)
-        self.spec = spec
-        self._sender: ChannelSender | None = None
-        engine = LLMEngine(
-            EngineConfig(
-                model=spec.model,
-                dtype=spec.dtype,
-                device=spec.device,
-                max_model_len=spec.max_model_len,
-                block_size=spec.block_size,
-                num_kv_blocks=spec.num_kv_blocks,
-                kv_cache_memory_gib=spec.kv_cache_memory_gib,
-                gpu_memory_fraction=spec.gpu_memory_fraction,
-                max_num_seqs=spec.max_num_seqs,
-                max_num_batched_tokens=spec.max_num_batched_tokens,
-                enable_prefix_caching=spec.enable_prefix_caching,
-                detokenize=False,  # the router detokenizes at the edge
-            )
+        spec = self.spec
+        parallel = link = agree = None
+        if spec.tensor_parallel > 1:
+            device_type = "cuda" if spec.device.startswith("cuda") else "cpu"
+            parallel, link = join_replica(0, spec.tensor_parallel, address, port, device_type)
+            agree = agree_min(link)
+        replica = ReplicaKV(link, spec.dst_tensor_parallel)
+        engine = build_engine(
+            spec, parallel, replica.before_forward if link is not None else None, agree
         )
-        if engine.device.type == "cpu":
-            # The cache comes zeroed but unmapped (calloc): touch every page now, so the
-            # first requests' KV transfers do not pay the page faults (they measured ~8x
-            # slower on this machine's first run).
-            engine.kv_cache.zero_()
-        transfer = KVTransferConfig(
-            backend=spec.kv_backend,
-            direction=spec.kv_direction,
-            lease_seconds=spec.lease_seconds,
-            transfer_timeout_s=spec.transfer_timeout_s,
-        )
-
-        def make_connector(eng, on_release):
-            layout = KVLayout.from_tensor(
-                eng.kv_cache, model_id=spec.model_id, num_kv_heads=eng.arch.num_key_value_heads
-            )
-            return create_connector(transfer, layout, eng.kv_cache, spec.name, on_release)
-
         self.service = EngineService(
-            engine, spec.name, spec.role, make_connector, on_failure=spec.on_failure
+            engine,
+            spec.name,
+            spec.role,
+            connector_factory(spec, 0),
+            on_failure=spec.on_failure,
+            replica=replica,
         )
-        logger.info("worker %s (%s) ready in pid %d", spec.name, spec.role, os.getpid())
+        logger.info(
+            "worker %s (%s, %d ranks) ready in pid %d",
+            spec.name,
+            spec.role,
+            spec.tensor_parallel,
+            os.getpid(),
+        )
 
     def describe(self) -> bytes:
         """A :class:`~workers.wire.WorkerInfo`: what this worker resolved at start-up."""
@@ -184,10 +156,17 @@ class WorkerActor:
         return ""
 
     def stop(self) -> str:
-        self.service.stop()
+        from workers.replica import leave_replica
+
+        if self.service is not None:
+            self.service.stop()  # the other ranks get their stop command from its loop
         if self._sender is not None:
             self._sender.close()
+        leave_replica()
         return ""
+
+    def pid(self) -> int:
+        return os.getpid()
 
 
 class RayWorkerClient:

@@ -36,6 +36,7 @@ from kvtransfer.errors import TransferFailedError
 from kvtransfer.messages import decode_as as decode_kv
 from kvtransfer.messages import encode as encode_kv
 from workers.rank_link import RankLink
+from workers.replica import leave_replica
 from workers.replica_messages import (
     OfferOp,
     RankCommand,
@@ -100,7 +101,7 @@ class ReplicaKV:
         self._round(step=inputs)
 
     def offer(
-        self, request_id: str, block_ids: Sequence[int], num_tokens: int, first_token_id: int
+        self, request_id: str, block_ids: Sequence[int], *, num_tokens: int, first_token_id: int
     ) -> tuple[bytes, ...]:
         """Leases on every rank; the handles in rank order. Raises (no lease counts) if
         any rank cannot offer; the caller frees the blocks, since no handle went out."""
@@ -187,6 +188,15 @@ class ReplicaKV:
         """Tell the other ranks to stop (the loop is ending)."""
         if self.link is not None:
             self._round(stop=True)
+
+    def abandon(self) -> None:
+        """Rank 0's loop died: close the link, so that the other ranks' next collective
+        fails at once instead of waiting for a command that will not come."""
+        if self.link is not None:
+            try:
+                leave_replica()
+            except Exception:
+                logger.warning("could not leave the replica's process group", exc_info=True)
 
     # ---- internals ---------------------------------------------------------------------
     def _require(self) -> KVConnector:

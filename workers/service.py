@@ -32,10 +32,10 @@ from dataclasses import dataclass
 
 from kvtransfer import KVConnector, KVHandle
 from kvtransfer.messages import decode_as as decode_kv
-from kvtransfer.messages import encode as encode_kv
 from workers.channel import HEARTBEAT_S
 from workers.engine import LLMEngine
 from workers.outputs import StreamDelta
+from workers.replica_kv import ReplicaKV
 from workers.wire import OutputBatch, TokenEvent, WorkItem
 from workers.worker_report import ReportBuilder
 
@@ -47,7 +47,7 @@ Sink = Callable[[OutputBatch], None]
 
 @dataclass
 class _Receive:
-    handles: tuple[KVHandle, ...]
+    handles: tuple[bytes, ...]  # msgpack KVHandle per prefill rank (checked on admission)
     future: Future | None = None  # set once the engine gave the blocks and the pull started
     is_aborted: bool = False
 
@@ -61,7 +61,10 @@ class EngineService:
         connector_factory: Callable[[LLMEngine, Callable[[str, str], None]], KVConnector]
         | None = None,
         on_failure: str = "recompute",
+        replica: ReplicaKV | None = None,
     ):
+        """``replica``: rank 0's end of a tensor-parallel replica (its engine's
+        ``before_forward`` must be the same object's); None for a one-rank worker."""
         self.engine = engine
         self.name = name
         self.role = role
@@ -77,9 +80,14 @@ class EngineService:
         self._failed: str | None = None
         self._sink: Sink | None = None  # loop thread only
         self._sent_at = 0.0
+        # Every KV operation goes through self.kv: it spans all ranks of the replica.
+        self.kv = replica if replica is not None else ReplicaKV()
         self.connector = (
-            connector_factory(engine, self._on_release) if connector_factory is not None else None
+            connector_factory(engine, self.kv.local_released)
+            if connector_factory is not None
+            else None
         )
+        self.kv.bind(self.connector, self._on_release, self._wake.set)
         self._thread = threading.Thread(target=self._loop, name=f"engine-{name}", daemon=True)
         self._thread.start()
 
@@ -118,7 +126,7 @@ class EngineService:
         self._wake.set()
 
     def _on_release(self, request_id: str, reason: str) -> None:
-        """Connector thread: a lease ended; the loop frees the held blocks."""
+        """The request's lease ended on every rank; the loop frees the held blocks."""
         self._command(("release", request_id, reason))
 
     # ---- the loop (its own thread) -----------------------------------------------------
@@ -127,6 +135,7 @@ class EngineService:
             while not self._stopping:
                 self._wake.clear()
                 self._drain_commands()
+                self.kv.poll()
                 self._finish_receives()
                 did_work = False
                 if self.engine.has_unfinished_requests():
@@ -139,8 +148,9 @@ class EngineService:
                 if self._sink is not None and time.monotonic() - self._sent_at >= HEARTBEAT_S:
                     self._send(())
                 if not did_work:
-                    self._wake.wait(_IDLE_WAIT_S)
+                    self._wake.wait(min(_IDLE_WAIT_S, self.kv.wait_hint() or _IDLE_WAIT_S))
             self._shutdown_requests()
+            self.kv.close()
         except Exception as exc:  # a bug or a device failure: fail loudly, not silently
             logger.exception("engine loop of %s failed", self.name)
             self._fail(f"{type(exc).__name__}: {exc}")
@@ -148,6 +158,7 @@ class EngineService:
     def _fail(self, error: str) -> None:
         """The loop is dead: every request it had fails now (the router answers INTERNAL)."""
         self._failed = error
+        self.kv.abandon()  # the other ranks stop waiting for commands
         rids = set(self.engine.scheduler.requests) | set(self._receives)
         events = [_failed_event(rid, 0, f"worker {self.name} failed: {error}") for rid in rids]
         if self._sink is not None:
@@ -187,8 +198,9 @@ class EngineService:
             return
         try:
             if item.mode == "decode":
-                handles = tuple(decode_kv(h, KVHandle) for h in item.kv_handles)
-                self._receives[rid] = _Receive(handles)
+                for handle in item.kv_handles:
+                    decode_kv(handle, KVHandle)  # refuse a malformed one before admission
+                self._receives[rid] = _Receive(tuple(item.kv_handles))
                 self.engine.add_request(
                     list(item.prompt_token_ids),
                     item.params,
@@ -220,24 +232,25 @@ class EngineService:
             receive.is_aborted = True
             if self.connector is not None:
                 try:
-                    self.connector.abort(rid)
+                    self.kv.abort(rid)
                 except Exception:  # the receive still ends by its deadline
                     logger.warning("%s: cannot abort the receive of %s", self.name, rid)
         self.engine.abort_request(rid)
 
-    def _decline(self, raw_handles: tuple[bytes, ...]) -> None:
+    def _decline(self, handles: tuple[bytes, ...]) -> None:
         try:
-            handles = tuple(decode_kv(h, KVHandle) for h in raw_handles)
+            for handle in handles:
+                decode_kv(handle, KVHandle)
         except ValueError:
             logger.warning("ignoring a malformed handle to decline")
             return
         self._safe_decline(handles)
 
-    def _safe_decline(self, handles: tuple[KVHandle, ...]) -> None:
+    def _safe_decline(self, handles: tuple[bytes, ...]) -> None:
         if self.connector is None:
             return
         try:
-            self.connector.decline(handles, "aborted")
+            self.kv.decline(handles)
         except Exception:  # the owner will free at lease expiry instead
             logger.warning("could not decline KV handles", exc_info=True)
 
@@ -251,7 +264,7 @@ class EngineService:
                 self.engine.kv_received(rid, ok=False)
                 continue
             try:
-                receive.future = self.connector.receive(receive.handles, block_ids)
+                receive.future = self.kv.receive(receive.handles, block_ids)
             except Exception as exc:
                 receive.future = Future()
                 receive.future.set_exception(exc)
@@ -281,10 +294,10 @@ class EngineService:
 
     def _event(self, delta: StreamDelta) -> TokenEvent:
         rid = delta.request_id
-        kv_handle = None
+        kv_handles: tuple[bytes, ...] = ()
         if delta.held_block_ids is not None:
-            kv_handle = self._offer(delta)
-            if kv_handle is None:
+            kv_handles = self._offer(delta)
+            if not kv_handles:
                 return _failed_event(rid, delta.num_prompt_tokens, self._errors.pop(rid))
         if delta.finished and rid in self._receives:
             # Ended before its receive started (aborted while queued): free P's blocks now.
@@ -301,20 +314,21 @@ class EngineService:
             num_prompt_tokens=delta.num_prompt_tokens,
             num_cached_tokens=delta.num_cached_tokens,
             logprobs=delta.logprobs,
-            kv_handle=kv_handle,
+            kv_handles=kv_handles,
             kv_transfer_seconds=seconds,
             kv_transfer_bytes=num_bytes,
             error=error,
         )
 
-    def _offer(self, delta: StreamDelta) -> bytes | None:
-        """Prefill: put the held blocks under a lease; None (blocks freed) if that fails."""
+    def _offer(self, delta: StreamDelta) -> tuple[bytes, ...]:
+        """Prefill: put the held blocks under a lease on every rank; the handles, one per
+        rank, or none (blocks freed) if that fails."""
         rid = delta.request_id
         assert delta.held_block_ids is not None
         try:
             if self.connector is None:
                 raise RuntimeError("no KV connector on this worker")
-            handle = self.connector.offer(
+            return self.kv.offer(
                 rid,
                 delta.held_block_ids,
                 num_tokens=delta.num_prompt_tokens,
@@ -323,8 +337,7 @@ class EngineService:
         except Exception as exc:
             self.engine.release_held(rid)
             self._errors[rid] = f"cannot offer KV: {exc}"
-            return None
-        return encode_kv(handle)
+            return ()
 
     def _publish(self, events: list[TokenEvent]) -> None:
         if not events:

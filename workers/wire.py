@@ -23,7 +23,7 @@ import msgpack
 from workers.sampler import TokenLogprobs
 from workers.sampling_params import SamplingParams
 
-WIRE_VERSION = 1
+WIRE_VERSION = 2
 MODES = ("full", "prefill", "decode")
 T = TypeVar("T")
 
@@ -57,7 +57,7 @@ class TokenEvent:
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0
     logprobs: tuple[TokenLogprobs, ...] | None = None
-    kv_handle: bytes | None = None  # prefill: the request's KV is held; this is its handle
+    kv_handles: tuple[bytes, ...] = ()  # prefill: the request's KV is held; one per rank
     kv_transfer_seconds: float = 0.0  # decode: the hand-off of this request's KV
     kv_transfer_bytes: int = 0
     error: str = ""  # non-empty: the request failed on the worker (INTERNAL)

@@ -1,0 +1,151 @@
+"""Whole clusters whose pools use different tensor-parallel layouts.
+
+Real Ray actors (one per rank, in one placement group per replica), real gloo process
+groups, real NIXL transfers in which each decode rank pulls exactly its KV heads from
+the prefill ranks that hold them, real gRPC. What must hold:
+
+- prefill TP=2 -> decode TP=1 and prefill TP=1 -> decode TP=2 give, token for token,
+  what the single-process engine gives (the aggregated TP=1 reference; tests/e2e/
+  test_cluster.py holds the cluster's TP=1 paths to the same), disaggregated and
+  aggregated, and every KV block is released afterwards on every worker;
+- killing one rank of a decode replica ends the streams on that replica with an error
+  within seconds, takes the replica out of routing, and the cluster keeps serving on the
+  other decode replica.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import threading
+import time
+
+import grpc
+import pytest
+
+from proto.baton.v1 import inference_pb2 as pb
+from tests.e2e.conftest import cluster_config, start_cluster, stop_cluster
+from tests.e2e.test_cluster import PROMPTS, TOKEN_PROMPT, collect, request, wait_blocks_released
+
+pytest.importorskip("ray")
+pytest.importorskip("nixl")
+
+DEATH_DEADLINE_S = 5.0  # a dead rank's streams end within this (HEARTBEAT_S is 0.5 s)
+BLOCK_SIZE = 8  # cluster_config's kv_cache.block_size
+
+
+def _block_bytes(model_dir) -> int:
+    """One block of every layer, K and V, all KV heads, float32."""
+    from workers.models.arch_config import ArchConfig
+
+    arch = ArchConfig.from_model_dir(model_dir)
+    return arch.num_hidden_layers * 2 * arch.num_key_value_heads * BLOCK_SIZE * arch.head_dim * 4
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_model_dir):
+    from workers import LLM, SamplingParams
+
+    llm = LLM(str(tiny_model_dir), dtype="float32", max_model_len=512)
+    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    prompts = [*PROMPTS, TOKEN_PROMPT]
+    return {i: list(out.token_ids) for i, out in enumerate(llm.generate(prompts, params))}
+
+
+def _layout_config(model_dir, prefill_tp: int, decode_tp: int, decode_replicas: int = 1):
+    config = cluster_config(model_dir)
+    config["prefill"]["tensor_parallel"] = prefill_tp
+    config["decode"]["tensor_parallel"] = decode_tp
+    config["decode"]["replicas"] = decode_replicas
+    return config
+
+
+@pytest.mark.parametrize("prefill_tp, decode_tp", [(2, 1), (1, 2)], ids=["P2-D1", "P1-D2"])
+def test_mixed_layouts_match_the_single_process_engine(
+    tiny_model_dir, tmp_path, reference, prefill_tp, decode_tp
+):
+    served = start_cluster(_layout_config(tiny_model_dir, prefill_tp, decode_tp), tmp_path)
+    try:
+        stub = served.stub()
+        status = stub.GetClusterStatus(pb.GetClusterStatusRequest(), timeout=5)
+        tps = {p.role: p.workers[0].tensor_parallel for p in status.pools}
+        assert tps == {"prefill": prefill_tp, "decode": decode_tp}
+        for i, prompt in enumerate([*PROMPTS, TOKEN_PROMPT]):
+            req = request(prompt, disaggregation=pb.DISAGGREGATION_ALWAYS)
+            req.output.return_timing = True
+            disagg = collect(stub, req)
+            agg = collect(stub, request(prompt, disaggregation=pb.DISAGGREGATION_NEVER))
+            assert disagg[0] == agg[0] == reference[i], f"prompt {i}"
+            # Every head of every layer of every prompt block crossed over, exactly once,
+            # summed over the decode ranks (each pulls only the heads it holds).
+            blocks = -(-disagg[2].usage.prompt_tokens // BLOCK_SIZE)
+            assert disagg[2].timing.kv_transfer_bytes == blocks * _block_bytes(tiny_model_dir)
+        wait_blocks_released(stub)
+    finally:
+        assert stop_cluster(served) == 0
+
+
+def _rank_pids() -> list[int]:
+    """Processes of follower ranks (Ray titles them after the actor class)."""
+    out = subprocess.run(["ps", "-eo", "pid=,args="], capture_output=True, text=True).stdout
+    return [int(line.split()[0]) for line in out.splitlines() if "ray::RankActor" in line]
+
+
+def test_a_dead_decode_rank_fails_its_streams_and_the_cluster_keeps_serving(
+    tiny_model_dir, tmp_path, reference
+):
+    config = _layout_config(tiny_model_dir, 1, 2, decode_replicas=2)
+    config["router"]["policy"] = "round_robin"  # the streams split over both replicas
+    served = start_cluster(config, tmp_path)
+    try:
+        stub = served.stub()
+        pids = _rank_pids()
+        assert len(pids) == 2, pids  # rank 1 of each decode replica
+        results: dict[int, object] = {}
+        ended_at: dict[int, float] = {}
+
+        def consume(i: int) -> None:
+            req = request(f"Stream {i}: {'different words ' * i}", max_tokens=400)
+            req.output.return_timing = True
+            try:
+                results[i] = collect(stub, req, timeout=120)
+            except grpc.RpcError as exc:
+                results[i] = exc
+            ended_at[i] = time.monotonic()
+
+        threads = [threading.Thread(target=consume, args=(i,)) for i in range(8)]
+        for t in threads:
+            t.start()
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:  # both decode replicas busy
+            status = stub.GetClusterStatus(pb.GetClusterStatusRequest(), timeout=5)
+            decode = next(p for p in status.pools if p.role == "decode")
+            if all(w.num_running > 0 for w in decode.workers):
+                break
+            time.sleep(0.05)
+        else:
+            raise AssertionError(f"the streams did not reach both decode replicas: {status}")
+        killed_at = time.monotonic()
+        os.kill(pids[0], signal.SIGKILL)
+        for t in threads:
+            t.join(120)
+        failed = [r for r in results.values() if isinstance(r, grpc.RpcError)]
+        finished = [r for r in results.values() if not isinstance(r, grpc.RpcError)]
+        assert failed and finished, results
+        assert all(r.code() == grpc.StatusCode.INTERNAL for r in failed), failed
+        assert max(ended_at[i] for i, r in results.items() if r in failed) - killed_at < (
+            DEATH_DEADLINE_S
+        )
+        status = stub.GetClusterStatus(pb.GetClusterStatusRequest(), timeout=5)
+        decode = next(p for p in status.pools if p.role == "decode")
+        assert decode.healthy_replicas == 1
+        dead = next(w.name for w in decode.workers if not w.healthy)
+        # The rest of the cluster still serves, with the same tokens as before.
+        for _ in range(3):
+            req = request(PROMPTS[0], disaggregation=pb.DISAGGREGATION_ALWAYS)
+            req.output.return_timing = True
+            tokens, _, final = collect(stub, req)
+            assert tokens == reference[0] and final.timing.decode_worker != dead
+    finally:
+        stop_cluster(served)
