@@ -33,8 +33,10 @@ class ModelSection:
 @dataclass(frozen=True)
 class PoolSection:
     replicas: int = option(1, "Worker replicas in this pool", ge=0)
-    tensor_parallel: int = option(1, "Tensor-parallel ranks per replica", ge=1)
-    pipeline_parallel: int = option(1, "Pipeline stages per replica", ge=1)
+    tensor_parallel: int = option(
+        1, "Tensor-parallel ranks per replica (one process each, on one node)", ge=1
+    )
+    pipeline_parallel: int = option(1, "Pipeline stages per replica (only 1 so far)", ge=1)
     max_num_batched_tokens: int = option(2048, "Token budget of one engine step", ge=1)
     max_num_seqs: int = option(64, "Most requests running at once on a replica", ge=1)
     device: Literal["auto", "cpu", "cuda"] = option(

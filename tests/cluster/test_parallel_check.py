@@ -1,0 +1,58 @@
+"""Bring-up's checks of a pool's parallel layout against the model and the cluster."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from cluster.config import PoolSection
+from cluster.parallel_check import check_pool_parallel
+from workers.models.arch_config import ArchConfig
+
+# Llama-3-8B's shape: 32 heads, 8 KV heads, intermediate 14336.
+ARCH = ArchConfig.from_dict(
+    {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "vocab_size": 128256,
+        "hidden_size": 4096,
+        "intermediate_size": 14336,
+        "num_hidden_layers": 32,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 8,
+    }
+)
+
+
+@pytest.mark.parametrize("tp", [1, 2, 4, 8, 16, 32])
+def test_layouts_that_split_the_model_pass(tp):
+    check_pool_parallel("decode", PoolSection(tensor_parallel=tp), ARCH, "cpu", 0)
+
+
+@pytest.mark.parametrize(
+    "pool, arch, device, gpus, message",
+    [
+        (PoolSection(tensor_parallel=3), ARCH, "cpu", 0, "3 does not divide .*attention_heads"),
+        (
+            PoolSection(tensor_parallel=4),
+            dataclasses.replace(ARCH, num_key_value_heads=6, num_attention_heads=48),
+            "cpu",
+            0,
+            "num_key_value_heads \\(6\\) must divide one another",
+        ),
+        (
+            PoolSection(tensor_parallel=2),
+            dataclasses.replace(ARCH, intermediate_size=14337),
+            "cpu",
+            0,
+            "intermediate_size",
+        ),
+        (PoolSection(tensor_parallel=8), ARCH, "cuda", 4, "largest node has 4 GPUs"),
+        (PoolSection(pipeline_parallel=2), ARCH, "cpu", 0, "pipeline_parallel: only 1"),
+    ],
+)
+def test_layouts_that_cannot_work_are_refused_with_the_key(pool, arch, device, gpus, message):
+    with pytest.raises(ValueError, match=message) as info:
+        check_pool_parallel("prefill", pool, arch, device, gpus)
+    assert str(info.value).startswith("prefill.")
