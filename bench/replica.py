@@ -24,9 +24,15 @@ import json
 import platform
 import socket
 import statistics
+import sys
 import tempfile
 import time
 from pathlib import Path
+
+# Run as a script, this file's folder comes first on sys.path, and bench/kernels.py would
+# shadow the kernels package.
+if sys.path and Path(sys.path[0]).resolve() == Path(__file__).resolve().parent:
+    sys.path.pop(0)
 
 import numpy as np
 import torch

@@ -56,14 +56,19 @@ class StepInputs:
         if not isinstance(msg, list) or len(msg) != 10:
             raise ValueError("step inputs: expected a list of 10 fields")
         ids, pos, slots, table, shape, seq_lens, qsl, num_decodes, samples, copies = msg
-        input_ids = np.frombuffer(ids, dtype=np.int64)
+
+        def array(data: bytes, dtype) -> np.ndarray:
+            # Writable (a copy): torch refuses to wrap read-only buffers without a warning.
+            return np.frombuffer(bytearray(data), dtype=dtype)
+
+        input_ids = array(ids, np.int64)
         num_tokens = input_ids.shape[0]
         num_seqs, max_blocks = shape
         inputs = cls(
             input_ids=input_ids,
-            positions=np.frombuffer(pos, dtype=np.int64),
-            slot_mapping=np.frombuffer(slots, dtype=np.int64),
-            block_tables=np.frombuffer(table, dtype=np.int32).reshape(num_seqs, max_blocks),
+            positions=array(pos, np.int64),
+            slot_mapping=array(slots, np.int64),
+            block_tables=array(table, np.int32).reshape(num_seqs, max_blocks),
             seq_lens=tuple(seq_lens),
             query_start_loc=tuple(qsl),
             num_decodes=int(num_decodes),
