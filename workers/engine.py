@@ -50,13 +50,9 @@ class LLMEngine:
         before_forward: Callable[[StepInputs], None] | None = None,
         agree_num_blocks: Callable[[int], int] | None = None,
     ):
-        """``parallel``: this engine is one tensor-parallel rank. The ranks' forward passes
-        must then run in lockstep on the same inputs (the collectives inside the model
-        pair up step by step): either every rank is given the same requests, or rank 0
-        schedules and its ``before_forward`` sends each step's inputs to the other ranks,
-        which run ``runner.run`` on them (``workers/replica_*.py``).
-        ``agree_num_blocks``: maps this rank's KV-cache size to the size all ranks use
-        (their minimum), so that block ids mean the same on every rank."""
+        """``parallel``: one tensor-parallel rank. Rank 0's ``before_forward`` sends each
+        step's inputs to the other ranks, which run ``runner.run`` (``workers/replica_*.py``);
+        ``agree_num_blocks`` maps this rank's KV-cache size to the one every rank uses."""
         self.config = config
         self.parallel = parallel or ParallelContext()
         self.device = config.resolve_device()
