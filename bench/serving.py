@@ -57,7 +57,7 @@ sys.path[:0] = [str(ROOT)]
 sys.path.append(str(ROOT / "bench"))
 
 from serving_cluster import Cluster, Host  # noqa: E402
-from serving_stamps import PUBLISH, ROUTE, Stamps  # noqa: E402
+from serving_stamps import PUBLISH, ROUTE, Stamps, wait_for_stamps  # noqa: E402
 
 PROMPT_LENS = (32, 128, 320, 600)
 MAX_TOKENS = (16, 128)
@@ -343,6 +343,7 @@ def measure(mode: str, model_dir: str, vocab: int, args: argparse.Namespace, hos
         bring_up_s = time.monotonic() - started
         host.roots.append(cluster.process.pid)
         engine = None
+        stamped: list[Result] = []  # every request whose stamps the analysis reads
         try:
             if mode == "aggregated" and args.overhead_requests:
                 # What bring-up gives each of the 2 workers when it starts Ray itself.
@@ -367,6 +368,7 @@ def measure(mode: str, model_dir: str, vocab: int, args: argparse.Namespace, hos
                     run["foreign_cpu_s"] = round(host.foreign_s(cpu0), 1)
                     run["worker_actors"] = host.count(cluster.process.pid, "ray::WorkerActor")
                     loads[str(rate)].append((run, results))
+                    stamped += results
                     print(f"{mode} @ {rate} req/s, run {r}: {_line(run)}", flush=True)
                 if engine is not None:
                     rng = random.Random(f"overhead/{args.seed}/{r}")
@@ -378,14 +380,14 @@ def measure(mode: str, model_dir: str, vocab: int, args: argparse.Namespace, hos
                     cpu0 = host.sample()
                     pair = asyncio.run(run_overhead(cluster.address, work, engine, f"ovh-r{r}"))
                     overhead.append((pair, round(host.foreign_s(cpu0), 1)))
+                    stamped += pair[0]
+            stamps = wait_for_stamps(cluster.stamps_dir, stamped)
         finally:
-            time.sleep(1.0)  # the stamps reach their files twice a second
             code = cluster.stop()
             host.roots.remove(cluster.process.pid)
         if code != 0:
             print("\n".join(cluster.lines[-40:]), file=sys.stderr)
             raise RuntimeError(f"{mode}: the cluster exited with {code}")
-        stamps = Stamps(cluster.stamps_dir)
     out: dict = {"bring_up_s": round(bring_up_s, 1), "loads": {}}
     for rate, pairs in loads.items():
         runs = [{**run, **delivery(results, stamps)} for run, results in pairs]

@@ -144,3 +144,25 @@ class Stamps:
             return None
         ends = [sum(res.counts[: k + 1]) - 1 for k in range(len(res.counts))]
         return [per_token[e] for e in ends]
+
+
+def wait_for_stamps(out_dir: Path, results: list[Any], timeout_s: float = 10.0) -> Stamps:
+    """The stamps once they cover every token the clients received in ``results`` (the
+    recorders flush on their own clock); raises TimeoutError naming what is missing."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        stamps = Stamps(out_dir)
+        missing = [
+            res.request_id
+            for res in results
+            if not res.error
+            and (
+                sum(n for _, n in stamps.rows[ROUTE].get(res.request_id, ())) < sum(res.counts)
+                or sum(n for _, n in stamps.rows[PUBLISH].get(res.request_id, ())) < sum(res.counts)
+            )
+        ]
+        if not missing:
+            return stamps
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"no complete stamps for {len(missing)} requests: {missing[:3]}")
+        time.sleep(0.1)  # a poll: the recorders write twice a second
