@@ -30,7 +30,7 @@ from proto.baton.v1 import inference_pb2 as pb
 from router.policy import NoHealthyWorker, RouteRequest, route
 from router.stream import RequestStream
 from router.validation import InvalidRequest, ValidRequest, prompt_token_ids, validate
-from router.workers import WorkerClient, WorkerView
+from router.workers import WorkerClient, WorkerView, abort_on, decline
 from workers.block_manager import hash_prompt_blocks
 from workers.tokenizer import Tokenizer
 from workers.wire import OutputBatch, TokenEvent, WorkItem
@@ -318,12 +318,12 @@ class Router:
             if pending.submit is not None:  # let a submit in flight land before its abort
                 await asyncio.wait([pending.submit], timeout=_SETTLE_TIMEOUT_S)
             if pending.unread_handles:
-                await self._decline(pending.unread_handles, pending.decode)
+                await decline(pending.unread_handles, pending.decode, self.decode)
             owner = pending.owner
             if owner is None or (owner.client.role == "prefill" and pending.unread_handles):
                 return
             if pending.is_aborted or pending.stream.is_finished:
-                await self._abort_on(owner, request_id)
+                await abort_on(owner, request_id)
             deadline = time.monotonic() + _SETTLE_TIMEOUT_S
             while request_id in owner.active and owner.is_alive:
                 left = deadline - time.monotonic()
@@ -338,34 +338,11 @@ class Router:
                     continue
                 owner.active.discard(request_id)
                 if event.kv_handles:  # prefill finished before the abort came
-                    await self._decline(event.kv_handles, pending.decode)
+                    await decline(event.kv_handles, pending.decode, self.decode)
         finally:
             if pending.owner is not None:
                 pending.owner.active.discard(request_id)
             self._requests.pop(request_id, None)
-
-    async def _abort_on(self, worker: WorkerView, request_id: str) -> None:
-        try:
-            await worker.client.abort(request_id)
-        except Exception:
-            logger.warning("abort of %s on %s failed", request_id, worker.name, exc_info=True)
-
-    async def _decline(self, handles: tuple[bytes, ...], preferred: WorkerView | None) -> None:
-        """Release a prefill worker's held KV that no decode worker will read.
-
-        Any decode worker can send the notice (each knows every prefill worker); when
-        none can, the lease expires after ``kv_transfer.lease_seconds``.
-        """
-        candidates = [preferred] if preferred is not None else []
-        candidates += [v for v in self.decode if v is not preferred]
-        for view in candidates:
-            if not view.is_alive:
-                continue
-            try:
-                await view.client.decline(handles)
-                return
-            except Exception:
-                logger.warning("decline through %s failed", view.name, exc_info=True)
 
     def _spawn(self, coro) -> None:
         """A background task, referenced until done (asyncio keeps only weak references)."""
@@ -384,7 +361,7 @@ class Router:
                 pending.events.put_nowait((view.name, event))
             elif event.kv_handles:
                 # Its request is gone (aborted while prefilling): free the held KV.
-                self._spawn(self._decline(event.kv_handles, None))
+                self._spawn(decline(event.kv_handles, None, self.decode))
         if batch.report.error:
             self._worker_died(view, batch.report.error)
 

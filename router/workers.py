@@ -5,17 +5,21 @@ worker (``workers.ray_worker.RayWorkerClient`` in production, in-process service
 tests). Each worker pushes its token events and :class:`~workers.wire.WorkerReport` to the
 router, which dispatches them as they arrive (``Router._on_batch``);
 :class:`WorkerView` keeps the latest report and the worker's cached block hashes for the
-routing policy.
+routing policy. ``abort_on`` and ``decline`` are the two calls the router makes to end a
+request's work on a worker.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import logging
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
 from router.policy import WorkerState
 from workers.wire import OutputBatch, WorkerReport, WorkItem
+
+logger = logging.getLogger(__name__)
 
 
 class WorkerClient(Protocol):
@@ -79,3 +83,32 @@ class WorkerView:
             kv_usage=used,
             cached_hashes=self.hashes,
         )
+
+
+async def abort_on(worker: WorkerView, request_id: str) -> None:
+    """Ask ``worker`` to abort the request; a failure is logged (its final never comes,
+    and the router's settle deadline ends the wait)."""
+    try:
+        await worker.client.abort(request_id)
+    except Exception:
+        logger.warning("abort of %s on %s failed", request_id, worker.name, exc_info=True)
+
+
+async def decline(
+    handles: tuple[bytes, ...], preferred: WorkerView | None, decode: Sequence[WorkerView]
+) -> None:
+    """Release a prefill worker's held KV that no decode worker will read.
+
+    Any decode worker can send the notice (each knows every prefill worker); when
+    none can, the lease expires after ``kv_transfer.lease_seconds``.
+    """
+    candidates = [preferred] if preferred is not None else []
+    candidates += [v for v in decode if v is not preferred]
+    for view in candidates:
+        if not view.is_alive:
+            continue
+        try:
+            await view.client.decline(handles)
+            return
+        except Exception:
+            logger.warning("decline through %s failed", view.name, exc_info=True)
