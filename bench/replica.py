@@ -22,7 +22,6 @@ from __future__ import annotations
 import argparse
 import json
 import platform
-import socket
 import statistics
 import sys
 import tempfile
@@ -38,7 +37,7 @@ import numpy as np
 import torch
 import torch.multiprocessing as mp
 
-from workers.replica import agree_min, join_replica, leave_replica
+from workers.replica import agree_min, free_port, join_replica, leave_replica
 from workers.replica_messages import RankCommand, decode_command, encode_command
 from workers.step_inputs import StepInputs
 
@@ -165,12 +164,6 @@ def _engine_main(rank: int, port: int, model: str, batch: int, steps: int, out: 
         leave_replica()
 
 
-def _port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", help="a `small` model directory; omit to skip part 2")
@@ -185,7 +178,10 @@ def main() -> None:
     }
     with tempfile.TemporaryDirectory() as out:
         mp.start_processes(
-            _broadcast_main, args=(_port(), args.rounds, out), nprocs=2, start_method="spawn"
+            _broadcast_main,
+            args=(free_port("127.0.0.1"), args.rounds, out),
+            nprocs=2,
+            start_method="spawn",
         )
         sender = json.loads(Path(out, "broadcast0.json").read_text())
         receiver = json.loads(Path(out, "broadcast1.json").read_text())
@@ -202,7 +198,7 @@ def main() -> None:
         if args.model:
             mp.start_processes(
                 _engine_main,
-                args=(_port(), args.model, args.batch, args.steps, out),
+                args=(free_port("127.0.0.1"), args.model, args.batch, args.steps, out),
                 nprocs=2,
                 start_method="spawn",
             )

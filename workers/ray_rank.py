@@ -79,9 +79,6 @@ class RankActor:
             return f"{type(exc).__name__}: {exc}"
         return ""
 
-    def is_following(self) -> bool:
-        return self._thread is not None and self._thread.is_alive()
-
     def stop(self, timeout_s: float = 10.0) -> str:
         """Wait for rank 0's stop command to end the follower (rank 0 is stopped first)."""
         if self._thread is not None:
@@ -89,6 +86,3 @@ class RankActor:
             if self._thread.is_alive():
                 return "still following rank 0"
         return self.error
-
-    def pid(self) -> int:
-        return os.getpid()

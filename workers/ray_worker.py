@@ -165,9 +165,6 @@ class WorkerActor:
         leave_replica()
         return ""
 
-    def pid(self) -> int:
-        return os.getpid()
-
 
 class RayWorkerClient:
     """The router's async view of one worker actor (implements router.workers.WorkerClient)."""

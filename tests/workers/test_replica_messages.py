@@ -4,7 +4,6 @@ inline and overflow paths over a real two-process gloo group."""
 from __future__ import annotations
 
 import json
-import socket
 from pathlib import Path
 
 import msgpack
@@ -13,7 +12,7 @@ import pytest
 import torch.multiprocessing as mp
 
 from workers.rank_link import COMMAND_INLINE_BYTES, REPLY_INLINE_BYTES
-from workers.replica import join_replica, leave_replica
+from workers.replica import free_port, join_replica, leave_replica
 from workers.replica_messages import (
     Offered,
     OfferOp,
@@ -134,11 +133,12 @@ def _link_main(rank: int, port: int, out_dir: str) -> None:
 
 
 def test_the_link_carries_short_and_long_messages_both_ways(tmp_path):
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
     mp.start_processes(
-        _link_main, args=(port, str(tmp_path)), nprocs=2, join=True, start_method="spawn"
+        _link_main,
+        args=(free_port("127.0.0.1"), str(tmp_path)),
+        nprocs=2,
+        join=True,
+        start_method="spawn",
     )
     rank0 = json.loads((tmp_path / "rank0.json").read_text())
     rank1 = json.loads((tmp_path / "rank1.json").read_text())

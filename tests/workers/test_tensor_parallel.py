@@ -15,7 +15,6 @@ shard of the checkpoint.
 from __future__ import annotations
 
 import json
-import socket
 from pathlib import Path
 
 import pytest
@@ -28,7 +27,7 @@ from workers.engine import LLMEngine
 from workers.make_model import make_model
 from workers.models import loader
 from workers.models.parallel import ParallelContext
-from workers.replica import agree_min, join_replica, leave_replica
+from workers.replica import agree_min, free_port, join_replica, leave_replica
 from workers.replica_follower import RankFollower
 from workers.replica_kv import ReplicaKV
 from workers.step_inputs import StepInputs
@@ -99,12 +98,6 @@ def _rank_main(rank: int, world: int, port: int, model_dir: str, out_dir: str) -
         leave_replica()
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 @pytest.fixture(scope="module", params=["llama", "qwen2"])
 def model_dir(request, tmp_path_factory) -> str:
     path = tmp_path_factory.mktemp(f"tp-{request.param}") / "tiny"
@@ -122,7 +115,7 @@ def test_tensor_parallel_ranks_match_the_single_process_engine(
 ):
     mp.start_processes(
         _rank_main,
-        args=(tp_size, _free_port(), model_dir, str(tmp_path)),
+        args=(tp_size, free_port("127.0.0.1"), model_dir, str(tmp_path)),
         nprocs=tp_size,
         join=True,
         start_method="spawn",
