@@ -42,6 +42,11 @@ class PoolSection:
     device: Literal["auto", "cpu", "cuda"] = option(
         "auto", "Where the workers run; auto = CUDA when the node has a GPU"
     )
+    node_resource: str | None = option(
+        None,
+        "Ray resource each rank of this pool takes one unit of (pins the pool to the nodes "
+        "that offer it; the Helm chart sets it); unset = any node",
+    )
 
 
 @dataclass(frozen=True)
