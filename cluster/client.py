@@ -246,7 +246,7 @@ def _worker_row(worker: pb.WorkerStatus) -> tuple[str, ...]:
     return (
         worker.name,
         worker.role,
-        "yes" if worker.healthy else "NO",  # capitals: a sick worker should stand out
+        _health(worker),
         str(worker.tensor_parallel),
         str(worker.pipeline_parallel),
         str(worker.num_running),
@@ -255,6 +255,15 @@ def _worker_row(worker: pb.WorkerStatus) -> tuple[str, ...]:
         _blocks(worker.kv_blocks_cached, total),
         str(total),
     )
+
+
+def _health(worker: pb.WorkerStatus) -> str:
+    if worker.healthy:
+        return "yes"
+    # Capitals: a sick worker should stand out; the state says whether it is coming back.
+    if worker.state in ("restarting", "failed"):
+        return f"NO ({worker.state})"
+    return "NO"
 
 
 def _blocks(num_blocks: int, total: int) -> str:

@@ -23,11 +23,13 @@ import logging
 import time
 import uuid
 from collections.abc import AsyncIterator, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from functools import partial
 
 from proto.baton.v1 import inference_pb2 as pb
+from router.config import RouterConfig, RouterError
 from router.policy import NoHealthyWorker, RouteRequest, route
+from router.recovery import Recovery, Restarter, RestartPolicy
 from router.stream import RequestStream
 from router.validation import InvalidRequest, ValidRequest, prompt_token_ids, validate
 from router.workers import WorkerClient, WorkerView, abort_on, decline
@@ -38,31 +40,6 @@ from workers.wire import OutputBatch, TokenEvent, WorkItem
 logger = logging.getLogger(__name__)
 
 _SETTLE_TIMEOUT_S = 10.0  # how long an ended request waits for its worker's last event
-
-
-class RouterError(Exception):
-    """A request the router refuses or cannot finish; ``code`` is a grpc.StatusCode name."""
-
-    def __init__(self, code: str, message: str):
-        super().__init__(message)
-        self.code = code
-        self.message = message
-
-
-@dataclass(frozen=True)
-class RouterConfig:
-    model_name: str
-    architecture: str
-    dtype: str
-    max_model_len: int
-    vocab_size: int
-    block_size: int
-    policy: str = "kv_aware"
-    disaggregation: str = "auto"
-    auto_local_prefill_tokens: int = 256
-    saturated_queue: int = 8
-    max_queued_requests: int = 1024
-    kv_transfer_backend: str = "nixl"
 
 
 class _Pending:
@@ -86,12 +63,21 @@ class Router:
         tokenizer: Tokenizer,
         prefill: Sequence[WorkerClient],
         decode: Sequence[WorkerClient],
+        restarter: Restarter | None = None,
+        restart_policy: RestartPolicy | None = None,
     ):
+        """Without a ``restarter`` a dead worker stays out of routing for good."""
         self.config = config
         self.tokenizer = tokenizer
         self.prefill = [WorkerView(c) for c in prefill]
         self.decode = [WorkerView(c) for c in decode]
         self.is_draining = False
+        self.is_stopped = False
+        self.recovery: Recovery | None = None
+        if restarter is not None:
+            closed = partial(lambda r: r.is_draining or r.is_stopped, self)
+            policy = restart_policy or RestartPolicy()
+            self.recovery = Recovery(restarter, self.replace_worker, closed, policy)
         self._by_name = {v.name: v for v in [*self.prefill, *self.decode]}
         self._requests: dict[str, _Pending] = {}
         self._cursor = 0
@@ -102,7 +88,7 @@ class Router:
         """Open every worker's event channel, listen to each, wait until each has reported."""
         await asyncio.gather(*(v.client.start() for v in self._by_name.values()))
         for view in self._by_name.values():
-            view.client.listen(partial(self._on_batch, view), partial(self._worker_died, view))
+            self._listen(view)
         deadline = time.monotonic() + ready_timeout_s
         while any(v.report is None and v.is_alive for v in self._by_name.values()):
             if time.monotonic() > deadline:
@@ -110,9 +96,33 @@ class Router:
             await asyncio.sleep(0.05)
 
     async def stop(self) -> None:
+        """Stop listening; restarts in progress are cancelled (the cluster cleans up)."""
+        self.is_stopped = True
+        if self.recovery is not None:
+            await self.recovery.stop()
         for view in self._by_name.values():
             view.is_alive = False  # what follows (the channel closing) is no failure
             view.client.close()
+
+    async def replace_worker(self, name: str, client: WorkerClient) -> None:
+        """After a restart (``router/recovery.py``): ``client``, a fresh replica, takes dead
+        worker ``name``'s place. Opens its event channel and listens; the policy routes to
+        it once its first healthy report has come. Raises (the worker stays out) when the
+        channel cannot be opened or the router drains."""
+        view = self._by_name[name]
+        if view.is_alive:
+            raise RuntimeError(f"worker {name} is alive; only a dead worker is replaced")
+        if not (self.is_draining or self.is_stopped):
+            await client.start()
+        if self.is_draining or self.is_stopped:
+            client.close()
+            raise RuntimeError("the router is draining")
+        view.client.close()  # the dead one's channel, if it is still open
+        view.client = client
+        view.report, view.hashes, view.error = None, frozenset(), ""
+        view.active.clear()  # their requests ended when the worker died
+        view.is_alive = True
+        self._listen(view)
 
     @property
     def num_in_flight(self) -> int:
@@ -351,8 +361,15 @@ class Router:
         task.add_done_callback(self._background.discard)
 
     # ---- workers ---------------------------------------------------------------------
-    def _on_batch(self, view: WorkerView, batch: OutputBatch) -> None:
-        if not view.is_alive:
+    def _listen(self, view: WorkerView) -> None:
+        # Bound to this client: a replaced worker's late frames and death are not its own.
+        client = view.client
+        client.listen(
+            partial(self._on_batch, view, client), partial(self._worker_died, view, client)
+        )
+
+    def _on_batch(self, view: WorkerView, client: WorkerClient, batch: OutputBatch) -> None:
+        if not view.is_alive or view.client is not client:
             return
         view.update(batch.report)
         for event in batch.events:
@@ -363,10 +380,10 @@ class Router:
                 # Its request is gone (aborted while prefilling): free the held KV.
                 self._spawn(decline(event.kv_handles, None, self.decode))
         if batch.report.error:
-            self._worker_died(view, batch.report.error)
+            self._worker_died(view, client, batch.report.error)
 
-    def _worker_died(self, view: WorkerView, error: str) -> None:
-        if not view.is_alive:
+    def _worker_died(self, view: WorkerView, client: WorkerClient, error: str) -> None:
+        if not view.is_alive or view.client is not client:
             return
         logger.error("worker %s is gone: %s", view.name, error)
         view.is_alive = False
@@ -376,3 +393,5 @@ class Router:
             if pending is not None and pending.owner is view:
                 pending.events.put_nowait((view.name, None))
         view.active.clear()
+        if self.recovery is not None:
+            self.recovery.worker_lost(view.name)

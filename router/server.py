@@ -18,7 +18,8 @@ from grpc_reflection.v1alpha import reflection
 
 from proto.baton.v1 import inference_pb2 as pb
 from proto.baton.v1 import inference_pb2_grpc as pb_grpc
-from router.router import Router, RouterError
+from router.config import RouterError
+from router.router import Router
 from router.status import cluster_status, model_info
 
 logger = logging.getLogger(__name__)

@@ -9,6 +9,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from proto.baton.v1 import inference_pb2 as pb
+from router.recovery import Recovery
 from router.router import Router
 from router.workers import WorkerView
 
@@ -39,12 +40,30 @@ def cluster_status(
     )
     for role, views in (("prefill", router.prefill), ("decode", router.decode)):
         tp, pp = (tp_pp or {}).get(role, (1, 1))
-        _add_pool(status, role, views, tp, pp)
+        _add_pool(status, router.recovery, role, views, tp, pp)
     return status
 
 
+def _state(view: WorkerView, recovery: Recovery | None) -> str:
+    """``WorkerStatus.state``: serving | starting | stopping | restarting | failed | down."""
+    if view.is_alive:
+        if view.is_healthy:
+            return "serving"
+        return "starting" if view.report is None else "stopping"
+    if recovery is not None and recovery.is_restarting(view.name):
+        return "restarting"
+    if recovery is not None and view.name in recovery.failed:
+        return "failed"
+    return "down"
+
+
 def _add_pool(
-    status: pb.ClusterStatus, role: str, views: Sequence[WorkerView], tp: int, pp: int
+    status: pb.ClusterStatus,
+    recovery: Recovery | None,
+    role: str,
+    views: Sequence[WorkerView],
+    tp: int,
+    pp: int,
 ) -> None:
     pool = status.pools.add(role=role, replicas=len(views))
     for view in views:
@@ -53,6 +72,8 @@ def _add_pool(
             name=view.name,
             role=role,
             healthy=view.is_healthy,
+            state=_state(view, recovery),
+            restarts=recovery.num_restarts.get(view.name, 0) if recovery else 0,
             tensor_parallel=tp,
             pipeline_parallel=pp,
             num_running=report.num_running if report else 0,

@@ -288,6 +288,9 @@ def test_format_status():
     assert len({len(row) for row in table}) == 1
     assert {row.index("decode", len("  decode-0")) for row in table[1:]} == {table[0].index("ROLE")}
     assert format_status(pb.ClusterStatus()).endswith("(no pools)")
+    sick = pb.WorkerStatus(name="decode-1", role="decode", state="restarting")
+    restarting = pb.ClusterStatus(pools=[pb.PoolStatus(role="decode", workers=[sick])])
+    assert "decode-1  decode  NO (restarting)" in format_status(restarting)
 
 
 def test_format_usage_and_timing():

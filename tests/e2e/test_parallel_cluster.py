@@ -10,12 +10,17 @@ the prefill ranks that hold them, real gRPC. What must hold:
   aggregated, and every KV block is released afterwards on every worker;
 - killing one rank of a decode replica ends the streams on that replica with an error
   within seconds, takes the replica out of routing, and the cluster keeps serving on the
-  other decode replica.
+  other decode replica; then the replica is restarted, and requests routed to the new one
+  give the same tokens;
+- a prefill replica whose rank dies is restarted too, and its new KV agents are known to
+  the decode workers (disaggregated requests give the same tokens); so are a TP=1 prefill
+  and a TP=1 decode worker killed together (they restart one after the other and meet).
 """
 
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import threading
@@ -32,6 +37,7 @@ pytest.importorskip("ray")
 pytest.importorskip("nixl")
 
 DEATH_DEADLINE_S = 5.0  # a dead rank's streams end within this (HEARTBEAT_S is 0.5 s)
+RESTART_DEADLINE_S = 120.0  # a dead replica is serving again within this (a tiny model)
 BLOCK_SIZE = 8  # cluster_config's kv_cache.block_size
 
 
@@ -86,10 +92,68 @@ def test_mixed_layouts_match_the_single_process_engine(
         assert stop_cluster(served) == 0
 
 
-def _rank_pids() -> list[int]:
-    """Processes of follower ranks (Ray titles them after the actor class)."""
-    out = subprocess.run(["ps", "-eo", "pid=,args="], capture_output=True, text=True).stdout
-    return [int(line.split()[0]) for line in out.splitlines() if "ray::RankActor" in line]
+def _rank_pids(served, actor_class: str = "RankActor") -> list[int]:
+    """Live processes of one actor class in this cluster: Ray titles them after the class
+    (``RankActor``: follower ranks, ``WorkerActor``: rank 0 of every replica), and they
+    descend from the serving process (its Ray instance's raylet started them)."""
+    out = subprocess.run(["ps", "-eo", "pid=,ppid=,stat=,args="], capture_output=True, text=True)
+    parents, found = {}, []
+    for line in out.stdout.splitlines():
+        pid, ppid, stat, args = line.split(maxsplit=3)
+        parents[int(pid)] = int(ppid)
+        if f"ray::{actor_class}" in args and not stat.startswith("Z"):
+            found.append(int(pid))
+
+    def ours(pid: int) -> bool:
+        while pid > 1:
+            pid = parents.get(pid, 0)
+            if pid == served.process.pid:
+                return True
+        return False
+
+    return [pid for pid in found if ours(pid)]
+
+
+def _wait_healthy(stub, role: str, num: int) -> pb.PoolStatus:
+    """Poll until ``num`` replicas of the pool are healthy (a restart's deadline)."""
+    deadline = time.monotonic() + RESTART_DEADLINE_S
+    while True:
+        status = stub.GetClusterStatus(pb.GetClusterStatusRequest(), timeout=5)
+        pool = next(p for p in status.pools if p.role == role)
+        if pool.healthy_replicas == num:
+            return pool
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{role}: not {num} healthy replicas in time: {status}")
+        time.sleep(0.2)
+
+
+def _wait_restarting(stub, role: str) -> set[str]:
+    """Poll until some replica of the pool is out of routing (death is seen in seconds),
+    and check that the status says it is being restarted; the names of those."""
+    deadline = time.monotonic() + DEATH_DEADLINE_S
+    while True:
+        status = stub.GetClusterStatus(pb.GetClusterStatusRequest(), timeout=5)
+        pool = next(p for p in status.pools if p.role == role)
+        if pool.healthy_replicas < pool.replicas:
+            down = [w for w in pool.workers if not w.healthy]
+            assert {w.state for w in down} == {"restarting"}, status
+            return {w.name for w in down}
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{role}: no replica went down: {status}")
+        time.sleep(0.05)
+
+
+def _serves_the_reference(stub, reference, num: int = 4) -> set[str]:
+    """Disaggregated requests give the reference tokens; which decode workers served them."""
+    decode_workers = set()
+    for _ in range(num):
+        req = request(PROMPTS[0], disaggregation=pb.DISAGGREGATION_ALWAYS)
+        req.output.return_timing = True
+        tokens, _, final = collect(stub, req)
+        assert tokens == reference[0]
+        assert final.timing.prefill_worker  # handed off: the KV crossed over
+        decode_workers.add(final.timing.decode_worker)
+    return decode_workers
 
 
 def test_a_dead_decode_rank_fails_its_streams_and_the_cluster_keeps_serving(
@@ -100,7 +164,7 @@ def test_a_dead_decode_rank_fails_its_streams_and_the_cluster_keeps_serving(
     served = start_cluster(config, tmp_path)
     try:
         stub = served.stub()
-        pids = _rank_pids()
+        pids = _rank_pids(served)
         assert len(pids) == 2, pids  # rank 1 of each decode replica
         results: dict[int, object] = {}
         ended_at: dict[int, float] = {}
@@ -137,15 +201,56 @@ def test_a_dead_decode_rank_fails_its_streams_and_the_cluster_keeps_serving(
         assert max(ended_at[i] for i, r in results.items() if r in failed) - killed_at < (
             DEATH_DEADLINE_S
         )
-        status = stub.GetClusterStatus(pb.GetClusterStatusRequest(), timeout=5)
-        decode = next(p for p in status.pools if p.role == "decode")
-        assert decode.healthy_replicas == 1
-        dead = next(w.name for w in decode.workers if not w.healthy)
-        # The rest of the cluster still serves, with the same tokens as before.
-        for _ in range(3):
-            req = request(PROMPTS[0], disaggregation=pb.DISAGGREGATION_ALWAYS)
-            req.output.return_timing = True
-            tokens, _, final = collect(stub, req)
-            assert tokens == reference[0] and final.timing.decode_worker != dead
+        # The failed streams name the dead replica ("worker decode-1: ...").
+        dead = {re.match(r"worker (decode-\d+)", r.details()).group(1) for r in failed}
+        assert len(dead) == 1, [r.details() for r in failed]
+        dead_name = dead.pop()
+        # It is restarted: both replicas serve again, and requests routed to the new one
+        # (round robin) give the same tokens as before.
+        decode = _wait_healthy(stub, "decode", 2)
+        assert {w.name: w.restarts for w in decode.workers} == {
+            **{w.name: 0 for w in decode.workers},
+            dead_name: 1,
+        }
+        assert {w.state for w in decode.workers} == {"serving"}
+        assert dead_name in _serves_the_reference(stub, reference)
+        wait_blocks_released(stub)
     finally:
-        stop_cluster(served)
+        assert stop_cluster(served) == 0, served.output()[-4000:]
+        assert "baton: stopped" in served.output()
+
+
+def test_a_dead_prefill_rank_is_restarted_and_meets_the_decode_workers(
+    tiny_model_dir, tmp_path, reference
+):
+    served = start_cluster(_layout_config(tiny_model_dir, 2, 1), tmp_path)
+    try:
+        stub = served.stub()
+        assert _serves_the_reference(stub, reference, num=1) == {"decode-0"}
+        (pid,) = _rank_pids(served)  # rank 1 of the prefill replica: the only follower
+        os.kill(pid, signal.SIGKILL)
+        assert _wait_restarting(stub, "prefill") == {"prefill-0"}
+        assert _wait_healthy(stub, "prefill", 1).workers[0].restarts == 1
+        _serves_the_reference(stub, reference, num=2)  # both new prefill agents are known
+        wait_blocks_released(stub)
+        # Rank 0 of both replicas at once (the decode one has a single rank): the two
+        # restarts run one after the other, and the second introduces itself to the first.
+        for pid in _rank_pids(served, "WorkerActor"):
+            os.kill(pid, signal.SIGKILL)
+        _wait_restarting(stub, "decode")
+        assert _wait_healthy(stub, "prefill", 1).workers[0].restarts == 2
+        assert _wait_healthy(stub, "decode", 1).workers[0].restarts == 1
+        _serves_the_reference(stub, reference, num=2)
+        wait_blocks_released(stub)
+        # Shut down while a restart is in progress (a restart takes seconds: new actors,
+        # the model's load; the shutdown reaches it within about one): it gives up and
+        # removes what it placed, and the drain ends cleanly.
+        (pid,) = _rank_pids(served)
+        os.kill(pid, signal.SIGKILL)
+        _wait_restarting(stub, "prefill")
+        assert stop_cluster(served) == 0, served.output()[-4000:]
+        assert "restart of prefill-0 given up" in served.output()
+        assert "baton: stopped" in served.output()
+    finally:
+        if served.process.poll() is None:
+            stop_cluster(served)

@@ -16,7 +16,8 @@ import pytest
 from kvtransfer import KVLayout, KVTransferConfig, create_connector
 from kvtransfer.local_backend import LocalFabric
 from proto.baton.v1 import inference_pb2 as pb
-from router.router import Router, RouterConfig, RouterError
+from router.config import RouterConfig, RouterError
+from router.router import Router
 from workers import LLM, SamplingParams
 from workers.channel import ChannelListener, ChannelReader, ChannelSender
 from workers.config import EngineConfig

@@ -1,0 +1,237 @@
+"""Worker replicas on Ray: place, start, wait, introduce, stop. Bring-up and restart share it.
+
+A replica is one placement group with a bundle per rank, ``STRICT_PACK`` (its ranks share a
+node), and one actor per rank: rank 0 a ``WorkerActor`` (schedules, talks to the router),
+the others ``RankActor``s that follow it. Every rank has its own KV agent, so decode and
+prefill replicas are introduced rank by rank, in both directions: the reader needs the
+owner's memory, the owner needs the reader for completion notices.
+
+Bring-up (``cluster/bringup.py``) does this for every replica at once; a restart
+(``cluster/restart.py``) for one, with ``cancel`` set when the cluster shuts down so that
+it gives up between Ray calls instead of waiting out their timeouts.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+import uuid
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+import ray
+from ray.util.placement_group import placement_group, remove_placement_group
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+from workers.ray_rank import RankActor
+from workers.ray_worker import ACTOR_CONCURRENCY, WorkerActor
+from workers.wire import WorkerInfo, decode_as
+from workers.worker_spec import WorkerSpec
+
+logger = logging.getLogger(__name__)
+
+READY_TIMEOUT_S = 600.0  # loading weights of a large model can take minutes
+_PEER_TIMEOUT_S = 60.0
+_CANCEL_POLL_S = 0.5
+_RUN_ID = uuid.uuid4().hex[:8]
+
+
+class Cancelled(RuntimeError):
+    """The cluster is shutting down: a restart in progress gives up."""
+
+
+@dataclass
+class Replica:
+    spec: WorkerSpec
+    bundle: dict[str, float]  # what each rank reserves (a restart asks for the same)
+    ranks: list  # every rank's actor handle, rank 0 first
+    placement_group: object
+    is_killed: bool = False
+
+
+def rank_bundle(device: str) -> dict[str, float]:
+    """What one rank reserves: a CPU, and a GPU on CUDA."""
+    return {"CPU": 1.0, **({"GPU": 1.0} if device == "cuda" else {})}
+
+
+def place_replica(
+    spec: WorkerSpec, bundle: dict[str, float], generation: int = 0, cancel=None
+) -> Replica:
+    """One placement group with ``bundle`` per rank, and each rank's actor (not started).
+
+    ``generation`` counts restarts: Ray may still hold a killed actor's name for a moment,
+    so a replacement gets names of its own.
+    """
+    # Unique per serving process: two deployments may share one Ray cluster.
+    ray_name = f"baton-{_RUN_ID}-{spec.name}" + (f"-{generation}" if generation else "")
+    pg = placement_group([bundle] * spec.tensor_parallel, strategy="STRICT_PACK", name=ray_name)
+    try:
+        _get(pg.ready(), READY_TIMEOUT_S, cancel)
+    except ray.exceptions.GetTimeoutError:
+        remove_placement_group(pg)
+        raise RuntimeError(
+            f"{spec.role}: the Ray cluster cannot place worker {spec.name} "
+            f"({spec.tensor_parallel} x {bundle} on one node); "
+            f"resources: {ray.available_resources()}"
+        ) from None
+    except BaseException:
+        remove_placement_group(pg)
+        raise
+    ranks = []
+    for rank in range(spec.tensor_parallel):
+        options = dict(
+            name=ray_name if rank == 0 else f"{ray_name}-rank{rank}",
+            num_cpus=bundle["CPU"],
+            num_gpus=bundle.get("GPU", 0),
+            max_concurrency=ACTOR_CONCURRENCY,
+            max_restarts=0,  # a dead rank is replaced with its whole replica, not alone
+            scheduling_strategy=PlacementGroupSchedulingStrategy(
+                pg, placement_group_bundle_index=rank
+            ),
+        )
+        if rank == 0:
+            ranks.append(ray.remote(WorkerActor).options(**options).remote(spec.to_bytes()))
+        else:
+            ranks.append(ray.remote(RankActor).options(**options).remote(spec.to_bytes(), rank))
+    return Replica(spec, bundle, ranks, pg)
+
+
+def start_replicas(replicas: dict[str, Replica], cancel=None) -> None:
+    """Every rank loads its shard; a replica's ranks meet at its rank 0 (all at once:
+    joining the process group waits for every rank)."""
+    calls = []
+    for name, replica in replicas.items():
+        ranks = replica.ranks
+        address, port = "", 0
+        if len(ranks) > 1:
+            address, port = _get(ranks[0].rendezvous.remote(), READY_TIMEOUT_S, cancel)
+        calls += [(name, r, a.start.remote(address, port)) for r, a in enumerate(ranks)]
+    for name, rank, ref in calls:
+        try:
+            error = _get(ref, READY_TIMEOUT_S, cancel)
+        except ray.exceptions.RayActorError as exc:
+            error = str(exc)
+        if error:
+            raise RuntimeError(f"worker {name} (rank {rank}) failed to start: {error}")
+
+
+def wait_ready(replicas: dict[str, Replica], cancel=None) -> list[WorkerInfo]:
+    """Each replica's ``describe`` (rank 0), in order; raises if one cannot answer."""
+    refs = {name: r.ranks[0].describe.remote() for name, r in replicas.items()}
+    infos = []
+    for name, ref in refs.items():
+        try:
+            infos.append(decode_as(_get(ref, READY_TIMEOUT_S, cancel), WorkerInfo))
+        except ray.exceptions.RayActorError as exc:
+            raise RuntimeError(f"worker {name} failed to start: {exc}") from None
+    return infos
+
+
+def check_agree(infos: Sequence[WorkerInfo]) -> WorkerInfo:
+    """The first info, once every other agrees with it on what the router relies on."""
+    first = infos[0]
+    for info in infos[1:]:
+        for key in ("architecture", "dtype", "max_model_len", "vocab_size", "block_size"):
+            if getattr(info, key) != getattr(first, key):
+                raise RuntimeError(
+                    f"workers disagree on {key}: {first.name} has {getattr(first, key)}, "
+                    f"{info.name} has {getattr(info, key)}"
+                )
+    return first
+
+
+def introduce(
+    replicas: dict[str, Replica], pairs: Iterable[tuple[str, str]], fresh: str = ""
+) -> None:
+    """Every rank of decode replica D and every rank of prefill replica P exchange
+    KV-transfer metadata, for each (D, P) in ``pairs``.
+
+    Bring-up (``fresh`` empty): any failure raises. A restart (``fresh`` names the new
+    replica): only the new replica's failures raise. A peer replica that cannot take part
+    is skipped with a warning: it is down too, and its own restart introduces it to
+    everyone, this new replica included (restarts run one at a time).
+    """
+    pairs = list(pairs)
+    meta: dict[str, list[bytes]] = {}
+    for name in {n for pair in pairs for n in pair}:
+        ranks = replicas[name].ranks
+        try:
+            meta[name] = ray.get([a.kv_metadata.remote() for a in ranks], timeout=_PEER_TIMEOUT_S)
+        except ray.exceptions.RayError as exc:
+            if not fresh or name == fresh:
+                raise RuntimeError(f"worker {name} has no KV metadata: {exc}") from None
+            why = str(exc).splitlines()[0]
+            logger.warning("%s is skipped for KV transfer (it is down): %s", name, why)
+    calls = []
+    for d, p in pairs:
+        if d not in meta or p not in meta:
+            continue
+        for d_rank, d_actor in enumerate(replicas[d].ranks):
+            for p_rank, p_actor in enumerate(replicas[p].ranks):
+                calls.append((d, d_rank, p, p_rank, d_actor.add_peer.remote(meta[p][p_rank])))
+                calls.append((p, p_rank, d, d_rank, p_actor.add_peer.remote(meta[d][d_rank])))
+    for who, rank, peer, peer_rank, ref in calls:
+        try:
+            error = ray.get(ref, timeout=_PEER_TIMEOUT_S)
+        except ray.exceptions.RayError as exc:
+            error = str(exc)
+        if not error:
+            continue
+        error = error.splitlines()[0]  # Ray's errors go on for a page
+        message = f"{who} rank {rank} cannot reach {peer} rank {peer_rank} for KV transfer"
+        if not fresh or who == fresh:
+            raise RuntimeError(f"{message}: {error}")
+        logger.warning("%s (it is down): %s", message, error)
+
+
+def stop_replicas(replicas: Iterable[Replica]) -> None:
+    """Stop every replica (leases released, NIXL agents closed), then free its resources."""
+    replicas = [r for r in replicas if not r.is_killed]
+    stops = []
+    for replica in replicas:
+        try:
+            stops.append(replica.ranks[0].stop.remote())
+        except Exception:
+            logger.warning("cannot stop %s", replica.spec.name, exc_info=True)
+    try:
+        ray.get(stops, timeout=30)
+        # Rank 0's loop sent its followers a stop command; wait for them to leave.
+        ray.get([a.stop.remote() for r in replicas for a in r.ranks[1:]], timeout=30)
+    except Exception:
+        logger.warning("some workers did not stop cleanly", exc_info=True)
+    for replica in replicas:
+        kill_replica(replica)
+
+
+def kill_replica(replica: Replica) -> None:
+    """Kill every rank's process and remove the placement group (no graceful stop: used
+    after a stop, or on a replica that already failed). Idempotent."""
+    if replica.is_killed:
+        return
+    replica.is_killed = True
+    for actor in replica.ranks:
+        try:
+            ray.kill(actor, no_restart=True)
+        except Exception:
+            logger.debug("cannot kill a rank of %s", replica.spec.name, exc_info=True)
+    try:
+        remove_placement_group(replica.placement_group)
+    except Exception:
+        logger.warning("cannot remove the placement group of %s", replica.spec.name, exc_info=True)
+
+
+def _get(ref, timeout_s: float, cancel: threading.Event | None):
+    """``ray.get`` with a timeout that gives up early (Cancelled) once ``cancel`` is set."""
+    if cancel is None:
+        return ray.get(ref, timeout=timeout_s)
+    deadline = time.monotonic() + timeout_s
+    while True:
+        if cancel.is_set():
+            raise Cancelled("the cluster is shutting down")
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise ray.exceptions.GetTimeoutError(f"no answer within {timeout_s:g} s")
+        ready, _ = ray.wait([ref], timeout=min(left, _CANCEL_POLL_S))
+        if ready:
+            return ray.get(ref)

@@ -1,0 +1,99 @@
+"""Restarting a dead worker replica on Ray (implements ``router.recovery.Restarter``).
+
+The router decides *when* (a worker's event channel closed or its engine loop failed) and
+how often to try (``router/recovery.py``); this module does the Ray side of one attempt:
+
+1. kill whatever is left of the replica (a rank 0 whose loop failed, followers whose rank 0
+   died) and remove its placement group;
+2. place and start a fresh replica with the same spec (``cluster/replicas.py``, the code
+   bring-up uses) and check it agrees with the running cluster;
+3. introduce each of its ranks to every rank of every replica of the other pool, both
+   ways. A peer's connector replaces the dead incarnation's agent with the new one (same
+   worker id), so nothing reads from or notifies the dead agents afterwards;
+4. hand back a client for the router, which opens the event channel.
+
+Every Ray call blocks, so attempts run on one thread of their own, one at a time: the
+event loop keeps serving, and two replicas that restart together cannot miss each other
+(the second introduces itself to the first one's new ranks). ``close`` (at shutdown)
+makes an attempt in progress give up and remove what it placed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
+
+from cluster.replicas import (
+    Cancelled,
+    Replica,
+    check_agree,
+    introduce,
+    kill_replica,
+    place_replica,
+    start_replicas,
+    wait_ready,
+)
+from workers.channel import ChannelListener
+from workers.ray_worker import RayWorkerClient
+from workers.wire import WorkerInfo
+
+logger = logging.getLogger(__name__)
+
+
+class RayRestarter:
+    def __init__(
+        self, replicas: dict[str, Replica], listener: ChannelListener, reference: WorkerInfo
+    ):
+        """``replicas`` is the cluster's registry (name -> running replica): a restart
+        replaces the entry, so that shutdown stops the new ranks. ``reference``: what
+        every worker described at bring-up; a replacement must agree with it."""
+        self._replicas = replicas
+        self._listener = listener
+        self._reference = reference
+        self._generations: Counter[str] = Counter()
+        self._closing = threading.Event()
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="baton-restart")
+
+    async def restart(self, name: str) -> RayWorkerClient:
+        """Replace replica ``name`` with a fresh one; its client, not yet started."""
+        if self._closing.is_set():
+            raise Cancelled("the cluster is shutting down")
+        replica = await asyncio.wrap_future(self._executor.submit(self._restart, name))
+        return RayWorkerClient(name, replica.spec.role, replica.ranks[0], self._listener)
+
+    def close(self) -> None:
+        """Shutdown: no attempt starts any more; wait for the one in progress, which gives
+        up and removes what it placed (or finished, and shutdown stops it with the rest)."""
+        self._closing.set()
+        self._executor.shutdown(wait=True, cancel_futures=True)
+
+    def _restart(self, name: str) -> Replica:
+        old = self._replicas[name]
+        spec = old.spec
+        logger.warning("restarting %s (%s, %d ranks)", name, spec.role, spec.tensor_parallel)
+        kill_replica(old)  # frees its bundles for the new placement group
+        self._generations[name] += 1
+        cancel = self._closing
+        replica = None
+        try:
+            replica = place_replica(spec, old.bundle, self._generations[name], cancel)
+            start_replicas({name: replica}, cancel)
+            check_agree([self._reference, *wait_ready({name: replica}, cancel)])
+            others = [n for n, r in self._replicas.items() if r.spec.role != spec.role]
+            pairs = [(name, o) if spec.role == "decode" else (o, name) for o in others]
+            introduce({**self._replicas, name: replica}, pairs, fresh=name)
+            if cancel.is_set():
+                raise Cancelled("the cluster is shutting down")
+        except BaseException as exc:
+            if isinstance(exc, Cancelled):
+                logger.warning("restart of %s given up: the cluster is shutting down", name)
+            if replica is not None:  # placement cleans up after itself
+                kill_replica(replica)
+            raise
+        # Registered only now: until here the old (killed) entry stands, and killing it
+        # again at shutdown is harmless.
+        self._replicas[name] = replica
+        return replica

@@ -1,0 +1,30 @@
+"""The router's settings (resolved by ``cluster/`` at bring-up) and the error it answers with."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+class RouterError(Exception):
+    """A request the router refuses or cannot finish; ``code`` is a grpc.StatusCode name."""
+
+    def __init__(self, code: str, message: str):
+        super().__init__(message)
+        self.code = code
+        self.message = message
+
+
+@dataclass(frozen=True)
+class RouterConfig:
+    model_name: str
+    architecture: str
+    dtype: str
+    max_model_len: int
+    vocab_size: int
+    block_size: int
+    policy: str = "kv_aware"
+    disaggregation: str = "auto"
+    auto_local_prefill_tokens: int = 256
+    saturated_queue: int = 8
+    max_queued_requests: int = 1024
+    kv_transfer_backend: str = "nixl"
