@@ -18,6 +18,8 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from cluster.loadgen import command as _bench  # its module imports only the standard library
+
 _PROG = "baton"
 _EXIT_USAGE = 2
 # Literals, not imports from workers: building the parser must not load torch.
@@ -286,6 +288,12 @@ _COMMANDS = (
         "generate from a prompt (a local model or a running router), streaming to stdout",
         _add_generate_arguments,
         _run_generate,
+    ),
+    _Command(
+        "bench",
+        "load-test a running router: TTFT, TPOT, ITL, E2E, throughput, goodput (JSON, plots)",
+        _bench.add_arguments,
+        _bench.run,
     ),
     _Command(
         "status",

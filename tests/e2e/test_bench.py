@@ -1,0 +1,110 @@
+"""``baton bench`` against a running tiny cluster: the result's counts match the requests
+sent, its percentiles and goodput are those of the per-request records it writes, the
+shared-prefix workload hits the prefix cache, a trace's requests go no earlier than their
+timestamps, and the charts are written."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from cluster.cli import main as baton
+from cluster.loadgen.metrics import Slo, summarize
+from cluster.loadgen.runner import RequestRecord
+
+PNG = b"\x89PNG\r\n\x1a\n"
+
+
+def bench(cluster, tmp_path, *args: str) -> dict:
+    out = tmp_path / "result.json"
+    code = baton(["bench", "--target", cluster.address, "--result-json", str(out), *args])
+    assert code == 0
+    return json.loads(out.read_text())
+
+
+def test_random_workload_at_two_rates(cluster, tmp_path):
+    result = bench(
+        cluster, tmp_path,
+        "--num-prompts", "12", "--input-len", "24", "--output-len", "6", "--range-ratio", "0.5",
+        "--rates", "8,inf", "--ignore-eos", "--warmup", "2", "--seed", "5",
+        "--slo", "ttft=60000,tpot=60000", "--plot", str(tmp_path / "plots"),
+    )  # fmt: skip
+    assert [run["request_rate"] for run in result["runs"]] == [8.0, "inf"]
+    for run in result["runs"]:
+        records = run["requests"]
+        assert run["num_requests"] == len(records) == 12
+        assert run["completed"] == 12 and run["failed"] == 0 and run["errors"] == {}
+        # --ignore-eos: every request produced exactly its max_tokens, lengths varied.
+        assert all(r["output_len"] == r["max_tokens"] for r in records)
+        assert len({r["max_tokens"] for r in records}) > 1
+        assert run["total_output_tokens"] == sum(r["max_tokens"] for r in records)
+        assert run["total_input_tokens"] == sum(r["prompt_len"] for r in records)
+        ttft = np.array([r["ttft_s"] for r in records]) * 1e3
+        for key, q in (("median", 50), ("p90", 90), ("p99", 99)):
+            assert run["ttft_ms"][key] == pytest.approx(np.percentile(ttft, q))
+        tpot = [(r["e2e_s"] - r["ttft_s"]) / (r["output_len"] - 1) * 1e3 for r in records]
+        assert run["tpot_ms"]["mean"] == pytest.approx(np.mean(tpot))
+        itl = [g * 1e3 for r in records for g in r["itl_s"]]
+        assert len(itl) >= 1 and run["itl_ms"]["p99"] == pytest.approx(np.percentile(itl, 99))
+        assert run["e2el_ms"]["p90"] == pytest.approx(
+            np.percentile([r["e2e_s"] * 1e3 for r in records], 90)
+        )
+        assert run["num_good"] == 12  # the SLOs are a minute
+        assert run["request_throughput"] == pytest.approx(12 / run["duration_s"])
+        # Goodput counts exactly the records within an SLO that splits them: the median.
+        recs = [RequestRecord(**r) for r in records]
+        cut = float(np.median(ttft))
+        split = summarize(recs, run["duration_s"], Slo(ttft_ms=cut))
+        assert split["num_good"] == sum(t <= cut for t in ttft)
+        assert 6 <= split["num_good"] < 12 or len(set(ttft)) < 12
+    # At 8 req/s the sends are spread out; at inf they all go at once.
+    sends = [sorted(r["send_s"] for r in run["requests"]) for run in result["runs"]]
+    assert sends[0][-1] > 0.5 and sends[1][-1] < 0.5
+    for name in ("latency_cdf.png", "rate_sweep.png"):
+        data = (tmp_path / "plots" / name).read_bytes()
+        assert data.startswith(PNG) and len(data) > 10_000
+
+
+def test_shared_prefix_workload_hits_the_prefix_cache(cluster, tmp_path):
+    result = bench(
+        cluster, tmp_path,
+        "--dataset", "shared-prefix", "--num-groups", "2", "--prefix-len", "64",
+        "--input-len", "8", "--output-len", "4", "--num-prompts", "6", "--max-concurrency", "1",
+    )  # fmt: skip
+    run = result["runs"][0]
+    assert run["completed"] == 6
+    # One at a time: the first request of each group misses, the other four find their
+    # group's 64-token prefix (8 full blocks of 8) cached.
+    cached = [r["cached_prompt_tokens"] for r in run["requests"]]
+    assert cached[:2] == [0, 0] and all(c >= 64 for c in cached[2:]), cached
+    assert run["cached_prompt_tokens"] == sum(cached)
+
+
+def test_trace_requests_go_no_earlier_than_their_timestamps(cluster, tmp_path):
+    trace = tmp_path / "trace.jsonl"
+    rows = [(0, 30, 3), (400, 20, 2), (150, 25, 4), (900, 10, 2)]
+    trace.write_text(
+        "".join(
+            json.dumps({"timestamp": t, "input_length": i, "output_length": o}) + "\n"
+            for t, i, o in rows
+        )
+    )
+    result = bench(cluster, tmp_path, "--dataset", "trace", "--trace", str(trace), "--ignore-eos")
+    run = result["runs"][0]
+    assert run["request_rate"] == "trace" and run["completed"] == 4
+    sent = [(r["prompt_len"], r["max_tokens"], r["send_s"]) for r in run["requests"]]
+    expected = [(30, 3, 0.0), (25, 4, 0.15), (20, 2, 0.4), (10, 2, 0.9)]
+    for (plen, mtok, send), (want_plen, want_mtok, at) in zip(sent, expected, strict=True):
+        assert (plen, mtok) == (want_plen, want_mtok)
+        assert at <= send < at + 0.5
+
+
+def test_bad_arguments_are_refused(cluster, tmp_path, capsys):
+    assert baton(["bench", "--target", cluster.address, "--slo", "ttft=soon"]) == 2
+    assert "--slo: ttft must be a number" in capsys.readouterr().err
+    assert baton(["bench", "--target", cluster.address, "--input-len", "600"]) == 2
+    assert "max_model_len (512)" in capsys.readouterr().err
+    assert baton(["bench", "--target", cluster.address, "--dataset", "trace"]) == 2
+    assert "--dataset trace needs --trace" in capsys.readouterr().err
