@@ -50,9 +50,14 @@ class Replica:
     is_killed: bool = False
 
 
-def rank_bundle(device: str) -> dict[str, float]:
-    """What one rank reserves: a CPU, and a GPU on CUDA."""
-    return {"CPU": 1.0, **({"GPU": 1.0} if device == "cuda" else {})}
+def rank_bundle(device: str, node_resource: str | None = None) -> dict[str, float]:
+    """What one rank reserves: a CPU, a GPU on CUDA, and one unit of the pool's
+    ``node_resource`` when set, so that only the nodes offering it (the Helm chart's
+    worker group of the pool) can hold the rank."""
+    bundle = {"CPU": 1.0, **({"GPU": 1.0} if device == "cuda" else {})}
+    if node_resource:
+        bundle[node_resource] = 1.0
+    return bundle
 
 
 def place_replica(
@@ -161,7 +166,7 @@ def introduce(
         except ray.exceptions.RayError as exc:
             if not fresh or name == fresh:
                 raise RuntimeError(f"worker {name} has no KV metadata: {exc}") from None
-            why = str(exc).splitlines()[0]
+            why = str(exc).splitlines()[0]  # Ray's errors go on for a page
             logger.warning("%s is skipped for KV transfer (it is down): %s", name, why)
     calls = []
     for d, p in pairs:
@@ -178,11 +183,11 @@ def introduce(
             error = str(exc)
         if not error:
             continue
-        error = error.splitlines()[0]  # Ray's errors go on for a page
         message = f"{who} rank {rank} cannot reach {peer} rank {peer_rank} for KV transfer"
         if not fresh or who == fresh:
             raise RuntimeError(f"{message}: {error}")
-        logger.warning("%s (it is down): %s", message, error)
+        # The first line: Ray's errors go on for a page.
+        logger.warning("%s (it is down): %s", message, error.splitlines()[0])
 
 
 def stop_replicas(replicas: Iterable[Replica]) -> None:

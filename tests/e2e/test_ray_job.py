@@ -1,10 +1,14 @@
 """The cluster as a Ray job: ``ray start --head`` on loopback, ``ray job submit ... --
-python -m cluster configs/ci.yaml``, requests over gRPC, ``ray job stop`` shuts it down."""
+python -m cluster configs/ci.yaml``, requests over gRPC, ``ray job stop`` shuts it down.
+
+As the Helm chart deploys it, the node offers one unit of a Ray resource per pool and the
+config pins each pool to it (``node_resource``)."""
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import secrets
 import shutil
 import subprocess
@@ -26,6 +30,7 @@ from .conftest import ROOT, free_port
 pytest.importorskip("ray")
 RAY = str(Path(sys.executable).with_name("ray"))
 CONFIG = "configs/ci.yaml"
+POOL_RESOURCES = {"prefill": "baton_prefill", "decode": "baton_decode"}
 
 
 def ray_cli(*args, env, timeout=180, check=True):
@@ -57,7 +62,7 @@ def wait_serving(address: str, timeout_s: float) -> None:
 def ray_head(tmp_path):
     if not os.path.exists(RAY):
         pytest.skip("the ray CLI is not installed next to this Python")
-    dashboard = free_port()
+    dashboard, gcs = free_port(), free_port()
     env = {
         **os.environ,
         "RAY_ADDRESS": f"http://127.0.0.1:{dashboard}",
@@ -70,16 +75,17 @@ def ray_head(tmp_path):
     temp = Path(tempfile.mkdtemp(prefix="ray", dir="/tmp"))  # Ray's socket paths must be short
     # Every port explicit: another Ray instance on this machine must not collide with it.
     ray_cli(
-        "start", "--head", "--node-ip-address=127.0.0.1", f"--port={free_port()}",
+        "start", "--head", "--node-ip-address=127.0.0.1", f"--port={gcs}",
         "--dashboard-host=127.0.0.1", f"--dashboard-port={dashboard}",
         f"--dashboard-agent-listen-port={free_port()}",
         f"--dashboard-agent-grpc-port={free_port()}", f"--metrics-export-port={free_port()}",
         f"--runtime-env-agent-port={free_port()}", f"--node-manager-port={free_port()}",
         f"--object-manager-port={free_port()}", "--num-cpus=4", "--disable-usage-stats",
+        f"--resources={json.dumps({r: 1 for r in POOL_RESOURCES.values()})}",
         f"--temp-dir={temp}", env=env,
     )  # fmt: skip
     try:
-        yield env
+        yield env, f"127.0.0.1:{gcs}"
     finally:
         # Not `ray stop`: it would kill every Ray instance on the machine. Our head's
         # processes name our temp dir; its workers die with their raylet.
@@ -89,15 +95,20 @@ def ray_head(tmp_path):
         shutil.rmtree(temp, ignore_errors=True)
 
 
-def test_ray_job_submit_serves_and_ray_job_stop_shuts_down(ray_head):
-    env = ray_head
-    port = yaml.safe_load((ROOT / CONFIG).read_text())["router"]["port"]
+def test_ray_job_submit_serves_and_ray_job_stop_shuts_down(ray_head, tmp_path):
+    env, gcs_address = ray_head
+    config = yaml.safe_load((ROOT / CONFIG).read_text())
+    for pool, resource in POOL_RESOURCES.items():
+        config[pool]["node_resource"] = resource
+    config_path = tmp_path / "cluster.yaml"
+    config_path.write_text(yaml.safe_dump(config))
+    port = config["router"]["port"]
     runtime_env = json.dumps({"env_vars": {"BATON_CACHE_DIR": env["BATON_CACHE_DIR"]}})
     deadline = time.monotonic() + 120
     while True:  # right after `ray start` the job agent may not be up yet
         submitted = ray_cli(
             "job", "submit", "--no-wait", "--working-dir", ".", "--runtime-env-json", runtime_env,
-            "--", "python", "-m", "cluster", CONFIG, env=env, check=False,
+            "--", "python", "-m", "cluster", str(config_path), env=env, check=False,
         )  # fmt: skip
         if submitted.returncode == 0:
             break
@@ -113,7 +124,11 @@ def test_ray_job_submit_serves_and_ray_job_stop_shuts_down(ray_head):
     )
     address = f"127.0.0.1:{port}"
     try:
-        wait_serving(address, timeout_s=300)
+        try:
+            wait_serving(address, timeout_s=300)
+        except AssertionError as exc:
+            logs = ray_cli("job", "logs", job_id, env=env, check=False)
+            raise AssertionError(f"{exc}; the job's log:\n{logs.stdout[-4000:]}") from None
         stub = pb_grpc.InferenceStub(grpc.insecure_channel(address))
         for mode in (pb.DISAGGREGATION_ALWAYS, pb.DISAGGREGATION_NEVER):
             req = pb.GenerateRequest(text="Ray jobs serve Baton", disaggregation=mode)
@@ -126,6 +141,12 @@ def test_ray_job_submit_serves_and_ray_job_stop_shuts_down(ray_head):
             assert final.timing.prefill_worker == (
                 "prefill-0" if mode == pb.DISAGGREGATION_ALWAYS else ""
             )
+        # Each worker's placement group reserved its pool's only unit.
+        status = ray_cli("status", f"--address={gcs_address}", env=env).stdout
+        for resource in POOL_RESOURCES.values():
+            line = re.search(rf"/([0-9.]+) {resource} \(.* of ([0-9.]+) reserved", status)
+            assert line is not None, status
+            assert float(line.group(1)) == float(line.group(2)) == 1.0, status
     finally:
         ray_cli("job", "stop", job_id, env=env, check=False)
     deadline = time.monotonic() + 120
