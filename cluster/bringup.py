@@ -113,7 +113,9 @@ def bring_up(config: ClusterConfig) -> Cluster:
             for index in range(pool.replicas):
                 worker = f"{role}-{index}"
                 spec = _spec(config, pool, worker, role, str(model_dir), name, device, threads)
-                cluster.replicas[worker] = place_replica(spec, rank_bundle(device, pool.node_resource))
+                cluster.replicas[worker] = place_replica(
+                    spec, rank_bundle(device, pool.node_resource)
+                )
         replicas = cluster.replicas
         start_replicas(replicas)
         info = check_agree(wait_ready(replicas))
