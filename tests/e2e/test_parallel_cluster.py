@@ -114,16 +114,21 @@ def _rank_pids(served, actor_class: str = "RankActor") -> list[int]:
     return [pid for pid in found if ours(pid)]
 
 
-def _wait_healthy(stub, role: str, num: int) -> pb.PoolStatus:
-    """Poll until ``num`` replicas of the pool are healthy (a restart's deadline)."""
+def _wait_serving(stub, role: str, restarts: dict[str, int]) -> None:
+    """Poll until every replica of the pool serves, each restarted as often as
+    ``restarts`` says (name -> count), within a restart's deadline. The counts matter: a
+    replica whose death the router has not seen yet is healthy too."""
     deadline = time.monotonic() + RESTART_DEADLINE_S
     while True:
         status = stub.GetClusterStatus(pb.GetClusterStatusRequest(), timeout=5)
         pool = next(p for p in status.pools if p.role == role)
-        if pool.healthy_replicas == num:
-            return pool
+        if {w.name: w.restarts for w in pool.workers} == restarts and all(
+            w.healthy and w.state == "serving" for w in pool.workers
+        ):
+            assert pool.healthy_replicas == len(restarts)
+            return
         if time.monotonic() > deadline:
-            raise AssertionError(f"{role}: not {num} healthy replicas in time: {status}")
+            raise AssertionError(f"{role}: not serving again in time: {status}")
         time.sleep(0.2)
 
 
@@ -207,12 +212,7 @@ def test_a_dead_decode_rank_fails_its_streams_and_the_cluster_keeps_serving(
         dead_name = dead.pop()
         # It is restarted: both replicas serve again, and requests routed to the new one
         # (round robin) give the same tokens as before.
-        decode = _wait_healthy(stub, "decode", 2)
-        assert {w.name: w.restarts for w in decode.workers} == {
-            **{w.name: 0 for w in decode.workers},
-            dead_name: 1,
-        }
-        assert {w.state for w in decode.workers} == {"serving"}
+        _wait_serving(stub, "decode", {"decode-0": 0, "decode-1": 0, dead_name: 1})
         assert dead_name in _serves_the_reference(stub, reference)
         wait_blocks_released(stub)
     finally:
@@ -230,7 +230,7 @@ def test_a_dead_prefill_rank_is_restarted_and_meets_the_decode_workers(
         (pid,) = _rank_pids(served)  # rank 1 of the prefill replica: the only follower
         os.kill(pid, signal.SIGKILL)
         assert _wait_restarting(stub, "prefill") == {"prefill-0"}
-        assert _wait_healthy(stub, "prefill", 1).workers[0].restarts == 1
+        _wait_serving(stub, "prefill", {"prefill-0": 1})
         _serves_the_reference(stub, reference, num=2)  # both new prefill agents are known
         wait_blocks_released(stub)
         # Rank 0 of both replicas at once (the decode one has a single rank): the two
@@ -238,8 +238,8 @@ def test_a_dead_prefill_rank_is_restarted_and_meets_the_decode_workers(
         for pid in _rank_pids(served, "WorkerActor"):
             os.kill(pid, signal.SIGKILL)
         _wait_restarting(stub, "decode")
-        assert _wait_healthy(stub, "prefill", 1).workers[0].restarts == 2
-        assert _wait_healthy(stub, "decode", 1).workers[0].restarts == 1
+        _wait_serving(stub, "prefill", {"prefill-0": 2})
+        _wait_serving(stub, "decode", {"decode-0": 1})
         _serves_the_reference(stub, reference, num=2)
         wait_blocks_released(stub)
         # Shut down while a restart is in progress (a restart takes seconds: new actors,
