@@ -62,12 +62,15 @@ def start_cluster(config: dict, workdir: Path, env: dict | None = None) -> Serve
     )
     lines: list[str] = []
     ready = threading.Event()
+    served_on: list[str] = []
 
     def read() -> None:
         assert process.stdout is not None
         for line in process.stdout:
             lines.append(line.rstrip())
             if line.startswith("baton: serving"):
+                # "baton: serving NAME on HOST:PORT (...)": the port the router really bound.
+                served_on.append(line.split(" on ", 1)[1].split(" ", 1)[0])
                 ready.set()
 
     threading.Thread(target=read, daemon=True).start()
@@ -76,7 +79,7 @@ def start_cluster(config: dict, workdir: Path, env: dict | None = None) -> Serve
         if process.poll() is not None or time.monotonic() > deadline:
             process.kill()
             raise RuntimeError("cluster did not start:\n" + "\n".join(lines[-60:]))
-    address = f"127.0.0.1:{config['router']['port']}"
+    address = served_on[0]
     return ServedCluster(process, address, Path(config["model"]["path"]), lines)
 
 
@@ -104,7 +107,9 @@ def cluster_config(model_dir: Path, **router) -> dict:
         "kv_cache": {"block_size": 8, "num_blocks": 1024},
         "kv_transfer": {"backend": "nixl", "lease_seconds": 20, "timeout_seconds": 5},
         "router": {
-            "port": free_port(),
+            # Any free port, bound by the router itself (a port picked here could be
+            # taken by another process before the router binds it).
+            "port": 0,
             "policy": "kv_aware",
             "disaggregation": "always",
             "max_queued_requests": 48,
