@@ -20,17 +20,32 @@ from pathlib import Path
 import grpc
 import pytest
 import yaml
-from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from cluster.client import wait_ready
 from proto.baton.v1 import inference_pb2 as pb
 from proto.baton.v1 import inference_pb2_grpc as pb_grpc
+from workers.replica import free_port as _free_port
 
-from .conftest import ROOT, free_port
+from .conftest import ROOT
 
-pytest.importorskip("ray")
+# ray[default] is a dependency: its CLI sits next to this Python in any correct install.
 RAY = str(Path(sys.executable).with_name("ray"))
 CONFIG = "configs/ci.yaml"
 POOL_RESOURCES = {"prefill": "baton_prefill", "decode": "baton_decode"}
+
+
+def free_port() -> int:
+    return _free_port("127.0.0.1")
+
+
+def wait_gone(pattern: str, timeout_s: float) -> bool:
+    """Poll until no process's command line contains ``pattern``; False at the deadline."""
+    deadline = time.monotonic() + timeout_s
+    while subprocess.run(["pgrep", "-f", pattern], capture_output=True).returncode == 0:
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.2)
+    return True
 
 
 def ray_cli(*args, env, timeout=180, check=True):
@@ -42,26 +57,9 @@ def ray_cli(*args, env, timeout=180, check=True):
     return proc
 
 
-def wait_serving(address: str, timeout_s: float) -> None:
-    health = health_pb2_grpc.HealthStub(grpc.insecure_channel(address))
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        try:
-            answer = health.Check(
-                health_pb2.HealthCheckRequest(service="baton.v1.Inference"), timeout=2
-            )
-            if answer.status == health_pb2.HealthCheckResponse.SERVING:
-                return
-        except grpc.RpcError:
-            pass
-        time.sleep(0.5)
-    raise AssertionError(f"nothing served on {address} within {timeout_s}s")
-
-
 @pytest.fixture
 def ray_head(tmp_path):
-    if not os.path.exists(RAY):
-        pytest.skip("the ray CLI is not installed next to this Python")
+    assert os.path.exists(RAY), f"the ray CLI is missing: {RAY}"
     dashboard, gcs = free_port(), free_port()
     env = {
         **os.environ,
@@ -91,7 +89,8 @@ def ray_head(tmp_path):
         # processes name our temp dir; its workers die with their raylet.
         for sig in ("-TERM", "-KILL"):
             subprocess.run(["pkill", sig, "-f", str(temp)], check=False)
-            time.sleep(3)
+            if wait_gone(str(temp), timeout_s=10):
+                break
         shutil.rmtree(temp, ignore_errors=True)
 
 
@@ -125,8 +124,9 @@ def test_ray_job_submit_serves_and_ray_job_stop_shuts_down(ray_head, tmp_path):
     address = f"127.0.0.1:{port}"
     try:
         try:
-            wait_serving(address, timeout_s=300)
-        except AssertionError as exc:
+            with grpc.insecure_channel(address) as channel:
+                wait_ready(channel, timeout_s=300)
+        except TimeoutError as exc:
             logs = ray_cli("job", "logs", job_id, env=env, check=False)
             raise AssertionError(f"{exc}; the job's log:\n{logs.stdout[-4000:]}") from None
         stub = pb_grpc.InferenceStub(grpc.insecure_channel(address))
