@@ -33,11 +33,10 @@ import os
 import platform
 import random
 import socket
-import statistics
 import sys
 import tempfile
 import time
-from collections import Counter, defaultdict
+from collections import Counter
 from dataclasses import dataclass, field
 from itertools import pairwise
 from pathlib import Path
@@ -52,12 +51,14 @@ ROOT = Path(__file__).resolve().parents[1]
 # the `kernels` package that the engine imports.
 if sys.path and Path(sys.path[0]).resolve() == ROOT / "bench":
     del sys.path[0]
-# The repository first (its `kernels` package), bench/ last (serving_cluster, serving_stamps).
+# The repository first (its `kernels` package), bench/ last (the serving_* helpers).
 sys.path[:0] = [str(ROOT)]
 sys.path.append(str(ROOT / "bench"))
 
 from serving_cluster import Cluster, Host  # noqa: E402
-from serving_stamps import PUBLISH, ROUTE, Stamps, wait_for_stamps  # noqa: E402
+from serving_overhead import DirectEngine, delivery, router_overhead  # noqa: E402
+from serving_stamps import wait_for_stamps  # noqa: E402
+from serving_stats import dist_ms, median_run  # noqa: E402
 
 PROMPT_LENS = (32, 128, 320, 600)
 MAX_TOKENS = (16, 128)
@@ -148,23 +149,6 @@ async def run_load(address: str, work: list[Item], max_concurrency: int, tag: st
     return list(results), makespan
 
 
-# ---- statistics ----------------------------------------------------------------------
-def pct(values: list[float], q: float) -> float:
-    """Percentile with linear interpolation (q in [0, 100]) of a non-empty list."""
-    xs = sorted(values)
-    pos = (len(xs) - 1) * q / 100
-    lo = int(pos)
-    return xs[lo] + (xs[min(lo + 1, len(xs) - 1)] - xs[lo]) * (pos - lo)
-
-
-def dist_ms(values: list[float]) -> dict[str, float | None]:
-    """p50/p90/p99/mean in milliseconds; None for no values (JSON has no NaN)."""
-    ms = [1e3 * v for v in values]
-    out = {f"p{q}": round(pct(ms, q), 3) if ms else None for q in (50, 90, 99)}
-    out["mean"] = round(statistics.fmean(ms), 3) if ms else None
-    return out
-
-
 def summarize(results: list[Result], makespan: float) -> dict:
     ok = [r for r in results if not r.error]
     per_s = 1 / makespan if makespan else 0.0
@@ -189,79 +173,7 @@ def summarize(results: list[Result], makespan: float) -> dict:
     }
 
 
-def delivery(results: list[Result], stamps: Stamps) -> dict:
-    """Per streamed chunk: worker publish -> client receive, split where the router was."""
-    legs: dict[str, list[float]] = defaultdict(list)
-    missing = 0
-    for res in results:
-        published, routed = stamps.per_chunk(PUBLISH, res), stamps.per_chunk(ROUTE, res)
-        if published is None or routed is None:
-            missing += 1
-            continue
-        for p, r, c in zip(published, routed, res.recv, strict=True):
-            legs["delivery"].append(c - p)
-            legs["worker_to_router"].append(r - p)
-            legs["router_to_client"].append(c - r)
-    return {**{f"{k}_ms": dist_ms(v) for k, v in legs.items()}, "unmatched_requests": missing}
-
-
-def median_run(runs: list[dict]) -> dict:
-    """Each figure's median over the repeats (None where a run has none)."""
-
-    def median(values: list) -> float | None:
-        return None if None in values else statistics.median(values)
-
-    out = {}
-    for key, value in runs[0].items():
-        if isinstance(value, dict) and set(value) == {"p50", "p90", "p99", "mean"}:
-            out[key] = {k: median([r[key][k] for r in runs]) for k in value}
-        elif isinstance(value, float | int) and not isinstance(value, bool):
-            out[key] = median([r[key] for r in runs])
-    return out
-
-
-# ---- router overhead: the engine called directly ---------------------------------------
-class DirectEngine:
-    """The workers' engine (same model and settings) in this process, called directly."""
-
-    def __init__(self, model_dir: str, args: argparse.Namespace, num_threads: int):
-        import torch
-
-        from workers.config import EngineConfig
-        from workers.engine import LLMEngine
-
-        torch.set_num_threads(num_threads)
-        self.engine = LLMEngine(
-            EngineConfig(
-                model=model_dir,
-                device="cpu",
-                max_model_len=args.max_model_len,
-                block_size=args.block_size,
-                num_kv_blocks=args.num_blocks,
-                max_num_seqs=args.max_num_seqs,
-                max_num_batched_tokens=args.max_num_batched_tokens,
-                detokenize=False,
-            )
-        )
-
-    def run(self, item: Item) -> dict:
-        """Step one request alone: its tokens, TTFT, and when each token came out."""
-        from workers import SamplingParams
-
-        params = SamplingParams(max_tokens=item.max_tokens, temperature=0.0, ignore_eos=True)
-        start = time.monotonic()
-        request_id = self.engine.add_request(list(item.prompt_ids), params)
-        times, token_ids = [], []
-        while self.engine.has_unfinished_requests():
-            deltas = self.engine.step()
-            now = time.monotonic()
-            for d in deltas:
-                if d.request_id == request_id and d.token_ids:
-                    times.append(now)
-                    token_ids.extend(d.token_ids)
-        return {"token_ids": token_ids, "ttft": times[0] - start, "times": times}
-
-
+# ---- router overhead: the engine called directly (serving_overhead.py) ------------
 async def run_overhead(address: str, work: list[Item], engine: DirectEngine, tag: str):
     """One request at a time, alternately through the cluster and directly, so both see
     the same conditions over time. The first pair is a warm-up."""
@@ -272,36 +184,6 @@ async def run_overhead(address: str, work: list[Item], engine: DirectEngine, tag
             served.append(await generate(stub, f"{tag}-{i}", item))
             direct.append(engine.run(item))
     return served[1:], direct[1:]
-
-
-def router_overhead(served: list[Result], direct: list[dict], stamps: Stamps) -> dict:
-    """Served streams against the same requests stepped directly, matched by request and
-    token index: per streamed chunk, and for the first token."""
-    m: dict[str, list[float]] = defaultdict(list)
-    differ = 0
-    for res, ref in zip(served, direct, strict=True):
-        if res.error or res.token_ids != ref["token_ids"] or set(res.counts) != {1}:
-            differ += 1
-            continue
-        published, arrived = stamps.per_chunk(PUBLISH, res), stamps.arrived(res.request_id)
-        if published is None or arrived is None:
-            continue
-        gaps = [b - a for a, b in pairwise(res.recv)]
-        steps = [b - a for a, b in pairwise(ref["times"])]
-        m["cadence_added"] += [g - s for g, s in zip(gaps, steps, strict=True)]
-        m["client_gap"] += gaps
-        m["worker_publish_gap"] += [b - a for a, b in pairwise(published)]
-        m["direct_engine_step"] += steps
-        m["ttft_client"].append(res.recv[0] - res.send)
-        m["ttft_direct_engine"].append(ref["ttft"])
-        m["ttft_in_worker"].append(published[0] - arrived)
-        m["ttft_added"].append(res.recv[0] - res.send - ref["ttft"])
-        m["request_path"].append(arrived - res.send)
-    return {
-        "outputs_differ_from_direct_engine": differ,
-        **delivery(served, stamps),
-        **{f"{k}_ms": dist_ms(v) for k, v in m.items()},
-    }
 
 
 # ---- the cluster -----------------------------------------------------------------------
