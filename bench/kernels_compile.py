@@ -1,0 +1,115 @@
+"""``python bench/kernels.py --compile-only [--arch 90]``: every Triton kernel compiled for
+a GPU architecture without a GPU, with its registers, spills and shared memory (the check
+that a launch configuration fits, before a GPU is at hand)."""
+
+from __future__ import annotations
+
+import torch
+
+
+def compile_only(arch: int, hidden: int) -> None:
+    """Compile every kernel for ``sm_<arch>`` with its launcher's CUDA configuration and print
+    registers per thread, spilled bytes and shared memory (Triton's bundled ptxas and
+    cuobjdump; no GPU needed). Pointers and strides are marked 16-divisible, as Triton
+    specializes them at run time for the engine's tensors."""
+    import os
+    import re
+    import subprocess
+    import tempfile
+
+    import triton
+    import triton.backends.nvidia as nvidia
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from kernels import triton_activation as act
+    from kernels import triton_kv_store as kv
+    from kernels import triton_paged_decode as dec
+    from kernels import triton_prefill_attention as pre
+    from kernels import triton_rms_norm as norm
+    from kernels import triton_rotary as rot
+
+    cuobjdump = os.path.join(os.path.dirname(nvidia.__file__), "bin", "cuobjdump")
+    target = GPUTarget("cuda", arch, 32)
+
+    def usage(fn, dtype: str, constants: dict, num_warps: int, num_stages: int) -> str:
+        names = fn.arg_names
+        floats = {"scale_log2", "eps"}
+        int_pointers = {"block_tables_ptr": "*i32", "seq_lens_ptr": "*i32"}
+        int_pointers |= {"query_start_loc_ptr": "*i32", "slot_mapping_ptr": "*i64"}
+        int_pointers |= {"positions_ptr": "*i64"}
+        fp32_pointers = {"partial_out_ptr", "partial_lse_ptr"}
+        signature = {}
+        for name in names:
+            if name in constants:
+                signature[name] = "constexpr"
+            elif name in int_pointers:
+                signature[name] = int_pointers[name]
+            elif name in fp32_pointers:
+                signature[name] = "*fp32"
+            elif name.endswith("_ptr"):
+                signature[name] = f"*{dtype}"
+            else:
+                signature[name] = "fp32" if name in floats else "i32"
+        aligned = [i for i, n in enumerate(names) if n.endswith("_ptr") or n.startswith("stride_")]
+        src = ASTSource(
+            fn,
+            signature,
+            constexprs={(names.index(k),): v for k, v in constants.items()},
+            attrs={(i,): [["tt.divisibility", 16]] for i in aligned},
+        )
+        options = {"num_warps": num_warps, "num_stages": num_stages}
+        kernel = triton.compile(src, target=target, options=options)
+        with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+            f.write(kernel.asm["cubin"])
+            f.flush()
+            out = subprocess.run(
+                [cuobjdump, "-res-usage", f.name], capture_output=True, text=True, check=True
+            ).stdout
+        regs = re.search(r"REG:(\d+)", out).group(1)
+        stack = re.search(r"STACK:(\d+)", out).group(1)
+        return f"{regs} | {stack} | {kernel.metadata.shared}"
+
+    print(f"sm_{arch}, triton {triton.__version__}; Llama-3-8B shapes (Hq 32, Hkv 8)\n")
+    print("| kernel | dtype | config | registers | spilled bytes | shared bytes |")
+    print("|---|---|---|---|---|---|")
+    for dtype, torch_dtype in (("bf16", torch.bfloat16), ("fp32", torch.float32)):
+        precision = dec.dot_precision(torch_dtype)
+        block_n, warps = dec.launch_config(torch_dtype, is_cuda=True)
+        for head_dim, is_split in ((128, False), (128, True), (80, True)):
+            pad = triton.next_power_of_2(head_dim)
+            constants = dict(GROUP=4, GROUP_PAD=16, HEAD_DIM=head_dim, HEAD_DIM_PAD=pad)
+            constants |= dict(BLOCK_SIZE=16, BLOCK_N=block_n, IS_SPLIT=is_split)
+            config = f"D={head_dim} split={is_split} BLOCK_N={block_n} warps={warps}"
+            result = usage(
+                dec._paged_decode_kernel, dtype, constants | {"DOT_PRECISION": precision}, warps, 2
+            )
+            print(f"| decode | {dtype} | {config} | {result} |")
+        constants = dict(HEAD_DIM=128, HEAD_DIM_PAD=128, SPLITS_PAD=16)
+        print(
+            f"| decode reduce | {dtype} | 16 splits | {usage(dec._decode_reduce_kernel, dtype, constants, 4, 1)} |"
+        )
+        for head_dim in (64, 128, 256):
+            bm, bn, warps, stages = pre.launch_config(torch_dtype, head_dim, is_cuda=True)
+            constants = dict(GROUP=4, HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim, BLOCK_SIZE=16)
+            constants |= dict(BLOCK_M=bm, BLOCK_N=bn, DOT_PRECISION=precision)
+            config = f"D={head_dim} {bm}x{bn} warps={warps} stages={stages}"
+            result = usage(pre._prefill_attention_kernel, dtype, constants, warps, stages)
+            print(f"| prefill | {dtype} | {config} | {result} |")
+        constants = dict(NUM_KV_HEADS=8, HEAD_DIM=128, HEADS_PAD=8, HEAD_DIM_PAD=128, BLOCK_SIZE=16)
+        print(
+            f"| store_kv | {dtype} | Hkv=8 D=128 | {usage(kv._store_kv_kernel, dtype, constants, 4, 1)} |"
+        )
+        constants = dict(HIDDEN_SIZE=hidden, BLOCK=hidden, HAS_RESIDUAL=True)
+        print(
+            f"| fused_add_rms_norm | {dtype} | H={hidden} | {usage(norm._rms_norm_kernel, dtype, constants, 16, 1)} |"
+        )
+        constants = dict(NUM_Q_HEADS=32, NUM_K_HEADS=8, Q_HEADS_PAD=32, K_HEADS_PAD=8)
+        constants |= dict(HALF=64, HALF_PAD=64)
+        print(
+            f"| rotary | {dtype} | Hq=32 Hkv=8 D=128 | {usage(rot._rotary_kernel, dtype, constants, 4, 1)} |"
+        )
+        constants = dict(BLOCK=1024)
+        print(
+            f"| silu_and_mul | {dtype} | BLOCK=1024 | {usage(act._silu_and_mul_kernel, dtype, constants, 4, 1)} |"
+        )
