@@ -199,14 +199,20 @@ def test_no_restart_while_draining():
     asyncio.run(body())
 
 
+async def restart_held_at_the_gate(worker: str):
+    """A started router whose restarter holds the restart of ``worker`` until its gate opens."""
+    restarter = FakeRestarter()
+    restarter.gate = asyncio.Event()
+    router, clients = make_router(restarter)
+    await router.start()
+    clients[worker].on_lost("gone")
+    await until(lambda: restarter.calls == [worker])
+    return router, clients, restarter
+
+
 def test_a_restart_in_progress_is_cancelled_by_stop_and_never_installed():
     async def body():
-        restarter = FakeRestarter()
-        restarter.gate = asyncio.Event()
-        router, clients = make_router(restarter)
-        await router.start()
-        clients["decode-1"].on_lost("gone")
-        await until(lambda: restarter.calls == ["decode-1"])
+        router, clients, restarter = await restart_held_at_the_gate("decode-1")
         await router.drain(grace_s=0)  # draining does not cancel it, stopping does
         assert router.recovery.is_restarting("decode-1")
         await router.stop()
@@ -218,12 +224,7 @@ def test_a_restart_in_progress_is_cancelled_by_stop_and_never_installed():
 
 def test_a_replacement_that_arrives_while_draining_is_closed_not_installed():
     async def body():
-        restarter = FakeRestarter()
-        restarter.gate = asyncio.Event()
-        router, clients = make_router(restarter)
-        await router.start()
-        clients["decode-1"].on_lost("gone")
-        await until(lambda: restarter.calls == ["decode-1"])
+        router, clients, restarter = await restart_held_at_the_gate("decode-1")
         await router.drain(grace_s=0)
         restarter.gate.set()
         await until(lambda: not router.recovery.is_restarting("decode-1"))
