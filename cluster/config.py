@@ -104,6 +104,17 @@ class RouterSection:
 
 
 @dataclass(frozen=True)
+class MetricsSection:
+    enabled: bool = option(True, "Serve Prometheus metrics (/metrics) on every node")
+    host: str = option(
+        "127.0.0.1", "Metrics listen address on each node (loopback unless configured)"
+    )
+    port: int = option(
+        9400, "Metrics port on each node; 0 = any free port (logged)", ge=0, le=65535
+    )
+
+
+@dataclass(frozen=True)
 class ClusterConfig:
     model: ModelSection = section(ModelSection, "The model to serve")
     prefill: PoolSection = section(PoolSection, "The prefill worker pool")
@@ -111,6 +122,7 @@ class ClusterConfig:
     kv_cache: KVCacheSection = section(KVCacheSection, "Paged KV cache of every worker")
     kv_transfer: KVTransferSection = section(KVTransferSection, "KV hand-off prefill -> decode")
     router: RouterSection = section(RouterSection, "The gRPC front end and routing")
+    metrics: MetricsSection = section(MetricsSection, "Prometheus scrape endpoints")
 
     def __post_init__(self) -> None:
         if self.decode.replicas < 1:

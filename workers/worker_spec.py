@@ -43,6 +43,7 @@ class WorkerSpec:
     num_threads: int = 0  # torch intra-op threads on CPU; 0 = torch's default
     tensor_parallel: int = 1  # ranks of this replica
     dst_tensor_parallel: int = 1  # prefill: the decode pool's TP size (how many read a rank)
+    metrics_dir: str = ""  # this run's metrics root (workers/metrics_node.py); "" = in memory
 
     def to_bytes(self) -> bytes:
         return msgpack.packb(dataclasses.asdict(self), use_bin_type=True)
