@@ -34,7 +34,7 @@ logger = logging.getLogger(__name__)
 READY_TIMEOUT_S = 600.0  # loading weights of a large model can take minutes
 _PEER_TIMEOUT_S = 60.0
 _CANCEL_POLL_S = 0.5
-_RUN_ID = uuid.uuid4().hex[:8]
+RUN_ID = uuid.uuid4().hex[:8]
 
 
 class Cancelled(RuntimeError):
@@ -69,7 +69,7 @@ def place_replica(
     so a replacement gets names of its own.
     """
     # Unique per serving process: two deployments may share one Ray cluster.
-    ray_name = f"baton-{_RUN_ID}-{spec.name}" + (f"-{generation}" if generation else "")
+    ray_name = f"baton-{RUN_ID}-{spec.name}" + (f"-{generation}" if generation else "")
     pg = placement_group([bundle] * spec.tensor_parallel, strategy="STRICT_PACK", name=ray_name)
     try:
         _get(pg.ready(), READY_TIMEOUT_S, cancel)
