@@ -130,14 +130,23 @@ class KVConnector:
         num_tokens: int,
         first_token_id: int,
         dst_tp_size: int = 1,
+        dst_pp_size: int = 1,
     ) -> KVHandle:
         """Prefill side: hold ``block_ids`` under a lease for the decode ranks and describe them.
 
-        ``dst_tp_size`` is the decode worker's TP size: it says how many decode ranks
-        will read from this rank (with none, the blocks are released at once).
+        ``dst_tp_size`` and ``dst_pp_size`` are the decode worker's TP size and pipeline
+        stages: they say how many decode ranks will read from this rank (with none, the
+        blocks are released at once).
         """
+        layout = self.layout
         readers = num_readers(
-            self.layout.num_kv_heads, self.layout.tp_rank, self.layout.tp_size, dst_tp_size
+            layout.num_kv_heads,
+            layout.tp_rank,
+            layout.tp_size,
+            dst_tp_size,
+            src_layers=layout.layer_range,
+            total_num_layers=layout.total_num_layers,
+            dst_pp_size=dst_pp_size,
         )
         ids = tuple(int(b) for b in block_ids)
         for block_id in ids:

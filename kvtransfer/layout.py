@@ -11,8 +11,9 @@ layer, K or V, one kv head is contiguous (``block_size * head_dim`` elements), w
 is what lets a decode rank with another tensor-parallel size pull just its heads.
 
 Two workers may exchange KV when :func:`check_compatible` passes: same model, dtype,
-layers, head count, head dim and block size. Tensor-parallel sizes may differ
-(``tp_mapping`` maps the heads); devices may differ (the transport copies).
+model layers, head count, head dim and block size. Tensor-parallel sizes and pipeline
+stages may differ (``tp_mapping`` maps heads and layers); devices may differ (the
+transport copies).
 """
 
 from __future__ import annotations
@@ -35,8 +36,7 @@ _ITEMSIZE = {
 COMPAT_FIELDS = (
     "model_id",
     "dtype",
-    "num_layers",
-    "first_layer",
+    "total_num_layers",
     "num_kv_heads",
     "head_dim",
     "block_size",
@@ -63,6 +63,23 @@ def kv_head_range(num_kv_heads: int, tp_rank: int, tp_size: int) -> tuple[int, i
     return head, head + 1
 
 
+def layer_range(num_layers: int, stage: int, num_stages: int) -> tuple[int, int]:
+    """Model layers ``[start, end)`` of pipeline ``stage`` of ``num_stages``.
+
+    Contiguous ranges, as even as possible; the first ``num_layers % num_stages`` stages
+    take one layer more. The last stage (which adds the final norm, the LM head and, on
+    rank 0, the scheduler and the sampler) is never the one with the extra layer, unless
+    every stage has one.
+    """
+    if num_stages <= 0 or not 0 <= stage < num_stages:
+        raise ValueError(f"stage {stage} out of range for {num_stages} pipeline stages")
+    if num_layers < num_stages:
+        raise ValueError(f"{num_layers} layers cannot fill {num_stages} pipeline stages")
+    base, extra = divmod(num_layers, num_stages)
+    start = stage * base + min(stage, extra)
+    return start, start + base + (stage < extra)
+
+
 @dataclass(frozen=True)
 class KVLayout:
     """Where one rank's KV lives and how it is laid out (bytes, not tensors).
@@ -84,15 +101,24 @@ class KVLayout:
     first_layer: int = 0  # index of this rank's first layer (pipeline stages)
     tp_rank: int = 0
     tp_size: int = 1
+    total_num_layers: int = 0  # the model's layers; 0: this rank holds them all
 
     def __post_init__(self) -> None:
+        if self.total_num_layers == 0:
+            object.__setattr__(self, "total_num_layers", self.first_layer + self.num_layers)
+        self._validate()
+
+    def _validate(self) -> None:
         if self.dtype not in _ITEMSIZE:
             raise ValueError(f"unsupported dtype {self.dtype!r}")
         for name in ("num_layers", "num_kv_heads", "head_dim", "block_size", "num_blocks"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
-        if self.first_layer < 0:
-            raise ValueError(f"first_layer must be >= 0, got {self.first_layer}")
+        if self.first_layer < 0 or self.first_layer + self.num_layers > self.total_num_layers:
+            raise ValueError(
+                f"layers [{self.first_layer}, {self.first_layer + self.num_layers}) are not "
+                f"within the model's {self.total_num_layers}"
+            )
         kv_head_range(self.num_kv_heads, self.tp_rank, self.tp_size)  # validates the slice
         if self.block_stride < self.block_bytes:
             raise ValueError(
@@ -113,6 +139,11 @@ class KVLayout:
     def num_kv_heads_local(self) -> int:
         start, end = self.head_range
         return end - start
+
+    @property
+    def layer_range(self) -> tuple[int, int]:
+        """Model layers ``[start, end)`` this rank holds (its pipeline stage's)."""
+        return self.first_layer, self.first_layer + self.num_layers
 
     @property
     def head_bytes(self) -> int:
@@ -137,11 +168,12 @@ class KVLayout:
         return int(self.device.split(":")[1]) if ":" in self.device else 0
 
     def region_offset(self, layer: int, kv: int, head: int) -> int:
-        """Byte offset inside a block of (local ``layer``, ``kv`` 0=K/1=V, *global* ``head``)."""
+        """Byte offset inside a block of (*model* ``layer``, ``kv`` 0=K/1=V, *global* ``head``)."""
         start, end = self.head_range
-        if not (0 <= layer < self.num_layers and kv in (0, 1) and start <= head < end):
-            raise ValueError(f"region ({layer}, {kv}, head {head}) not held by this rank")
-        return ((layer * 2 + kv) * self.num_kv_heads_local + head - start) * self.head_bytes
+        local = layer - self.first_layer
+        if not (0 <= local < self.num_layers and kv in (0, 1) and start <= head < end):
+            raise ValueError(f"region (layer {layer}, {kv}, head {head}) not held by this rank")
+        return ((local * 2 + kv) * self.num_kv_heads_local + head - start) * self.head_bytes
 
     def block_addr(self, block_id: int) -> int:
         if not 0 <= block_id < self.num_blocks:
@@ -151,7 +183,7 @@ class KVLayout:
     # ---- identity ---------------------------------------------------------------------
     @property
     def fingerprint(self) -> str:
-        """Hex digest of the fields peers must agree on (not addresses, TP or device)."""
+        """Hex digest of the fields peers must agree on (not addresses, slices or device)."""
         text = "|".join(f"{name}={getattr(self, name)}" for name in COMPAT_FIELDS)
         return hashlib.blake2b(text.encode(), digest_size=8).hexdigest()
 
@@ -172,8 +204,12 @@ class KVLayout:
         tp_rank: int = 0,
         tp_size: int = 1,
         first_layer: int = 0,
+        total_num_layers: int = 0,
     ) -> KVLayout:
         """Describe the worker's cache tensor ``[blocks, layers, 2, heads_local, bs, dim]``.
+
+        A pipeline stage's tensor holds its layers only: model layers ``first_layer`` on,
+        of ``total_num_layers`` (0: the tensor holds every layer).
 
         Each block must be contiguous inside (the blocks themselves may be strided).
         Called by the worker; kvtransfer never imports the worker's code.
@@ -201,6 +237,7 @@ class KVLayout:
             first_layer=first_layer,
             tp_rank=tp_rank,
             tp_size=tp_size,
+            total_num_layers=total_num_layers,
         )
         if layout.num_kv_heads_local != heads_local:
             raise ValueError(
@@ -213,7 +250,8 @@ class KVLayout:
 def check_compatible(local: KVLayout, remote: KVLayout) -> None:
     """Raise :class:`LayoutMismatchError` naming every field that differs.
 
-    Called on both sides at handshake. Tensor-parallel slices and devices may differ.
+    Called on both sides at handshake. Tensor-parallel slices, pipeline stages (which
+    layers a rank holds) and devices may differ.
     """
     diffs = [
         f"{name}: local {getattr(local, name)!r} != remote {getattr(remote, name)!r}"

@@ -1,4 +1,4 @@
-"""Heterogeneous tensor parallelism: which bytes of which prefill rank a decode rank needs.
+"""Heterogeneous layouts: which bytes of which prefill rank a decode rank needs.
 
 A prefill worker with TP=p and a decode worker with TP=d both split the model's kv
 heads across their ranks (``layout.kv_head_range``). A decode rank needs exactly the
@@ -6,10 +6,15 @@ heads it holds; each of them lives on one prefill rank (or on several, when head
 replicated because there are fewer heads than ranks: then one replica is chosen,
 spreading decode ranks over the replicas).
 
+With pipeline parallelism each rank also holds only its stage's layers
+(``layout.layer_range``). A decode rank takes, from each prefill rank, the heads chosen
+above *for the layers both hold*: every (layer, head) it holds comes from exactly one
+prefill rank, since a layer lives in one stage on each side.
+
 Inside one block the region of (layer, K/V, head) is contiguous on both sides, so a
 copy between two ranks is a short list of :class:`Segment` byte ranges relative to the
-start of a block, the same for every block. When both ranks hold the same heads the
-list is a single segment: the whole block. Pure functions, no I/O.
+start of a block, the same for every block. When both ranks hold the same heads and
+layers the list is a single segment: the whole block. Pure functions, no I/O.
 """
 
 from __future__ import annotations
@@ -17,7 +22,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from kvtransfer.layout import KVLayout, kv_head_range
+from kvtransfer.layout import KVLayout, kv_head_range, layer_range
 
 
 @dataclass(frozen=True)
@@ -47,23 +52,55 @@ def source_heads(
     return {rank: tuple(heads) for rank, heads in sorted(plan.items())}
 
 
-def num_readers(num_kv_heads: int, src_tp_rank: int, src_tp_size: int, dst_tp_size: int) -> int:
-    """How many decode ranks read from prefill rank ``src_tp_rank`` (0: none needs it)."""
-    return sum(
+def num_readers(
+    num_kv_heads: int,
+    src_tp_rank: int,
+    src_tp_size: int,
+    dst_tp_size: int,
+    *,
+    src_layers: tuple[int, int] | None = None,
+    total_num_layers: int = 0,
+    dst_pp_size: int = 1,
+) -> int:
+    """How many decode ranks read from prefill rank ``src_tp_rank`` (0: none needs it).
+
+    With pipeline stages on either side: ``src_layers`` are the prefill rank's layers
+    ``[start, end)`` of the model's ``total_num_layers`` (None: all of them), and the
+    decode worker splits them over ``dst_pp_size`` stages; only the decode stages whose
+    layers overlap the prefill rank's read from it.
+    """
+    per_stage = sum(
         src_tp_rank in source_heads(num_kv_heads, src_tp_size, dst_rank, dst_tp_size)
         for dst_rank in range(dst_tp_size)
     )
+    if dst_pp_size == 1 or src_layers is None:
+        return per_stage * dst_pp_size
+    overlapping = sum(
+        _overlap(src_layers, layer_range(total_num_layers, stage, dst_pp_size)) is not None
+        for stage in range(dst_pp_size)
+    )
+    return per_stage * overlapping
+
+
+def _overlap(a: tuple[int, int], b: tuple[int, int]) -> tuple[int, int] | None:
+    start, end = max(a[0], b[0]), min(a[1], b[1])
+    return (start, end) if start < end else None
 
 
 def plan_segments(src: KVLayout, dst: KVLayout, heads: Sequence[int]) -> tuple[Segment, ...]:
-    """Byte ranges (per block) that carry ``heads`` of every layer, K and V, from src to dst.
+    """Byte ranges (per block) that carry ``heads`` of the layers both hold, K and V, from
+    src to dst (model layers, whichever pipeline stage holds them on each side).
 
-    Adjacent ranges are merged, so equal head slices give one whole-block segment.
+    Adjacent ranges are merged, so equal head and layer slices give one whole-block
+    segment.
     """
-    if src.num_layers != dst.num_layers or src.head_bytes != dst.head_bytes:
+    if src.total_num_layers != dst.total_num_layers or src.head_bytes != dst.head_bytes:
         raise ValueError("layouts differ in layers or head size; check_compatible first")
+    layers = _overlap(src.layer_range, dst.layer_range)
+    if layers is None:
+        return ()
     segments: list[Segment] = []
-    for layer in range(src.num_layers):
+    for layer in range(*layers):
         for kv in (0, 1):
             for head in heads:
                 src_offset = src.region_offset(layer, kv, head)
@@ -85,7 +122,8 @@ def plan_segments(src: KVLayout, dst: KVLayout, heads: Sequence[int]) -> tuple[S
 def plan_for_pair(src: KVLayout, dst: KVLayout) -> tuple[Segment, ...]:
     """Segments that the pair (prefill rank ``src``, decode rank ``dst``) exchanges.
 
-    Empty when the decode rank takes nothing from this prefill rank.
+    Empty when the decode rank takes nothing from this prefill rank (none of the heads
+    it takes from that rank's TP position, or no layer in common).
     """
     heads = source_heads(src.num_kv_heads, src.tp_size, dst.tp_rank, dst.tp_size)
     return plan_segments(src, dst, heads.get(src.tp_rank, ()))
