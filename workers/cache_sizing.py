@@ -34,13 +34,15 @@ def resolve_num_blocks(
     device: torch.device,
     max_model_len: int,
     num_kv_heads: int | None = None,
+    num_layers: int | None = None,
 ) -> int:
     """KV-cache blocks: config.num_kv_blocks, else what the memory budget holds (capped
     where more memory buys nothing). Raises ValueError if one full-length request can't fit.
 
-    ``num_kv_heads``: the KV heads this rank keeps (default: all of the model's)."""
+    ``num_kv_heads``, ``num_layers``: the KV heads and layers this rank keeps (default: all
+    of the model's; a pipeline stage keeps its layers only)."""
     per_block = bytes_per_block(
-        arch.num_hidden_layers,
+        num_layers or arch.num_hidden_layers,
         num_kv_heads or arch.num_key_value_heads,
         config.block_size,
         arch.head_dim,

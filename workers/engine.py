@@ -50,9 +50,11 @@ class LLMEngine:
         before_forward: Callable[[StepInputs], None] | None = None,
         agree_num_blocks: Callable[[int], int] | None = None,
     ):
-        """``parallel``: one tensor-parallel rank. Rank 0's ``before_forward`` sends each
-        step's inputs to the other ranks, which run ``runner.run`` (``workers/replica_*.py``);
-        ``agree_num_blocks`` maps this rank's KV-cache size to the one every rank uses."""
+        """``parallel``: one rank of a replica (a tensor-parallel rank of a pipeline stage;
+        the stage keeps the KV cache of its layers only). Rank 0 (the last stage, which
+        samples) sends each step's inputs with ``before_forward`` to the other ranks, which
+        run ``runner.run`` (``workers/replica_*.py``); ``agree_num_blocks`` maps this rank's
+        KV-cache size to the one every rank uses."""
         self.config = config
         self.parallel = parallel or ParallelContext()
         self.device = config.resolve_device()
@@ -66,14 +68,22 @@ class LLMEngine:
         self.max_model_len = resolve_max_model_len(config, self.arch)
         self.vocab_size = self.arch.vocab_size
         self.num_kv_heads, _ = self.parallel.kv_heads(self.arch.num_key_value_heads)
+        self.layer_range = self.parallel.layer_range(self.arch.num_hidden_layers)
+        num_layers = self.layer_range[1] - self.layer_range[0]
         num_blocks = resolve_num_blocks(
-            config, self.arch, self.dtype, self.device, self.max_model_len, self.num_kv_heads
+            config,
+            self.arch,
+            self.dtype,
+            self.device,
+            self.max_model_len,
+            self.num_kv_heads,
+            num_layers,
         )
         if agree_num_blocks is not None:
             num_blocks = agree_num_blocks(num_blocks)
         self.kv_cache = allocate_kv_cache(
             num_blocks,
-            self.arch.num_hidden_layers,
+            num_layers,
             self.num_kv_heads,
             config.block_size,
             self.arch.head_dim,

@@ -6,9 +6,10 @@ block tables, context lengths and ``cu_seqlens_q`` (a :class:`StepInputs`). Logi
 computed only for the last token of chunks that sample (a prefill chunk that does not
 reach the end of its prompt produces none). No policy decisions here.
 
-In a tensor-parallel replica, rank 0 hands each step's inputs to ``before_forward``
+In a replica of several ranks, rank 0 hands each step's inputs to ``before_forward``
 (which sends them to the other ranks) and every rank then runs ``run`` on the same
-inputs: the collectives inside the model pair up.
+inputs: the collectives inside the model pair up, and so do the sends and receives
+between pipeline stages. Only the last stage (rank 0's) returns logits.
 """
 
 from __future__ import annotations
@@ -129,12 +130,18 @@ class ModelRunner:
         if self.before_forward is not None:
             self.before_forward(inputs)
         self.last_prepare_s = time.perf_counter() - t0
-        return self.run(inputs)
+        logits = self.run(inputs)
+        if logits is None:
+            raise RuntimeError("the rank that schedules must run the last pipeline stage")
+        return logits
 
     @torch.inference_mode()
-    def run(self, inputs: StepInputs) -> torch.Tensor:
-        """The forward pass of prepared inputs (every rank of a replica runs this)."""
+    def run(self, inputs: StepInputs) -> torch.Tensor | None:
+        """The forward pass of prepared inputs (every rank of a replica runs this); None on
+        a pipeline stage before the last, whose activations went to the next stage."""
         copy_blocks(self.kv_cache, inputs.block_copies)
         input_ids, positions, metadata, sample_indices = self.to_device(inputs)
         hidden = self.model.forward(input_ids, positions, self.kv_cache, metadata)
+        if hidden is None:
+            return None
         return self.model.compute_logits(hidden[sample_indices])

@@ -1,9 +1,11 @@
 """Joining the ranks of one replica: the process group, the control link, agreed sizes.
 
 Each rank is its own process (a Ray actor in the cluster, a spawned process in tests).
-The model's collectives use the default group: NCCL on CUDA, gloo on CPU. Rank 0's
-commands always travel on a gloo group (host memory, ``workers/rank_link.py``): on CPU
-that is the default group itself.
+The model's collectives use the default group (NCCL on CUDA, gloo on CPU), or with
+pipeline stages one group per stage's tensor-parallel ranks; the activations pass from
+stage to stage point to point on the default group. Rank 0's commands always travel on
+a gloo group (host memory, ``workers/rank_link.py``): on CPU that is the default group
+itself. How ranks map to (stage, TP rank): ``workers/models/parallel.py``.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 
-from workers.models.parallel import ParallelContext
+from workers.models.parallel import ParallelContext, rank_of, stage_and_tp_rank
 from workers.rank_link import RankLink
 
 # A collective waits this long for a hung peer (a dead one is seen at once: its
@@ -32,9 +34,13 @@ def free_port(host: str) -> int:
 
 
 def join_replica(
-    rank: int, world_size: int, address: str, port: int, device_type: str
+    rank: int, world_size: int, address: str, port: int, device_type: str, pp_size: int = 1
 ) -> tuple[ParallelContext, RankLink]:
-    """Join the replica's process group (rank 0 hosts the store at ``address:port``)."""
+    """Join the replica's process group (rank 0 hosts the store at ``address:port``):
+    ``world_size`` ranks, ``pp_size`` pipeline stages of ``world_size // pp_size`` each."""
+    if pp_size < 1 or world_size % pp_size:
+        raise ValueError(f"{world_size} ranks do not split into {pp_size} pipeline stages")
+    tp_size = world_size // pp_size
     backend = "nccl" if device_type == "cuda" else "gloo"
     dist.init_process_group(
         backend,
@@ -44,7 +50,16 @@ def join_replica(
         timeout=datetime.timedelta(seconds=GROUP_TIMEOUT_S),
     )
     control = None if backend == "gloo" else dist.new_group(backend="gloo")
-    return ParallelContext(rank, world_size), RankLink(rank, world_size, control)
+    stage, tp_rank = stage_and_tp_rank(rank, tp_size, pp_size)
+    tp_group = None  # the default group: every rank is in this stage
+    if pp_size > 1 and tp_size > 1:
+        # Creating a group is collective: every rank creates every stage's, in order.
+        for other in range(pp_size):
+            group = dist.new_group([rank_of(other, t, tp_size, pp_size) for t in range(tp_size)])
+            if other == stage:
+                tp_group = group
+    parallel = ParallelContext(tp_rank, tp_size, tp_group, stage, pp_size)
+    return parallel, RankLink(rank, world_size, control)
 
 
 def agree_min(link: RankLink) -> Callable[[int], int]:

@@ -22,14 +22,17 @@ class CausalLM(Protocol):
         positions: torch.Tensor,
         kv_cache: torch.Tensor,
         attn_metadata: AttentionMetadata,
-    ) -> torch.Tensor:
+    ) -> torch.Tensor | None:
         """Run one flat batch: ``input_ids``, ``positions`` [T] int64 -> hidden [T, hidden_size].
 
         Writes the batch's K/V into ``kv_cache`` [num_blocks, num_layers, 2, num_kv_heads,
-        block_size, head_dim] at ``attn_metadata.slot_mapping``; reads the rest.
+        block_size, head_dim] at ``attn_metadata.slot_mapping``; reads the rest. In a
+        pipeline, ``kv_cache`` holds the stage's layers only, and every stage but the last
+        hands its activations to the next one and returns None.
         """
         ...
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        """[N, hidden_size] -> [N, vocab_size] float32 (N: the rows to sample from)."""
+        """[N, hidden_size] -> [N, vocab_size] float32 (N: the rows to sample from); the last
+        pipeline stage only."""
         ...

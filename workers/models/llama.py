@@ -1,6 +1,11 @@
 """Llama 2 / 3 / 3.1 (incl. ``llama3`` RoPE scaling) and Mistral, after Hugging Face's
 ``modeling_llama.py``, with q/k/v and gate/up fused into tensor-parallel projections.
 
+Pipeline parallelism: a stage builds only its layers (the others are parameterless
+:class:`PPMissingLayer` placeholders, so parameter names keep the checkpoint's layer
+numbers), the embedding on the first stage, the final norm and the LM head on the last.
+The hand-off between stages is visible in ``LlamaModel.forward``.
+
 Qwen2 and Qwen3 reuse these classes with their own attention (see qwen2.py, qwen3.py).
 """
 
@@ -25,6 +30,10 @@ from workers.models.layers import (
     VocabParallelEmbedding,
 )
 from workers.models.parallel import ParallelContext
+
+
+class PPMissingLayer(nn.Module):
+    """A decoder layer that another pipeline stage runs: no parameters, never called."""
 
 
 class LlamaMLP(nn.Module):
@@ -156,7 +165,14 @@ class LlamaModel(nn.Module):
         attention_cls: type[LlamaAttention],
     ) -> None:
         super().__init__()
-        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, parallel)
+        self.parallel = parallel
+        self.hidden_size = config.hidden_size
+        self.start_layer, self.end_layer = parallel.layer_range(config.num_hidden_layers)
+        self.embed_tokens = (
+            VocabParallelEmbedding(config.vocab_size, config.hidden_size, parallel)
+            if parallel.is_first_stage
+            else None
+        )
         # One cos/sin table for every layer (it can be large: max_position x head_dim).
         self.rotary_emb = RotaryEmbedding(
             config.head_dim,
@@ -165,11 +181,20 @@ class LlamaModel(nn.Module):
             config.rope_scaling,
             ops,
         )
+        # The stage's KV cache holds its layers only: layer i is its cache's layer i - start.
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, i, parallel, ops, attention_cls, self.rotary_emb)
+            LlamaDecoderLayer(
+                config, i - self.start_layer, parallel, ops, attention_cls, self.rotary_emb
+            )
+            if self.start_layer <= i < self.end_layer
+            else PPMissingLayer()
             for i in range(config.num_hidden_layers)
         )
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops)
+        self.norm = (
+            RMSNorm(config.hidden_size, config.rms_norm_eps, ops)
+            if parallel.is_last_stage
+            else None
+        )
 
     def forward(
         self,
@@ -177,13 +202,26 @@ class LlamaModel(nn.Module):
         positions: torch.Tensor,
         kv_cache: torch.Tensor,
         attn_metadata: AttentionMetadata,
-    ) -> torch.Tensor:
-        hidden_states = self.embed_tokens(input_ids)  # [num_tokens, hidden_size]
-        residual = None
-        for layer in self.layers:
+    ) -> torch.Tensor | None:
+        """Hidden states [num_tokens, hidden_size] on the last stage; None on the others,
+        which hand (hidden, residual) to the next stage instead."""
+        if self.embed_tokens is not None:
+            hidden_states = self.embed_tokens(input_ids)  # [num_tokens, hidden_size]
+            residual = None
+        else:
+            # [2, num_tokens, hidden_size]: the previous stage's (hidden, residual)
+            handed = self.parallel.recv_from_prev_stage(
+                (2, input_ids.shape[0], self.hidden_size), self.rotary_emb.cos_sin_cache.dtype,
+                input_ids.device,
+            )  # fmt: skip
+            hidden_states, residual = handed[0], handed[1]
+        for layer in self.layers[self.start_layer : self.end_layer]:
             hidden_states, residual = layer(
                 positions, hidden_states, residual, kv_cache, attn_metadata
             )
+        if self.norm is None:
+            self.parallel.send_to_next_stage(torch.stack((hidden_states, residual)))
+            return None
         hidden_states, _ = self.norm(hidden_states, residual)
         return hidden_states
 
@@ -205,9 +243,14 @@ class LlamaForCausalLM(nn.Module):
         super().__init__()
         self.config = config
         self.model = LlamaModel(config, parallel, ops, self.attention_cls)
-        self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, parallel)
-        if config.tie_word_embeddings:
-            self.lm_head.weight = self.model.embed_tokens.weight
+        self.lm_head = (
+            ParallelLMHead(config.vocab_size, config.hidden_size, parallel)
+            if parallel.is_last_stage
+            else None
+        )
+        embed = self.model.embed_tokens
+        if config.tie_word_embeddings and self.lm_head is not None and embed is not None:
+            self.lm_head.weight = embed.weight
 
     def forward(
         self,
@@ -215,13 +258,28 @@ class LlamaForCausalLM(nn.Module):
         positions: torch.Tensor,
         kv_cache: torch.Tensor,
         attn_metadata: AttentionMetadata,
-    ) -> torch.Tensor:
-        """[T] ids and positions -> [T, hidden_size]; writes this step's K/V into kv_cache."""
+    ) -> torch.Tensor | None:
+        """[T] ids and positions -> [T, hidden_size] (None before the last pipeline stage);
+        writes this step's K/V of the stage's layers into kv_cache."""
         return self.model(input_ids, positions, kv_cache, attn_metadata)
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        """[N, hidden_size] -> [N, vocab_size] float32."""
+        """[N, hidden_size] -> [N, vocab_size] float32 (the last pipeline stage only)."""
+        if self.lm_head is None:
+            raise RuntimeError("only the last pipeline stage computes logits")
         return self.lm_head.compute_logits(hidden_states)
+
+    def is_other_stage_weight(self, name: str) -> bool:
+        """A checkpoint tensor (HF name) that another pipeline stage loads, not this one."""
+        model = self.model
+        if name.startswith("model.layers."):
+            layer = int(name.split(".")[2])
+            return not model.start_layer <= layer < model.end_layer
+        if name.startswith("model.embed_tokens."):
+            return model.embed_tokens is None
+        if name.startswith(("model.norm.", "lm_head.")):
+            return self.lm_head is None
+        return False
 
 
 class MistralForCausalLM(LlamaForCausalLM):

@@ -62,6 +62,14 @@ def load_weights(
     """Copy checkpoint tensors (HF names) into ``model``'s parameters; mutates the model."""
     params = dict(model.named_parameters())
     packed: tuple[tuple[str, str, str | int], ...] = getattr(model, "packed_modules_mapping", ())
+    is_other_stage = getattr(model, "is_other_stage_weight", lambda name: False)
+    # A last pipeline stage without the first one: its LM head is loaded from the tied
+    # embedding (the checkpoint's only copy).
+    tied_head_alone = (
+        config.tie_word_embeddings
+        and "lm_head.weight" in params
+        and "model.embed_tokens.weight" not in params
+    )
     loaded: set[str] = set()
     unexpected: list[str] = []
     for name, tensor in weights:
@@ -69,6 +77,10 @@ def load_weights(
             continue
         if name == "lm_head.weight" and config.tie_word_embeddings:
             continue  # tied: the embedding is the output projection
+        if tied_head_alone and name == "model.embed_tokens.weight":
+            name = "lm_head.weight"
+        elif is_other_stage(name):
+            continue  # never read: CheckpointTensor reads lazily
         param_name, shard_id = _to_param_name(name, packed)
         param = params.get(param_name)
         if param is None:

@@ -1,7 +1,16 @@
-"""Tensor-parallel context: which rank this worker is and how to reach the others.
+"""Parallel context: which rank this worker is and how to reach the others.
 
 Passed explicitly to every parallel layer (no module-level state). At ``tp_size == 1`` the
-collectives are no-ops, so a single-process model runs without ``torch.distributed``.
+collectives are no-ops, and at ``pp_size == 1`` there are no stages to pass activations
+between, so a single-process model runs without ``torch.distributed``.
+
+A replica has ``tp_size * pp_size`` ranks. **Rank 0 is tensor-parallel rank 0 of the
+last pipeline stage**: rank = ``(pp_size - 1 - stage) * tp_size + tp_rank``. Rank 0 runs
+the scheduler and the sampler, and the last stage is where the logits are, so the
+sampled tokens never travel: the first stage gets the token ids with rank 0's command
+(every rank gets every step's inputs), the activations go down the stages, and rank 0
+samples from the logits it computed itself. With TP only (``pp_size == 1``) this is the
+tensor-parallel numbering that was there before.
 """
 
 from __future__ import annotations
@@ -11,17 +20,36 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from kvtransfer.layout import layer_range
+
+
+def rank_of(stage: int, tp_rank: int, tp_size: int, pp_size: int) -> int:
+    """The replica rank of (pipeline ``stage``, ``tp_rank``): the last stage holds rank 0."""
+    return (pp_size - 1 - stage) * tp_size + tp_rank
+
+
+def stage_and_tp_rank(rank: int, tp_size: int, pp_size: int) -> tuple[int, int]:
+    """Inverse of :func:`rank_of`."""
+    if not 0 <= rank < tp_size * pp_size:
+        raise ValueError(f"rank {rank} out of range for {tp_size} x {pp_size} ranks")
+    return pp_size - 1 - rank // tp_size, rank % tp_size
+
 
 @dataclass(frozen=True)
 class ParallelContext:
     tp_rank: int = 0
     tp_size: int = 1
-    group: dist.ProcessGroup | None = None  # None: the default group (when tp_size > 1)
+    group: dist.ProcessGroup | None = None  # the stage's TP group; None: the default group
+    pp_rank: int = 0  # pipeline stage: 0 embeds the tokens, pp_size - 1 has the LM head
+    pp_size: int = 1
 
     def __post_init__(self) -> None:
         if self.tp_size < 1 or not 0 <= self.tp_rank < self.tp_size:
             raise ValueError(f"bad tensor-parallel rank {self.tp_rank} of size {self.tp_size}")
+        if self.pp_size < 1 or not 0 <= self.pp_rank < self.pp_size:
+            raise ValueError(f"bad pipeline stage {self.pp_rank} of {self.pp_size}")
 
+    # ---- tensor parallelism --------------------------------------------------------------
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         """Sum ``x`` over the tensor-parallel group, in place; returns ``x``."""
         if self.tp_size > 1:
@@ -43,6 +71,41 @@ class ParallelContext:
         parts = [torch.empty_like(x) for _ in range(self.tp_size)]
         dist.all_gather(parts, x.contiguous(), group=self.group)
         return torch.cat(parts, dim=dim)
+
+    # ---- pipeline parallelism ------------------------------------------------------------
+    @property
+    def is_first_stage(self) -> bool:
+        return self.pp_rank == 0
+
+    @property
+    def is_last_stage(self) -> bool:
+        return self.pp_rank == self.pp_size - 1
+
+    @property
+    def rank(self) -> int:
+        """This rank's index in the replica's process group."""
+        return rank_of(self.pp_rank, self.tp_rank, self.tp_size, self.pp_size)
+
+    def layer_range(self, num_layers: int) -> tuple[int, int]:
+        """The model layers ``[start, end)`` this stage runs and keeps KV for."""
+        return layer_range(num_layers, self.pp_rank, self.pp_size)
+
+    def send_to_next_stage(self, x: torch.Tensor) -> None:
+        """Hand the activations to the same TP rank of the next stage (blocking).
+
+        Every TP rank of a stage holds the same activations (the row-parallel layers
+        all-reduced them), so each sends to its peer: no gather, no scatter.
+        """
+        peer = rank_of(self.pp_rank + 1, self.tp_rank, self.tp_size, self.pp_size)
+        dist.send(x.contiguous(), peer)
+
+    def recv_from_prev_stage(
+        self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device
+    ) -> torch.Tensor:
+        """The previous stage's activations (its ``send_to_next_stage``), of known shape."""
+        x = torch.empty(shape, dtype=dtype, device=device)
+        dist.recv(x, rank_of(self.pp_rank - 1, self.tp_rank, self.tp_size, self.pp_size))
+        return x
 
 
 def divide(numerator: int, denominator: int, what: str) -> int:
