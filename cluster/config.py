@@ -36,7 +36,12 @@ class PoolSection:
     tensor_parallel: int = option(
         1, "Tensor-parallel ranks per replica (one process each, on one node)", ge=1
     )
-    pipeline_parallel: int = option(1, "Pipeline stages per replica (only 1 so far)", ge=1)
+    pipeline_parallel: int = option(
+        1,
+        "Pipeline stages per replica, each with its share of the layers (at most one per "
+        "layer); a replica's tensor_parallel x pipeline_parallel ranks share one node",
+        ge=1,
+    )
     max_num_batched_tokens: int = option(2048, "Token budget of one engine step", ge=1)
     max_num_seqs: int = option(64, "Most requests running at once on a replica", ge=1)
     device: Literal["auto", "cpu", "cuda"] = option(

@@ -3,7 +3,8 @@
 The config alone cannot tell whether ``tensor_parallel: 4`` suits the model; these
 checks read the model's ``config.json`` and the cluster's resources and refuse, with
 the key and the numbers, a layout that would fail later inside a worker (a head count
-that does not split) or never be placed (more GPUs per replica than any node has).
+that does not split, more pipeline stages than layers) or never be placed (more GPUs per
+replica than any node has).
 """
 
 from __future__ import annotations
@@ -16,11 +17,11 @@ def check_pool_parallel(
     role: str, pool: PoolSection, arch: ArchConfig, device: str, gpus_per_node: int
 ) -> None:
     """Raise ValueError naming ``<role>.tensor_parallel`` (or pipeline_parallel) and why."""
-    tp = pool.tensor_parallel
-    if pool.pipeline_parallel != 1:
+    tp, pp = pool.tensor_parallel, pool.pipeline_parallel
+    if pp > arch.num_hidden_layers:
         raise ValueError(
-            f"{role}.pipeline_parallel: only 1 is supported so far "
-            f"(got {pool.pipeline_parallel}); use tensor_parallel to split a model"
+            f"{role}.pipeline_parallel: {pp} stages, but the model has only "
+            f"{arch.num_hidden_layers} layers (num_hidden_layers); each stage needs one"
         )
     key = f"{role}.tensor_parallel"
     for what, value in (
@@ -35,8 +36,12 @@ def check_pool_parallel(
             f"{key}: {tp} and the model's num_key_value_heads ({heads}) must divide one "
             "another (heads split across ranks, or each head replicated on tp/heads ranks)"
         )
-    if device == "cuda" and tp > gpus_per_node:
+    # A replica is one STRICT_PACK placement group (cluster/replicas.py): all its ranks,
+    # every stage's, on one node.
+    if device == "cuda" and tp * pp > gpus_per_node:
+        what = f"{tp} ranks" if pp == 1 else f"{tp} x {pp} ranks (tensor x pipeline)"
+        key = key if pp == 1 else f"{role}.tensor_parallel x pipeline_parallel"
         raise ValueError(
-            f"{key}: a replica's {tp} ranks share one node, one GPU each, but the "
+            f"{key}: a replica's {what} share one node, one GPU each, but the "
             f"largest node has {gpus_per_node} GPUs"
         )

@@ -1,6 +1,7 @@
 """Worker replicas on Ray: place, start, wait, introduce, stop. Bring-up and restart share it.
 
-A replica is one placement group with a bundle per rank, ``STRICT_PACK`` (its ranks share a
+A replica is one placement group with a bundle per rank (``tensor_parallel`` x
+``pipeline_parallel`` of them), ``STRICT_PACK`` (its ranks, every pipeline stage's, share a
 node), and one actor per rank: rank 0 a ``WorkerActor`` (schedules, talks to the router),
 the others ``RankActor``s that follow it. Every rank has its own KV agent, so decode and
 prefill replicas are introduced rank by rank, in both directions: the reader needs the
@@ -70,21 +71,24 @@ def place_replica(
     """
     # Unique per serving process: two deployments may share one Ray cluster.
     ray_name = f"baton-{RUN_ID}-{spec.name}" + (f"-{generation}" if generation else "")
-    pg = placement_group([bundle] * spec.tensor_parallel, strategy="STRICT_PACK", name=ray_name)
+    # One node for the whole replica, pipeline stages included: simplest to place and
+    # restart as a unit. Stages on separate nodes would need a group per stage (each
+    # STRICT_PACK for its TP ranks); see docs/replicas.md.
+    pg = placement_group([bundle] * spec.num_ranks, strategy="STRICT_PACK", name=ray_name)
     try:
         _get(pg.ready(), READY_TIMEOUT_S, cancel)
     except ray.exceptions.GetTimeoutError:
         remove_placement_group(pg)
         raise RuntimeError(
             f"{spec.role}: the Ray cluster cannot place worker {spec.name} "
-            f"({spec.tensor_parallel} x {bundle} on one node); "
+            f"({spec.num_ranks} x {bundle} on one node); "
             f"resources: {ray.available_resources()}"
         ) from None
     except BaseException:
         remove_placement_group(pg)
         raise
     ranks = []
-    for rank in range(spec.tensor_parallel):
+    for rank in range(spec.num_ranks):
         options = dict(
             name=ray_name if rank == 0 else f"{ray_name}-rank{rank}",
             num_cpus=bundle["CPU"],

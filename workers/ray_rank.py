@@ -1,6 +1,7 @@
-"""A tensor-parallel rank other than 0 as a Ray actor (rank 0 is ``ray_worker.WorkerActor``).
+"""A rank other than 0 as a Ray actor (rank 0 is ``ray_worker.WorkerActor``).
 
-It loads its shard of the weights, allocates its heads of the KV cache, opens its own
+It loads its shard of the weights (its TP slice of its pipeline stage's layers),
+allocates its heads of its layers' KV cache, opens its own
 KV connector (its own NIXL agent, so decode ranks pull exactly their heads from the
 prefill ranks that hold them) and then follows rank 0's commands on a thread
 (``workers/replica_follower.py``). The router never talks to it; bring-up only asks it
@@ -44,9 +45,11 @@ class RankActor:
 
         spec = self.spec
         device_type = "cuda" if spec.device.startswith("cuda") else "cpu"
-        parallel, link = join_replica(self.rank, spec.tensor_parallel, address, port, device_type)
+        parallel, link = join_replica(
+            self.rank, spec.num_ranks, address, port, device_type, spec.pipeline_parallel
+        )
         engine = build_engine(spec, parallel, agree=agree_min(link))
-        follower = RankFollower(engine, link, spec.dst_tensor_parallel)
+        follower = RankFollower(engine, link, spec.dst_tensor_parallel, spec.dst_pipeline_parallel)
         follower.connector = connector_factory(spec, self.rank)(engine, follower.on_release)
         self._follower = follower
         self._thread = threading.Thread(

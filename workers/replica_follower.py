@@ -1,8 +1,9 @@
-"""A tensor-parallel rank other than 0: it does what rank 0's commands say, in order.
+"""A rank other than 0 (TP and/or pipeline): it does what rank 0's commands say, in order.
 
 No scheduler, sampler or router traffic here: each :class:`RankCommand` brings the KV
 operations of this rank's connector and, for a step, the forward pass's inputs, which
-this rank runs on its shard of the weights and its heads of the KV cache. It answers
+this rank runs on its shard of the weights and its heads of the KV cache (a pipeline
+stage's layers: it receives the previous stage's activations and sends its own on). It answers
 when asked (``workers/replica_kv.py`` is the other end). ``run`` returns on a stop
 command and raises when the link to rank 0 breaks (rank 0 died) or a command is out of
 sequence; the caller then tears the process group down so that no rank waits on it.
@@ -32,10 +33,13 @@ logger = logging.getLogger(__name__)
 
 
 class RankFollower:
-    def __init__(self, engine: LLMEngine, link: RankLink, dst_tp_size: int = 1):
+    def __init__(
+        self, engine: LLMEngine, link: RankLink, dst_tp_size: int = 1, dst_pp_size: int = 1
+    ):
         self.engine = engine
         self.link = link
-        self.dst_tp_size = dst_tp_size
+        self.dst_tp_size = dst_tp_size  # prefill: the decode pool's layout (who reads us)
+        self.dst_pp_size = dst_pp_size
         self.connector: KVConnector | None = None
         self._released: queue.SimpleQueue = queue.SimpleQueue()  # from the connector thread
         self._receives: dict[str, Future] = {}
@@ -79,6 +83,7 @@ class RankFollower:
                 num_tokens=op.num_tokens,
                 first_token_id=op.first_token_id,
                 dst_tp_size=self.dst_tp_size,
+                dst_pp_size=self.dst_pp_size,
             )
         except Exception as exc:
             return Offered(op.request_id, b"", f"{type(exc).__name__}: {exc}")

@@ -1,8 +1,9 @@
 """Rank 0's view of a replica's KV hand-off: its own connector and the other ranks'.
 
-Every rank of a tensor-parallel replica has its own KV connector (its own NIXL agent
-over its own cache, holding its own heads), so each decode rank pulls exactly the
-heads it owns from the prefill ranks that hold them (``kvtransfer/tp_mapping.py``).
+Every rank of a replica has its own KV connector (its own NIXL agent over its own
+cache, holding its own heads of its pipeline stage's layers), so each decode rank pulls
+exactly the heads and layers it owns from the prefill ranks that hold them
+(``kvtransfer/tp_mapping.py``).
 Rank 0 coordinates, on the engine loop's thread (the only thread that talks to the
 other ranks):
 
@@ -64,10 +65,11 @@ class _Receiving:
 
 
 class ReplicaKV:
-    def __init__(self, link: RankLink | None = None, dst_tp_size: int = 1):
+    def __init__(self, link: RankLink | None = None, dst_tp_size: int = 1, dst_pp_size: int = 1):
         self.link = link
         self.world_size = link.world_size if link is not None else 1
-        self.dst_tp_size = dst_tp_size
+        self.dst_tp_size = dst_tp_size  # prefill: the decode pool's layout (who reads us)
+        self.dst_pp_size = dst_pp_size
         self._connector: KVConnector | None = None
         self._on_release: Callable[[str, str], None] = lambda rid, reason: None
         self._wake: Callable[[], None] = lambda: None
@@ -114,6 +116,7 @@ class ReplicaKV:
                 num_tokens=num_tokens,
                 first_token_id=first_token_id,
                 dst_tp_size=self.dst_tp_size,
+                dst_pp_size=self.dst_pp_size,
             )
             handles = [encode_kv(local)]
             if self.link is not None:

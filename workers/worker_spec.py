@@ -41,8 +41,10 @@ class WorkerSpec:
     transfer_timeout_s: float = 10.0
     on_failure: str = "recompute"
     num_threads: int = 0  # torch intra-op threads on CPU; 0 = torch's default
-    tensor_parallel: int = 1  # ranks of this replica
+    tensor_parallel: int = 1  # tensor-parallel ranks of each pipeline stage
+    pipeline_parallel: int = 1  # pipeline stages of this replica
     dst_tensor_parallel: int = 1  # prefill: the decode pool's TP size (how many read a rank)
+    dst_pipeline_parallel: int = 1  # prefill: the decode pool's stages (the same)
     metrics_dir: str = ""  # this run's metrics root (workers/metrics_node.py); "" = in memory
 
     def to_bytes(self) -> bytes:
@@ -51,6 +53,11 @@ class WorkerSpec:
     @classmethod
     def from_bytes(cls, data: bytes) -> WorkerSpec:
         return cls(**msgpack.unpackb(data, raw=False))
+
+    @property
+    def num_ranks(self) -> int:
+        """Processes of this replica: every TP rank of every pipeline stage."""
+        return self.tensor_parallel * self.pipeline_parallel
 
     def rank_name(self, rank: int) -> str:
         """The KV agent's worker id of one rank (rank 0 keeps the replica's name)."""
@@ -94,7 +101,8 @@ def build_engine(spec: WorkerSpec, parallel=None, before_forward=None, agree=Non
 
 
 def connector_factory(spec: WorkerSpec, rank: int) -> Callable:
-    """``(engine, on_release) -> KVConnector`` for one rank: its heads, its own agent."""
+    """``(engine, on_release) -> KVConnector`` for one rank: its heads of its stage's
+    layers, its own agent."""
     from kvtransfer import KVLayout, KVTransferConfig, create_connector
 
     transfer = KVTransferConfig(
@@ -105,12 +113,15 @@ def connector_factory(spec: WorkerSpec, rank: int) -> Callable:
     )
 
     def make(engine: LLMEngine, on_release):
+        parallel = engine.parallel
         layout = KVLayout.from_tensor(
             engine.kv_cache,
             model_id=spec.model_id,
             num_kv_heads=engine.arch.num_key_value_heads,
-            tp_rank=rank,
-            tp_size=spec.tensor_parallel,
+            tp_rank=parallel.tp_rank,
+            tp_size=parallel.tp_size,
+            first_layer=engine.layer_range[0],
+            total_num_layers=engine.arch.num_hidden_layers,
         )
         return create_connector(transfer, layout, engine.kv_cache, spec.rank_name(rank), on_release)
 

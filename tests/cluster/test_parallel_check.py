@@ -30,6 +30,12 @@ def test_layouts_that_split_the_model_pass(tp):
     check_pool_parallel("decode", PoolSection(tensor_parallel=tp), ARCH, "cpu", 0)
 
 
+@pytest.mark.parametrize(("tp", "pp", "gpus"), [(1, 2, 2), (2, 2, 4), (1, 32, 0), (4, 3, 0)])
+def test_pipeline_stages_pass_up_to_one_per_layer_and_one_gpu_per_rank(tp, pp, gpus):
+    pool = PoolSection(tensor_parallel=tp, pipeline_parallel=pp)
+    check_pool_parallel("decode", pool, ARCH, "cuda" if gpus else "cpu", gpus)
+
+
 @pytest.mark.parametrize(
     "pool, arch, device, gpus, message",
     [
@@ -49,7 +55,27 @@ def test_layouts_that_split_the_model_pass(tp):
             "intermediate_size",
         ),
         (PoolSection(tensor_parallel=8), ARCH, "cuda", 4, "largest node has 4 GPUs"),
-        (PoolSection(pipeline_parallel=2), ARCH, "cpu", 0, "pipeline_parallel: only 1"),
+        (
+            PoolSection(pipeline_parallel=33),
+            ARCH,
+            "cpu",
+            0,
+            "pipeline_parallel: 33 stages, but the model has only 32 layers",
+        ),
+        (
+            PoolSection(tensor_parallel=2, pipeline_parallel=4),
+            ARCH,
+            "cuda",
+            4,
+            "tensor_parallel x pipeline_parallel: .* 2 x 4 ranks .* largest node has 4 GPUs",
+        ),
+        (
+            PoolSection(tensor_parallel=3, pipeline_parallel=2),
+            ARCH,
+            "cpu",
+            0,
+            "tensor_parallel: 3 does not divide",
+        ),
     ],
 )
 def test_layouts_that_cannot_work_are_refused_with_the_key(pool, arch, device, gpus, message):
