@@ -17,14 +17,16 @@ from __future__ import annotations
 
 import logging
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import ray
 
 from cluster.config import ClusterConfig, PoolSection
+from cluster.metrics_exporter import NodeExporters, replica_nodes
 from cluster.model_source import resolve_model_dir, served_name
 from cluster.parallel_check import check_pool_parallel
 from cluster.replicas import (
+    RUN_ID,
     Replica,
     check_agree,
     introduce,
@@ -38,6 +40,7 @@ from cluster.restart import RayRestarter
 from router.config import RouterConfig
 from router.router import Router
 from workers.channel import ChannelListener
+from workers.metrics_node import default_root, node_directory, record_into
 from workers.models.arch_config import ArchConfig
 from workers.ray_worker import RayWorkerClient
 from workers.tokenizer import Tokenizer
@@ -55,6 +58,7 @@ class Cluster:
     listener: ChannelListener | None  # the workers' event channels; set once they run
     replicas: dict[str, Replica] = field(default_factory=dict)  # name -> running replica
     restarter: RayRestarter | None = None
+    exporters: NodeExporters | None = None  # None: metrics.enabled is false
     started_ray: bool = False
 
     def shutdown(self) -> None:
@@ -64,6 +68,8 @@ class Cluster:
             self.restarter.close()
         stop_replicas(self.replicas.values())
         self.replicas.clear()
+        if self.exporters is not None:
+            self.exporters.close()
         if self.started_ray:
             ray.shutdown()
 
@@ -103,6 +109,13 @@ def bring_up(config: ClusterConfig) -> Cluster:
     started = connect_ray(num_ranks)
     cluster = Cluster(config, router=None, listener=None, started_ray=started)  # type: ignore[arg-type]
     try:
+        metrics_root = ""
+        if config.metrics.enabled:
+            metrics_root = default_root(RUN_ID)
+            m = config.metrics
+            cluster.exporters = NodeExporters(metrics_root, m.host, m.port, RUN_ID)
+            # This process (the router) records into its node's directory too.
+            record_into(node_directory(metrics_root, ray.get_runtime_context().get_node_id()))
         has_gpu = ray.cluster_resources().get("GPU", 0) > 0
         gpus_per_node = max((n["Resources"].get("GPU", 0) for n in ray.nodes()), default=0)
         # Local CPU ranks share the machine's cores; give each its share of threads.
@@ -113,10 +126,15 @@ def bring_up(config: ClusterConfig) -> Cluster:
             for index in range(pool.replicas):
                 worker = f"{role}-{index}"
                 spec = _spec(config, pool, worker, role, str(model_dir), name, device, threads)
+                spec = replace(spec, metrics_dir=metrics_root)  # "" = no metrics
                 cluster.replicas[worker] = place_replica(
                     spec, rank_bundle(device, pool.node_resource)
                 )
         replicas = cluster.replicas
+        if cluster.exporters is not None:
+            nodes = [ray.get_runtime_context().get_node_id()]
+            nodes += [n for r in replicas.values() for n in replica_nodes(r.placement_group)]
+            cluster.exporters.ensure(nodes)
         start_replicas(replicas)
         info = check_agree(wait_ready(replicas))
         # Only now, with every worker placed, is it known whether they all run on this node.
@@ -127,7 +145,7 @@ def bring_up(config: ClusterConfig) -> Cluster:
             clients[role].append(RayWorkerClient(worker, role, replica.ranks[0], listener))
         pairs = [(d.name, p.name) for d in clients["decode"] for p in clients["prefill"]]
         introduce(replicas, pairs)
-        cluster.restarter = RayRestarter(replicas, listener, info)
+        cluster.restarter = RayRestarter(replicas, listener, info, cluster.exporters)
         cluster.router = Router(
             RouterConfig(
                 model_name=name,

@@ -26,6 +26,7 @@ import threading
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 
+from cluster.metrics_exporter import NodeExporters, replica_nodes
 from cluster.replicas import (
     Cancelled,
     Replica,
@@ -45,12 +46,19 @@ logger = logging.getLogger(__name__)
 
 class RayRestarter:
     def __init__(
-        self, replicas: dict[str, Replica], listener: ChannelListener, reference: WorkerInfo
+        self,
+        replicas: dict[str, Replica],
+        listener: ChannelListener,
+        reference: WorkerInfo,
+        exporters: NodeExporters | None = None,
     ):
         """``replicas`` is the cluster's registry (name -> running replica): a restart
         replaces the entry, so that shutdown stops the new ranks. ``reference``: what
-        every worker described at bring-up; a replacement must agree with it."""
+        every worker described at bring-up; a replacement must agree with it.
+        ``exporters``: the run's metrics endpoints; a replica placed on a node new to the
+        run gets one there."""
         self._replicas = replicas
+        self._exporters = exporters
         self._listener = listener
         self._reference = reference
         self._generations: Counter[str] = Counter()
@@ -80,6 +88,9 @@ class RayRestarter:
         replica = None
         try:
             replica = place_replica(spec, old.bundle, self._generations[name], cancel)
+            if self._exporters is not None:
+                for address in self._exporters.ensure(replica_nodes(replica.placement_group)):
+                    logger.info("metrics of a new node on http://%s/metrics", address)
             start_replicas({name: replica}, cancel)
             check_agree([self._reference, *wait_ready({name: replica}, cancel)])
             others = [n for n, r in self._replicas.items() if r.spec.role != spec.role]

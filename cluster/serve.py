@@ -61,6 +61,9 @@ async def serve(config: ClusterConfig, on_ready: Callable[[str], None] | None = 
             f"({config.prefill.replicas} prefill + {config.decode.replicas} decode, "
             f"{config.router.disaggregation} disaggregation)"
         )
+        if cluster.exporters is not None:  # before "serving": whoever waits for it has these
+            for address in cluster.exporters.addresses.values():
+                print(f"baton: metrics on http://{address}/metrics", flush=True)
         print(message, flush=True)
         if on_ready is not None:
             on_ready(server.address)

@@ -19,6 +19,7 @@ from grpc_reflection.v1alpha import reflection
 from proto.baton.v1 import inference_pb2 as pb
 from proto.baton.v1 import inference_pb2_grpc as pb_grpc
 from router.config import RouterError
+from router.metrics import RouterMetrics
 from router.router import Router
 from router.status import cluster_status, model_info
 
@@ -32,17 +33,23 @@ class InferenceServicer(pb_grpc.InferenceServicer):
     def __init__(self, router: Router, tp_pp: dict[str, tuple[int, int]] | None = None):
         self.router = router
         self.tp_pp = tp_pp or {}
+        self.metrics = RouterMetrics(router.config.model_name)
 
     async def Generate(self, request, context):
+        call = self.metrics.call()
         stream = self.router.generate(request)
         try:
             async for message in stream:
+                call.message(message)
                 yield message
         except RouterError as exc:
+            call.error(exc.code)
             await context.abort(getattr(grpc.StatusCode, exc.code), exc.message)
         except Exception as exc:  # a bug: answer INTERNAL, keep serving
+            call.error("INTERNAL")
             await _internal(context, exc)
         finally:
+            call.closed()  # no Final and no error: the client cancelled or its deadline passed
             await stream.aclose()  # cancelled or deadline: aborts the request on the workers
 
     async def Abort(self, request, context):

@@ -27,6 +27,21 @@ logger = logging.getLogger(__name__)
 ACTOR_CONCURRENCY = 8
 
 
+def _worker_metrics(spec: WorkerSpec):
+    """This worker's series, recorded into its node's metrics directory; None when the
+    cluster serves no metrics."""
+    if not spec.metrics_dir:
+        return None
+    import ray
+
+    from workers.metrics import WorkerMetrics
+    from workers.metrics_node import node_directory, record_into
+
+    node_id = ray.get_runtime_context().get_node_id()
+    record_into(node_directory(spec.metrics_dir, node_id))
+    return WorkerMetrics(spec.role, spec.model_id, spec.name)
+
+
 class WorkerActor:
     """Rank 0 of a worker replica inside a Ray actor: the engine loop, the router's work and
     the KV hand-off; with tensor_parallel > 1 it drives the other ranks (``ray_rank.py``).
@@ -80,6 +95,7 @@ class WorkerActor:
             connector_factory(spec, 0),
             on_failure=spec.on_failure,
             replica=replica,
+            metrics=_worker_metrics(spec),
         )
         logger.info(
             "worker %s (%s, %d ranks) ready in pid %d",

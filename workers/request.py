@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+import time
 from dataclasses import dataclass, field
 
 import torch
@@ -45,6 +46,7 @@ class Request:
     status: RequestStatus = RequestStatus.WAITING
     finish_reason: FinishReason | None = None
     stop_reason: str | int | None = None  # the stop string or stop token that ended it
+    arrival_time: float = field(default_factory=time.monotonic)  # added to the engine
     first_scheduled_time: float | None = None
     # Prefill role: once the prompt is computed and the first token sampled, the request
     # leaves the scheduler with its blocks kept (held) for a decode worker to pull.

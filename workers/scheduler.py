@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 from workers.block_manager import BlockManager
@@ -72,6 +72,9 @@ class Scheduler:
         # Admitted into RECEIVING since the last take_receives: (request_id, block_ids).
         self._new_receives: list[tuple[str, tuple[int, ...]]] = []
         self.num_preemptions = 0
+        # Told of each request's first scheduling (its queue time and prefix-cache hit are
+        # known then); the worker's metrics listen (workers/service.py).
+        self.on_first_scheduled: Callable[[Request], None] | None = None
 
     # ---- requests in and out -----------------------------------------------------
     def add(self, req: Request) -> None:
@@ -204,8 +207,8 @@ class Scheduler:
                 break  # FCFS: no one overtakes the head of the queue
             self.waiting.popleft()
             if req.first_scheduled_time is None:
-                req.first_scheduled_time = time.monotonic()
                 req.num_cached_tokens = num_cached
+                self._first_scheduled(req)
             req.num_computed_tokens = num_cached
             req.status = RequestStatus.RUNNING
             self.running.append(req)
@@ -226,13 +229,18 @@ class Scheduler:
             return False
         self.waiting.popleft()
         if req.first_scheduled_time is None:
-            req.first_scheduled_time = time.monotonic()
+            self._first_scheduled(req)
         req.num_computed_tokens = 0
         req.status = RequestStatus.RECEIVING
         self.receiving[req.request_id] = req
         block_ids = tuple(self.block_manager.block_table(req.request_id))
         self._new_receives.append((req.request_id, block_ids))
         return True
+
+    def _first_scheduled(self, req: Request) -> None:
+        req.first_scheduled_time = time.monotonic()
+        if self.on_first_scheduled is not None:
+            self.on_first_scheduled(req)
 
     def _chunk(self, req: Request, num_new: int) -> ScheduledChunk:
         start = req.num_computed_tokens

@@ -34,6 +34,7 @@ from kvtransfer import KVConnector, KVHandle
 from kvtransfer.messages import decode_as as decode_kv
 from workers.channel import HEARTBEAT_S
 from workers.engine import LLMEngine
+from workers.metrics import WorkerMetrics
 from workers.outputs import StreamDelta
 from workers.replica_kv import ReplicaKV
 from workers.wire import OutputBatch, TokenEvent, WorkItem
@@ -62,9 +63,11 @@ class EngineService:
         | None = None,
         on_failure: str = "recompute",
         replica: ReplicaKV | None = None,
+        metrics: WorkerMetrics | None = None,
     ):
         """``replica``: rank 0's end of a tensor-parallel replica (its engine's
-        ``before_forward`` must be the same object's); None for a one-rank worker."""
+        ``before_forward`` must be the same object's); None for a one-rank worker.
+        ``metrics``: where the loop records this worker's Prometheus series; None = not."""
         self.engine = engine
         self.name = name
         self.role = role
@@ -80,6 +83,9 @@ class EngineService:
         self._failed: str | None = None
         self._sink: Sink | None = None  # loop thread only
         self._sent_at = 0.0
+        self.metrics = metrics
+        if metrics is not None:
+            engine.scheduler.on_first_scheduled = metrics.first_scheduled
         # Every KV operation goes through self.kv: it spans all ranks of the replica.
         self.kv = replica if replica is not None else ReplicaKV()
         self.connector = (
@@ -127,6 +133,8 @@ class EngineService:
 
     def _on_release(self, request_id: str, reason: str) -> None:
         """The request's lease ended on every rank; the loop frees the held blocks."""
+        if reason == "expired" and self.metrics is not None:
+            self.metrics.lease_expired()
         self._command(("release", request_id, reason))
 
     # ---- the loop (its own thread) -----------------------------------------------------
@@ -281,16 +289,23 @@ class EngineService:
             if exc is None:
                 result = future.result()
                 self._transfer[rid] = (result.seconds, result.num_bytes)
+                if self.metrics is not None:
+                    self.metrics.transferred(result.seconds, result.num_bytes)
                 self.engine.kv_received(rid, ok=True)
             elif receive.is_aborted:
                 self.engine.kv_received(rid, ok=False)  # the engine finishes it as ABORT
-            elif self.on_failure == "recompute":
-                logger.warning("KV transfer of %s failed (%s); recomputing", rid, exc)
-                self.engine.kv_received(rid, ok=False)
             else:
-                self._errors[rid] = f"KV transfer failed: {exc}"
-                self.engine.abort_request(rid)
-                self.engine.kv_received(rid, ok=False)
+                self._transfer_failed(rid, exc)
+
+    def _transfer_failed(self, rid: str, exc: BaseException) -> None:
+        if self.metrics is not None:
+            self.metrics.transfer_failed("receive")
+        if self.on_failure == "recompute":
+            logger.warning("KV transfer of %s failed (%s); recomputing", rid, exc)
+        else:
+            self._errors[rid] = f"KV transfer failed: {exc}"
+            self.engine.abort_request(rid)
+        self.engine.kv_received(rid, ok=False)
 
     def _event(self, delta: StreamDelta) -> TokenEvent:
         rid = delta.request_id
@@ -337,6 +352,8 @@ class EngineService:
         except Exception as exc:
             self.engine.release_held(rid)
             self._errors[rid] = f"cannot offer KV: {exc}"
+            if self.metrics is not None:
+                self.metrics.transfer_failed("offer")
             return ()
 
     def _publish(self, events: list[TokenEvent]) -> None:
@@ -351,6 +368,8 @@ class EngineService:
         """Push ``events`` with a fresh report (built only now: nobody reads one between)."""
         failed = self._failed
         report = self._reports.next(healthy=not (self._stopping or failed), error=failed or "")
+        if self.metrics is not None:
+            self.metrics.report(report)
         try:
             self._sink(OutputBatch(tuple(events), report))  # type: ignore[misc]
         except Exception:

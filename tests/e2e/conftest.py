@@ -40,6 +40,11 @@ class ServedCluster:
     def output(self) -> str:
         return "\n".join(self.lines)
 
+    def metrics_urls(self) -> list[str]:
+        """Every node's scrape endpoint, from the "baton: metrics on URL" lines."""
+        prefix = "baton: metrics on "
+        return [line[len(prefix) :] for line in self.lines if line.startswith(prefix)]
+
 
 def start_cluster(config: dict, workdir: Path, env: dict | None = None) -> ServedCluster:
     path = workdir / "cluster.yaml"
@@ -109,6 +114,7 @@ def cluster_config(model_dir: Path, **router) -> dict:
             "drain_grace_seconds": 5,
             **router,
         },
+        "metrics": {"port": 0},  # any free port, printed (tests may run side by side)
     }
 
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 
 import pytest
+from prometheus_client import REGISTRY
 
 from kvtransfer import KVLayout, KVTransferConfig, create_connector
 from kvtransfer.local_backend import LocalFabric
@@ -23,6 +24,7 @@ from workers.channel import ChannelListener, ChannelReader, ChannelSender
 from workers.config import EngineConfig
 from workers.engine import LLMEngine
 from workers.make_model import make_model
+from workers.metrics import WorkerMetrics
 from workers.service import EngineService
 from workers.tokenizer import Tokenizer
 
@@ -101,7 +103,9 @@ class Cluster:
                         config, layout, eng.kv_cache, name, on_release, fabric=self.fabric
                     )
 
-                self.services[name] = EngineService(engine, name, role, connector)
+                # In-memory series, labelled apart from other tests' clusters.
+                metrics = WorkerMetrics(role, "tiny", f"{name}-{id(self)}")
+                self.services[name] = EngineService(engine, name, role, connector, metrics=metrics)
         metas = {n: s.connector.metadata() for n, s in self.services.items()}
         for s in self.services.values():
             for m, meta in metas.items():
@@ -278,6 +282,10 @@ def test_lost_prefill_worker_recomputes_on_decode(model_dir):
     tokens, _, final = run(cluster, body)
     assert tokens == list(ref[0].token_ids)
     assert final.finish_reason == pb.FINISH_REASON_LENGTH
+    failures = "baton_kv_transfer_failures_total"
+    labels = {"role": "decode", "model": "tiny", "instance": f"decode-0-{id(cluster)}"}
+    assert REGISTRY.get_sample_value(failures, {**labels, "stage": "receive"}) == 1
+    assert REGISTRY.get_sample_value("baton_kv_transfer_seconds_count", labels) == 0
 
 
 def test_refusals(model_dir):

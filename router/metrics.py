@@ -1,0 +1,165 @@
+"""The router's Prometheus metrics (docs/metrics.md): latency as clients see it, outcomes.
+
+Measured at the gRPC edge, around ``Router.generate``: what a client of ``Generate``
+experiences, queueing in the router included. Series carry ``role="router"``, ``model``
+and ``instance="router"``. The node's exporter serves them with the workers' series
+(``workers/metrics_node.py``).
+
+Outcomes, one per call:
+- ``baton_requests_rejected_total{code}``: refused before any output (INVALID_ARGUMENT,
+  RESOURCE_EXHAUSTED past ``router.max_queued_requests``, UNAVAILABLE while draining or
+  with no healthy worker);
+- ``baton_requests_finished_total{finish_reason}``: ended with a Final (stop, length, abort);
+- ``baton_requests_failed_total{code}``: an error after output began, or an INTERNAL one;
+- ``baton_requests_aborted_total{reason}``: ``abort`` (a Final with ABORT: the Abort call,
+  or a drain past its grace) or ``cancelled`` (the client cancelled or its deadline passed).
+"""
+
+from __future__ import annotations
+
+import time
+
+from prometheus_client import Counter, Histogram
+
+from proto.baton.v1 import inference_pb2 as pb
+from workers.metrics import LABELS, RUNNING
+
+# Seconds: 1 ms to 80 s (TTFT under load, long generations end to end).
+_LATENCY = (
+    0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75,
+    1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0,
+)  # fmt: skip
+# Seconds per token: 1 ms to 2.5 s.
+_PER_TOKEN = (
+    0.001,
+    0.0025,
+    0.005,
+    0.01,
+    0.015,
+    0.02,
+    0.03,
+    0.04,
+    0.05,
+    0.075,
+    0.1,
+    0.25,
+    0.5,
+    1.0,
+    2.5,
+)
+_REJECTIONS = frozenset({"INVALID_ARGUMENT", "RESOURCE_EXHAUSTED", "UNAVAILABLE"})
+_REASONS = {
+    pb.FINISH_REASON_STOP: "stop",
+    pb.FINISH_REASON_LENGTH: "length",
+    pb.FINISH_REASON_ABORT: "abort",
+}
+
+TTFT = Histogram(
+    "baton_time_to_first_token_seconds",
+    "From the Generate call to its first output token",
+    LABELS,
+    buckets=_LATENCY,
+)
+ITL = Histogram(
+    "baton_inter_token_latency_seconds",
+    "Between successive streamed chunks of a request (a chunk is one engine step's tokens)",
+    LABELS,
+    buckets=_PER_TOKEN,
+)
+TPOT = Histogram(
+    "baton_time_per_output_token_seconds",
+    "Per request: (end-to-end - time to first token) / (output tokens - 1)",
+    LABELS,
+    buckets=_PER_TOKEN,
+)
+E2E = Histogram(
+    "baton_e2e_request_latency_seconds",
+    "From the Generate call to its Final",
+    LABELS,
+    buckets=_LATENCY,
+)
+FINISHED = Counter(
+    "baton_requests_finished", "Requests ended with a Final", (*LABELS, "finish_reason")
+)
+REJECTED = Counter("baton_requests_rejected", "Requests refused at admission", (*LABELS, "code"))
+FAILED = Counter("baton_requests_failed", "Requests ended by an error", (*LABELS, "code"))
+ABORTED = Counter(
+    "baton_requests_aborted", "Requests aborted or cancelled before their end", (*LABELS, "reason")
+)
+PROMPT_TOKENS = Counter("baton_prompt_tokens", "Prompt tokens of finished requests", LABELS)
+GENERATION_TOKENS = Counter("baton_generation_tokens", "Tokens generated (streamed)", LABELS)
+
+
+class RouterMetrics:
+    """The router's series for one served model; ``call()`` follows one Generate."""
+
+    def __init__(self, model: str, instance: str = "router"):
+        self.labels = ("router", model, instance)
+        self.running = RUNNING.labels(*self.labels)
+        self.ttft = TTFT.labels(*self.labels)
+        self.itl = ITL.labels(*self.labels)
+        self.tpot = TPOT.labels(*self.labels)
+        self.e2e = E2E.labels(*self.labels)
+        self.prompt_tokens = PROMPT_TOKENS.labels(*self.labels)
+        self.generation_tokens = GENERATION_TOKENS.labels(*self.labels)
+
+    def call(self) -> CallMetrics:
+        return CallMetrics(self)
+
+
+class CallMetrics:
+    """One Generate call: feed it every message, then exactly one of the endings."""
+
+    def __init__(self, metrics: RouterMetrics):
+        self.m = metrics
+        self.started = time.monotonic()
+        self.first_token = 0.0
+        self.last_chunk = 0.0
+        self.num_tokens = 0
+        self.is_done = False
+        metrics.running.inc()
+
+    def message(self, message: pb.GenerateResponse) -> None:
+        delta = message.final.delta if message.HasField("final") else message.delta
+        n = len(delta.token_ids)
+        now = time.monotonic()
+        if n:
+            if self.num_tokens == 0:
+                self.first_token = now
+                self.m.ttft.observe(now - self.started)
+            else:
+                self.m.itl.observe(now - self.last_chunk)
+            self.last_chunk = now
+            self.num_tokens += n
+            self.m.generation_tokens.inc(n)
+        if message.HasField("final"):
+            self._final(message.final, now)
+
+    def _final(self, final: pb.Final, now: float) -> None:
+        reason = _REASONS.get(final.finish_reason, "abort")
+        FINISHED.labels(*self.m.labels, reason).inc()
+        if reason == "abort":
+            ABORTED.labels(*self.m.labels, "abort").inc()
+        self.m.e2e.observe(now - self.started)
+        self.m.prompt_tokens.inc(final.usage.prompt_tokens)
+        if self.num_tokens > 1:
+            self.m.tpot.observe((now - self.first_token) / (self.num_tokens - 1))
+        self._done()
+
+    def error(self, code: str) -> None:
+        """The call ends with gRPC status ``code`` (a RouterError's)."""
+        if self.is_done:
+            return
+        rejected = self.num_tokens == 0 and code in _REJECTIONS
+        (REJECTED if rejected else FAILED).labels(*self.m.labels, code).inc()
+        self._done()
+
+    def closed(self) -> None:
+        """The call is over; without a Final or an error, the client went away."""
+        if not self.is_done:
+            ABORTED.labels(*self.m.labels, "cancelled").inc()
+            self._done()
+
+    def _done(self) -> None:
+        self.is_done = True
+        self.m.running.dec()
