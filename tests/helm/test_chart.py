@@ -133,6 +133,42 @@ def test_the_head_serves_the_rendered_config_with_grpc_probes(example):
     assert (("ServiceMonitor", NAME) in objects) == values["metrics"]["serviceMonitor"]["enabled"]
 
 
+@pytest.mark.parametrize("example", EXAMPLES, ids=lambda p: p.name)
+def test_every_pod_opens_the_metrics_port_the_cluster_serves(example):
+    values = values_of(example)
+    objects = render("-f", str(example), "--set", "metrics.serviceMonitor.enabled=true")
+    port = values["metrics"]["port"]
+    served = served_config(objects)["metrics"]
+    assert served == {"host": "0.0.0.0", "port": port}
+    cluster = objects[("RayCluster", NAME)]["spec"]
+    pods = [cluster["headGroupSpec"]] + cluster["workerGroupSpecs"]
+    for pod in pods:
+        ports = pod["template"]["spec"]["containers"][0]["ports"]
+        assert {"name": "metrics", "containerPort": port} in ports
+    service = objects[("Service", f"{NAME}-metrics")]["spec"]
+    assert service["clusterIP"] == "None" and service["selector"] == {"ray.io/cluster": NAME}
+    assert service["ports"] == [{"name": "metrics", "port": port, "targetPort": "metrics"}]
+    (endpoint,) = objects[("ServiceMonitor", NAME)]["spec"]["endpoints"]
+    assert endpoint["port"] == "metrics" and endpoint["path"] == "/metrics"
+    assert endpoint["honorLabels"] is True  # keeps Baton's instance label (the worker)
+
+
+def test_the_grafana_dashboard_and_no_metrics_objects_when_disabled():
+    objects = render(
+        "--set", "model.hostPath.path=/m", "--set", "metrics.grafanaDashboard.enabled=true"
+    )
+    dashboard = objects[("ConfigMap", f"{NAME}-dashboard")]
+    assert dashboard["metadata"]["labels"]["grafana_dashboard"] == "1"
+    shipped = json.loads((CHART / "dashboards" / "baton.json").read_text())
+    assert json.loads(dashboard["data"]["baton.json"]) == shipped
+    off = render(
+        "--set", "model.hostPath.path=/m", "--set", "config.metrics.enabled=false",
+        "--set", "metrics.serviceMonitor.enabled=true",
+    )  # fmt: skip
+    assert ("Service", f"{NAME}-metrics") not in off and ("ServiceMonitor", NAME) not in off
+    assert served_config(off)["metrics"]["enabled"] is False
+
+
 def test_rdma_adds_the_ipc_lock_capability():
     example = CHART / "examples" / "llama-8b-rdma.yaml"
     cluster = render("-f", str(example))[("RayCluster", NAME)]
@@ -144,8 +180,9 @@ def test_rdma_adds_the_ipc_lock_capability():
 def test_the_charts_fallbacks_are_the_configs_defaults():
     """With config keys left out, the chart assumes what cluster/config.py defaults to."""
     objects = render(
-        "--set", "model.hostPath.path=/m", "--set-json", 'config={"router":{"host":"0.0.0.0"}}'
-    )
+        "--set", "model.hostPath.path=/m",
+        "--set-json", 'config={"router":{"host":"0.0.0.0"},"metrics":{"host":"0.0.0.0"}}',
+    )  # fmt: skip
     config = served_config(objects)
     assert parse_config(config).router.port == RouterSection().port
     head = head_container(objects)
@@ -190,6 +227,8 @@ REFUSED = [
     ),
     (["model.hostPath.path=/m", "config.router.host=127.0.0.1"], "config.router.host (127.0.0.1) is loopback"),
     (["model.hostPath.path=/m", "config.router.port=0"], "config.router.port: 0"),
+    (["model.hostPath.path=/m", "config.metrics.host=::1"], "config.metrics.host (::1) is loopback"),
+    (["model.hostPath.path=/m", "config.metrics.port=9500"], "config.metrics.port: set the chart's metrics.port"),
     (["model.hostPath.path=/m", "config.model.path=/etc/llama"], "config.model.path (/etc/llama) is not under model.mountPath (/models)"),
     (["model.hostPath.path=/m", "config.decode.replicas=0"], "config.decode.replicas: must be >= 1"),
     (

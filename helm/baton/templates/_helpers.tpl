@@ -110,6 +110,13 @@ The cluster config the head runs: .Values.config plus what the chart owns.
 {{- if has $host (list "127.0.0.1" "localhost" "::1") -}}
 {{- fail (printf "config.router.host (%s) is loopback: the Service and the probes reach the router on the pod's address; use 0.0.0.0" $host) -}}
 {{- end -}}
+{{- $metricsHost := dig "metrics" "host" "127.0.0.1" .Values.config -}}
+{{- if and (include "baton.metricsEnabled" .) (has $metricsHost (list "127.0.0.1" "localhost" "::1")) -}}
+{{- fail (printf "config.metrics.host (%s) is loopback: Prometheus scrapes each pod on its address; use 0.0.0.0" $metricsHost) -}}
+{{- end -}}
+{{- if hasKey (dig "metrics" (dict) .Values.config) "port" -}}
+{{- fail "config.metrics.port: set the chart's metrics.port instead (every pod opens it)" -}}
+{{- end -}}
 {{- /* The cross-field checks of ClusterConfig.__post_init__, here to fail before install. */ -}}
 {{- if lt (int (dig "decode" "replicas" 1 .Values.config)) 1 -}}
 {{- fail "config.decode.replicas: must be >= 1" -}}
@@ -118,12 +125,13 @@ The cluster config the head runs: .Values.config plus what the chart owns.
 {{- fail "config.prefill.replicas: 0 prefill workers needs config.router.disaggregation: never" -}}
 {{- end -}}
 {{- $cfg := deepCopy .Values.config -}}
-{{- range $section := list "model" "prefill" "decode" -}}
+{{- range $section := list "model" "prefill" "decode" "metrics" -}}
 {{- if not (hasKey $cfg $section) -}}
 {{- $_ := set $cfg $section (dict) -}}
 {{- end -}}
 {{- end -}}
 {{- $_ := set $cfg.model "path" (include "baton.modelPath" .) -}}
+{{- $_ := set $cfg.metrics "port" (int .Values.metrics.port) -}}
 {{- range $role := list "prefill" "decode" -}}
 {{- $pool := include "baton.pool" (list $ $role) | fromYaml -}}
 {{- $_ := set (index $cfg $role) "node_resource" $pool.resource -}}
@@ -229,4 +237,11 @@ labels:
 annotations:
   {{- toYaml . | nindent 2 }}
 {{- end }}
+{{- end -}}
+
+{{/*
+"true" when the cluster serves metrics (config.metrics.enabled, default true), else "".
+*/}}
+{{- define "baton.metricsEnabled" -}}
+{{- if ne (toString (dig "metrics" "enabled" true .Values.config)) "false" -}}true{{- end -}}
 {{- end -}}
