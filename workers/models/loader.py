@@ -16,6 +16,7 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 from torch import nn
+from tqdm import tqdm
 
 from kernels import KernelOps, get_kernel_ops
 from workers.models.arch_config import ArchConfig
@@ -165,10 +166,18 @@ class CheckpointTensor:
 
 
 def _iter_tensors(files: list[Path]) -> Iterator[tuple[str, CheckpointTensor]]:
-    for path in files:
+    """Every checkpoint tensor, lazily, with a progress bar on a terminal (loading a large
+    model takes minutes; off in a worker process, whose stderr is a log)."""
+    total = 0
+    for path in files:  # headers only: cheap
         with safe_open(path, framework="pt", device="cpu") as f:
-            for name in f.keys():  # noqa: SIM118 (safe_open is not a dict)
-                yield name, CheckpointTensor(f.get_slice(name))
+            total += len(f.keys())
+    with tqdm(total=total, desc="loading weights", unit="tensor", disable=None) as bar:
+        for path in files:
+            with safe_open(path, framework="pt", device="cpu") as f:
+                for name in f.keys():  # noqa: SIM118 (safe_open is not a dict)
+                    yield name, CheckpointTensor(f.get_slice(name))
+                    bar.update(1)
 
 
 def _short_list(names: list[str], limit: int = 10) -> str:
