@@ -1,0 +1,93 @@
+"""Whole clusters whose pools use pipeline stages (the tiny model's 2 layers, one a stage).
+
+Real Ray actors, gloo process groups, NIXL transfers in which each decode rank pulls
+exactly the layers and heads it owns from the prefill ranks that hold them, real gRPC.
+What must hold: the tokens are, token for token, the single-process engine's (the
+aggregated TP=1 reference), disaggregated and aggregated; every (layer, head) of every
+prompt block crosses over exactly once; every KV block is free afterwards.
+
+The fast case is the issue's: prefill PP=2 -> decode TP=1. Decode stages (the decode
+side's receives split by layer, and its steps pipelined through two processes) and
+TP x PP on both sides are ``slow``.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from proto.baton.v1 import inference_pb2 as pb
+from tests.e2e.conftest import cluster_config, start_cluster, stop_cluster
+from tests.e2e.test_cluster import PROMPTS, TOKEN_PROMPT, collect, request, wait_blocks_released
+from tests.e2e.test_parallel_cluster import _block_bytes
+
+pytest.importorskip("ray")
+pytest.importorskip("nixl")
+
+BLOCK_SIZE = 8  # cluster_config's kv_cache.block_size
+
+
+def _bring_up_passes_pipeline_parallel() -> bool:
+    """Bring-up (cluster/bringup.py) hands pipeline_parallel on to the workers."""
+    from cluster import bringup
+    from cluster.config import ClusterConfig, PoolSection
+
+    pool = PoolSection(pipeline_parallel=2)
+    spec = bringup._spec(ClusterConfig(), pool, "p", "prefill", "m", "m", "cpu", 1)
+    return spec.pipeline_parallel == 2
+
+
+pytestmark = pytest.mark.skipif(
+    not _bring_up_passes_pipeline_parallel(),
+    reason="cluster/bringup.py does not pass pipeline_parallel to WorkerSpec yet "
+    "(docs/replicas.md, 'Pipeline parallelism': the wiring left to do)",
+)
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_model_dir):
+    """The single-process engine's greedy tokens (as test_parallel_cluster.py's)."""
+    from workers import LLM, SamplingParams
+
+    llm = LLM(str(tiny_model_dir), dtype="float32", max_model_len=512)
+    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    prompts = [*PROMPTS, TOKEN_PROMPT]
+    return {i: list(out.token_ids) for i, out in enumerate(llm.generate(prompts, params))}
+
+
+LAYOUTS = [  # (prefill (tp, pp), decode (tp, pp))
+    pytest.param((1, 2), (1, 1), id="P-PP2-D1"),
+    pytest.param((1, 1), (1, 2), id="P1-D-PP2", marks=pytest.mark.slow),
+    pytest.param((2, 2), (2, 2), id="P-TP2xPP2-D-TP2xPP2", marks=pytest.mark.slow),
+]
+
+
+@pytest.mark.parametrize(("prefill", "decode"), LAYOUTS)
+def test_pipeline_layouts_match_the_single_process_engine(
+    tiny_model_dir, tmp_path, reference, prefill, decode
+):
+    config = cluster_config(tiny_model_dir)
+    for role, (tp, pp) in (("prefill", prefill), ("decode", decode)):
+        config[role]["tensor_parallel"] = tp
+        config[role]["pipeline_parallel"] = pp
+    served = start_cluster(config, tmp_path)
+    try:
+        stub = served.stub()
+        status = stub.GetClusterStatus(pb.GetClusterStatusRequest(), timeout=5)
+        layouts = {
+            p.role: (p.workers[0].tensor_parallel, p.workers[0].pipeline_parallel)
+            for p in status.pools
+        }
+        assert layouts == {"prefill": prefill, "decode": decode}
+        for i, prompt in enumerate([*PROMPTS, TOKEN_PROMPT]):
+            req = request(prompt, disaggregation=pb.DISAGGREGATION_ALWAYS)
+            req.output.return_timing = True
+            disagg = collect(stub, req)
+            agg = collect(stub, request(prompt, disaggregation=pb.DISAGGREGATION_NEVER))
+            assert disagg[0] == agg[0] == reference[i], f"prompt {i}"
+            # Every head of every layer of every prompt block crossed over exactly once,
+            # summed over the decode ranks (each pulls only its layers and heads).
+            blocks = -(-disagg[2].usage.prompt_tokens // BLOCK_SIZE)
+            assert disagg[2].timing.kv_transfer_bytes == blocks * _block_bytes(tiny_model_dir)
+        wait_blocks_released(stub)
+    finally:
+        assert stop_cluster(served) == 0
