@@ -70,6 +70,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--plot", type=Path, metavar="DIR", help="write PNG charts to DIR")
 
 
+_SWEEP_SEED_STEP = 1000  # rate i of a sweep draws its prompts with seed + 1000 i
+
+
 def run(args: argparse.Namespace) -> int:
     import grpc
 
@@ -105,7 +108,12 @@ def run(args: argparse.Namespace) -> int:
         _run_once(args, target, warm, [0.0] * len(warm), "warm-up")
     rates = args.rates or [args.request_rate]
     results, runs = [], []
-    for rate in rates:
+    for index, rate in enumerate(rates):
+        if index:
+            # Fresh prompts for each later rate of a sweep (lengths from the same
+            # distribution, the trace's own): the earlier rates' prompts are in the
+            # workers' prefix caches and would be served from there.
+            requests = _dataset(args, info.vocab_size, args.seed + _SWEEP_SEED_STEP * index)
         offsets = _offsets(args, requests, rate)
         records, duration = _run_once(args, target, requests, offsets, _label(rate))
         summary = {

@@ -59,6 +59,8 @@ def test_random_workload_at_two_rates(cluster, tmp_path):
         split = summarize(recs, run["duration_s"], Slo(ttft_ms=cut))
         assert split["num_good"] == sum(t <= cut for t in ttft)
         assert 6 <= split["num_good"] < 12 or len(set(ttft)) < 12
+    # Each rate had prompts of its own: none was served from the earlier rate's cache.
+    assert [run["cached_prompt_tokens"] for run in result["runs"]] == [0, 0]
     # At 8 req/s the sends are spread out; at inf they all go at once.
     sends = [sorted(r["send_s"] for r in run["requests"]) for run in result["runs"]]
     assert sends[0][-1] > 0.5 and sends[1][-1] < 0.5
