@@ -1,20 +1,21 @@
-"""Cost of rank 0 driving a tensor-parallel replica: the step broadcast, on CPU (gloo).
+"""Cost of rank 0 driving a parallel replica: the step broadcast, on CPU (gloo).
 
-Two ranks in two processes on this machine, joined like a cluster replica
-(``workers/replica.py``). Two measurements:
+``--tp`` x ``--pp`` ranks (default 2 x 1) in as many processes on this machine, joined
+like a cluster replica (``workers/replica.py``). Two measurements:
 
 1. **The broadcast alone**: rank 0 encodes a step's :class:`StepInputs` into a
    :class:`RankCommand` and broadcasts it; the other rank decodes it. Decode steps of
    batch 1 / 8 / 32 / 64 at 1k and 4k tokens of context (the block table grows with the
    context), and one 2048-token prefill chunk. Per shape: the payload, and the median
    over ``--rounds`` of rank 0's time (encode + broadcast) and the other rank's
-   (receive + decode).
+   (receive + decode; the slowest of the other ranks).
 2. **Its share of a real step**: a Llama-shaped ``small`` model (``baton make-model
-   --size small``) at TP=2, float32, ``--batch`` requests decoding together; rank 0
-   times every decode step and the part of it spent in ``before_forward`` (encode +
-   broadcast). Reported: medians of both and the share.
+   --size small``) at the given TP x PP, float32, ``--batch`` requests decoding together;
+   rank 0 (the last stage) times every decode step and the part of it spent in
+   ``before_forward`` (encode + broadcast). Reported: medians of both and the share.
 
     python bench/replica.py --model /tmp/small --json bench/replica.json
+    python bench/replica.py --model /tmp/small --tp 1 --pp 2 --json bench/replica_pp.json
 """
 
 from __future__ import annotations
@@ -64,9 +65,9 @@ def _inputs(batch: int, context: int, query: int) -> StepInputs:
     )
 
 
-def _broadcast_main(rank: int, port: int, rounds: int, out: str) -> None:
+def _broadcast_main(rank: int, tp: int, pp: int, port: int, rounds: int, out: str) -> None:
     torch.set_num_threads(1)
-    _, link = join_replica(rank, 2, "127.0.0.1", port, "cpu")
+    _, link = join_replica(rank, tp * pp, "127.0.0.1", port, "cpu", pp)
     results = []
     try:
         for batch, context, query in SHAPES:
@@ -97,7 +98,9 @@ def _broadcast_main(rank: int, port: int, rounds: int, out: str) -> None:
         leave_replica()
 
 
-def _engine_main(rank: int, port: int, model: str, batch: int, steps: int, out: str) -> None:
+def _engine_main(
+    rank: int, tp: int, pp: int, port: int, model: str, batch: int, steps: int, out: str
+) -> None:
     from workers import SamplingParams
     from workers.config import EngineConfig
     from workers.engine import LLMEngine
@@ -105,7 +108,7 @@ def _engine_main(rank: int, port: int, model: str, batch: int, steps: int, out: 
     from workers.replica_kv import ReplicaKV
 
     torch.set_num_threads(1)  # one core per rank
-    parallel, link = join_replica(rank, 2, "127.0.0.1", port, "cpu")
+    parallel, link = join_replica(rank, tp * pp, "127.0.0.1", port, "cpu", pp)
     config = EngineConfig(
         model=model,
         dtype="float32",
@@ -150,6 +153,8 @@ def _engine_main(rank: int, port: int, model: str, batch: int, steps: int, out: 
         Path(out, "engine.json").write_text(
             json.dumps(
                 {
+                    "tp": tp,
+                    "pp": pp,
                     "batch": batch,
                     "decode_steps": len(step_s),
                     "step_ms": statistics.median(step_s) * 1e3,
@@ -170,26 +175,35 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=200)
     parser.add_argument("--batch", type=int, default=32)
     parser.add_argument("--steps", type=int, default=40)
+    parser.add_argument("--tp", type=int, default=2, help="tensor-parallel ranks per stage")
+    parser.add_argument("--pp", type=int, default=1, help="pipeline stages")
     parser.add_argument("--json", help="write the results here")
     args = parser.parse_args()
+    world = args.tp * args.pp
+    if world < 2:
+        parser.error("--tp x --pp must be at least 2 (a broadcast needs a receiver)")
     report: dict = {
         "machine": platform.processor() or platform.machine(),
         "torch": torch.__version__,
+        "tp": args.tp,
+        "pp": args.pp,
     }
     with tempfile.TemporaryDirectory() as out:
         mp.start_processes(
             _broadcast_main,
-            args=(free_port("127.0.0.1"), args.rounds, out),
-            nprocs=2,
+            args=(args.tp, args.pp, free_port("127.0.0.1"), args.rounds, out),
+            nprocs=world,
             start_method="spawn",
         )
         sender = json.loads(Path(out, "broadcast0.json").read_text())
-        receiver = json.loads(Path(out, "broadcast1.json").read_text())
-        report["broadcast"] = [
-            {**s, "receiver_us": r["median_us"], "sender_us": s.pop("median_us")}
-            for s, r in zip(sender, receiver, strict=True)
+        receivers = [
+            json.loads(Path(out, f"broadcast{r}.json").read_text()) for r in range(1, world)
         ]
-        print("batch  context  query  payload(B)  rank0 us  rank1 us")
+        report["broadcast"] = [
+            {**s, "receiver_us": max(r["median_us"] for r in rows), "sender_us": s.pop("median_us")}
+            for s, *rows in zip(sender, *receivers, strict=True)
+        ]
+        print("batch  context  query  payload(B)  rank0 us  others us (slowest)")
         for row in report["broadcast"]:
             print(
                 f"{row['batch']:5d}  {row['context']:7d}  {row['query']:5d}  {row['bytes']:10d}"
@@ -198,14 +212,18 @@ def main() -> None:
         if args.model:
             mp.start_processes(
                 _engine_main,
-                args=(free_port("127.0.0.1"), args.model, args.batch, args.steps, out),
-                nprocs=2,
+                args=(
+                    args.tp, args.pp, free_port("127.0.0.1"), args.model, args.batch,
+                    args.steps, out,
+                ),
+                nprocs=world,
                 start_method="spawn",
-            )
+            )  # fmt: skip
             report["engine"] = json.loads(Path(out, "engine.json").read_text())
             e = report["engine"]
             print(
-                f"TP=2 decode step, batch {e['batch']}: {e['step_ms']:.2f} ms, of which "
+                f"TP={args.tp} x PP={args.pp} decode step, batch {e['batch']}: "
+                f"{e['step_ms']:.2f} ms, of which "
                 f"broadcast {e['broadcast_ms']:.3f} ms ({100 * e['share']:.2f}%), "
                 f"{e['decode_steps']} steps"
             )
