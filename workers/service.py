@@ -67,7 +67,7 @@ class EngineService:
     ):
         """``replica``: rank 0's end of a tensor-parallel replica (its engine's
         ``before_forward`` must be the same object's); None for a one-rank worker.
-        ``metrics``: where the loop records this worker's Prometheus series; None = not."""
+        ``metrics``: this worker's Prometheus series (None: in-memory ones nobody serves)."""
         self.engine = engine
         self.name = name
         self.role = role
@@ -83,9 +83,8 @@ class EngineService:
         self._failed: str | None = None
         self._sink: Sink | None = None  # loop thread only
         self._sent_at = 0.0
-        self.metrics = metrics
-        if metrics is not None:
-            engine.scheduler.on_first_scheduled = metrics.first_scheduled
+        self.metrics = metrics or WorkerMetrics(role, "", name)
+        engine.scheduler.on_first_scheduled = self.metrics.first_scheduled
         # Every KV operation goes through self.kv: it spans all ranks of the replica.
         self.kv = replica if replica is not None else ReplicaKV()
         self.connector = (
@@ -133,7 +132,7 @@ class EngineService:
 
     def _on_release(self, request_id: str, reason: str) -> None:
         """The request's lease ended on every rank; the loop frees the held blocks."""
-        if reason == "expired" and self.metrics is not None:
+        if reason == "expired":
             self.metrics.lease_expired()
         self._command(("release", request_id, reason))
 
@@ -289,8 +288,7 @@ class EngineService:
             if exc is None:
                 result = future.result()
                 self._transfer[rid] = (result.seconds, result.num_bytes)
-                if self.metrics is not None:
-                    self.metrics.transferred(result.seconds, result.num_bytes)
+                self.metrics.transferred(result.seconds, result.num_bytes)
                 self.engine.kv_received(rid, ok=True)
             elif receive.is_aborted:
                 self.engine.kv_received(rid, ok=False)  # the engine finishes it as ABORT
@@ -298,8 +296,7 @@ class EngineService:
                 self._transfer_failed(rid, exc)
 
     def _transfer_failed(self, rid: str, exc: BaseException) -> None:
-        if self.metrics is not None:
-            self.metrics.transfer_failed("receive")
+        self.metrics.transfer_failed("receive")
         if self.on_failure == "recompute":
             logger.warning("KV transfer of %s failed (%s); recomputing", rid, exc)
         else:
@@ -352,8 +349,7 @@ class EngineService:
         except Exception as exc:
             self.engine.release_held(rid)
             self._errors[rid] = f"cannot offer KV: {exc}"
-            if self.metrics is not None:
-                self.metrics.transfer_failed("offer")
+            self.metrics.transfer_failed("offer")
             return ()
 
     def _publish(self, events: list[TokenEvent]) -> None:
@@ -368,8 +364,7 @@ class EngineService:
         """Push ``events`` with a fresh report (built only now: nobody reads one between)."""
         failed = self._failed
         report = self._reports.next(healthy=not (self._stopping or failed), error=failed or "")
-        if self.metrics is not None:
-            self.metrics.report(report)
+        self.metrics.report(report)
         try:
             self._sink(OutputBatch(tuple(events), report))  # type: ignore[misc]
         except Exception:

@@ -230,19 +230,25 @@ def test_deadline_exceeded_releases_blocks(cluster):
     wait_blocks_released(stub)
 
 
-def test_queue_overflow_is_resource_exhausted(cluster):
-    stub = cluster.stub()
+def flood(stub, num_requests: int, max_tokens: int) -> list[str]:
+    """Send ``num_requests`` at once; each one's status code name ("OK" if it finished)."""
     codes = []
 
     def one(i):
         try:
-            collect(stub, request(f"flood {i}", max_tokens=60), timeout=120)
+            collect(stub, request(f"flood {i}", max_tokens=max_tokens), timeout=120)
             codes.append("OK")
         except grpc.RpcError as exc:
             codes.append(exc.code().name)
 
-    with ThreadPoolExecutor(64) as pool:
-        list(pool.map(one, range(64)))
+    with ThreadPoolExecutor(num_requests) as pool:
+        list(pool.map(one, range(num_requests)))
+    return codes
+
+
+def test_queue_overflow_is_resource_exhausted(cluster):
+    stub = cluster.stub()
+    codes = flood(stub, 64, max_tokens=60)
     assert "RESOURCE_EXHAUSTED" in codes, codes
     assert set(codes) <= {"OK", "RESOURCE_EXHAUSTED"}
     assert codes.count("OK") >= 32

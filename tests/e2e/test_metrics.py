@@ -11,7 +11,6 @@ import threading
 import time
 import urllib.request
 from collections import defaultdict
-from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 import pytest
@@ -19,7 +18,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from proto.baton.v1 import inference_pb2 as pb
 from tests.e2e.conftest import cluster_config, start_cluster, stop_cluster
-from tests.e2e.test_cluster import collect, request, wait_blocks_released
+from tests.e2e.test_cluster import collect, flood, request, wait_blocks_released
 
 pytest.importorskip("ray")
 pytest.importorskip("nixl")
@@ -161,17 +160,7 @@ def test_refusals_aborts_and_cancellations_are_counted(cluster):
     wait_blocks_released(stub)
 
     # Past router.max_queued_requests (4): RESOURCE_EXHAUSTED, each one counted.
-    codes = []
-
-    def one(i):
-        try:
-            collect(stub, request(f"flood {i}", max_tokens=40), timeout=120)
-            codes.append("OK")
-        except grpc.RpcError as exc:
-            codes.append(exc.code().name)
-
-    with ThreadPoolExecutor(12) as pool:
-        list(pool.map(one, range(12)))
+    codes = flood(stub, 12, max_tokens=40)
     assert set(codes) <= {"OK", "RESOURCE_EXHAUSTED"}
     wait_blocks_released(stub)
     after = scrape(cluster)
