@@ -3,9 +3,9 @@
 Ray: connect to the cluster in ``RAY_ADDRESS`` (what ``ray job submit`` sets) or to a
 running local one (``address="auto"``); else start a local instance, which keeps Ray's
 token authentication on. Each worker replica gets its own placement group, its
-``tensor_parallel`` ranks packed on one node, one actor per rank, and every rank of every
-decode worker is introduced to every rank of every prefill worker before the router starts
-(``cluster/replicas.py``). Workers push their token events to the router over an event
+``tensor_parallel`` x ``pipeline_parallel`` ranks packed on one node, one actor per rank,
+and every rank of every decode worker is introduced to every rank of every prefill
+worker before the router starts (``cluster/replicas.py``). Workers push their token events to the router over an event
 channel (``workers/channel.py``) whose listener binds to loopback when the whole Ray
 cluster is this node, else to this node's Ray address; connections must present the
 listener's random token. The router restarts a replica that dies through
@@ -214,5 +214,7 @@ def _spec(
         on_failure=config.kv_transfer.on_failure,
         num_threads=threads if device == "cpu" else 0,
         tensor_parallel=pool.tensor_parallel,
+        pipeline_parallel=pool.pipeline_parallel,
         dst_tensor_parallel=config.decode.tensor_parallel,
+        dst_pipeline_parallel=config.decode.pipeline_parallel,
     )

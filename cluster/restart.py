@@ -81,7 +81,7 @@ class RayRestarter:
     def _restart(self, name: str) -> Replica:
         old = self._replicas[name]
         spec = old.spec
-        logger.warning("restarting %s (%s, %d ranks)", name, spec.role, spec.tensor_parallel)
+        logger.warning("restarting %s (%s, %d ranks)", name, spec.role, spec.num_ranks)
         kill_replica(old)  # frees its bundles for the new placement group
         self._generations[name] += 1
         cancel = self._closing

@@ -1,11 +1,8 @@
 """The engine loop every worker runs: schedule -> execute -> sample -> update.
 
-Single-threaded and synchronous: callers add and abort requests between steps
-and read each step's ``StreamDelta``s (the streaming interface the prefill and
-decode workers build on).
-
-The prefill and decode workers run this same loop; their requests differ only at
-the ends (see ``add_request``):
+Single-threaded and synchronous: callers add and abort requests between steps and read
+each step's ``StreamDelta``s. Prefill and decode workers run this same loop; their
+requests differ only at the ends (see ``add_request``):
 
 - prefill role (``prefill_only``): after the first token the request leaves the
   scheduler, its blocks *held* with the prompt's KV; the worker calls
@@ -50,11 +47,10 @@ class LLMEngine:
         before_forward: Callable[[StepInputs], None] | None = None,
         agree_num_blocks: Callable[[int], int] | None = None,
     ):
-        """``parallel``: one rank of a replica (a tensor-parallel rank of a pipeline stage;
-        the stage keeps the KV cache of its layers only). Rank 0 (the last stage, which
-        samples) sends each step's inputs with ``before_forward`` to the other ranks, which
-        run ``runner.run`` (``workers/replica_*.py``); ``agree_num_blocks`` maps this rank's
-        KV-cache size to the one every rank uses."""
+        """``parallel``: one rank of a replica (a TP rank of a pipeline stage, caching its
+        layers' KV only). Rank 0 (the last stage: it samples) sends each step's inputs
+        with ``before_forward`` to the others, which run ``runner.run``
+        (``workers/replica_*.py``); ``agree_num_blocks`` agrees the KV-cache size."""
         self.config = config
         self.parallel = parallel or ParallelContext()
         self.device = config.resolve_device()
@@ -71,14 +67,9 @@ class LLMEngine:
         self.layer_range = self.parallel.layer_range(self.arch.num_hidden_layers)
         num_layers = self.layer_range[1] - self.layer_range[0]
         num_blocks = resolve_num_blocks(
-            config,
-            self.arch,
-            self.dtype,
-            self.device,
-            self.max_model_len,
-            self.num_kv_heads,
+            config, self.arch, self.dtype, self.device, self.max_model_len, self.num_kv_heads,
             num_layers,
-        )
+        )  # fmt: skip
         if agree_num_blocks is not None:
             num_blocks = agree_num_blocks(num_blocks)
         self.kv_cache = allocate_kv_cache(
@@ -242,11 +233,9 @@ class LLMEngine:
     def kv_received(self, request_id: str, ok: bool) -> None:
         """Decode role: the transfer into a RECEIVING request's blocks has ended.
 
-        ``ok``: the next step decodes from the received KV. Not ``ok``: the prompt is
-        recomputed here (same tokens; slower). A request aborted while receiving is
-        finished now (blocks freed); its final delta comes with the next ``step``. Raises
-        ValueError for a request that is not RECEIVING.
-        """
+        ``ok``: the next step decodes from the received KV; else the prompt is recomputed
+        here. One aborted while receiving is finished now (blocks freed); its final delta
+        comes with the next ``step``. ValueError for a request not RECEIVING."""
         req = self.scheduler.finish_receiving(request_id, ok)
         if req.is_finished:
             self._pending.append(self._final_delta(req, (), "", None))

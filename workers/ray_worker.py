@@ -44,7 +44,7 @@ def _worker_metrics(spec: WorkerSpec):
 
 class WorkerActor:
     """Rank 0 of a worker replica inside a Ray actor: the engine loop, the router's work and
-    the KV hand-off; with tensor_parallel > 1 it drives the other ranks (``ray_rank.py``).
+    the KV hand-off; with several ranks (TP x PP) it drives the others (``ray_rank.py``).
 
     Built in two calls: the constructor only keeps the spec, so that bring-up can ask
     this rank where the replica meets (``rendezvous``) before every rank ``start``s.
@@ -80,11 +80,13 @@ class WorkerActor:
 
         spec = self.spec
         parallel = link = agree = None
-        if spec.tensor_parallel > 1:
+        if spec.num_ranks > 1:
             device_type = "cuda" if spec.device.startswith("cuda") else "cpu"
-            parallel, link = join_replica(0, spec.tensor_parallel, address, port, device_type)
+            parallel, link = join_replica(
+                0, spec.num_ranks, address, port, device_type, spec.pipeline_parallel
+            )
             agree = agree_min(link)
-        replica = ReplicaKV(link, spec.dst_tensor_parallel)
+        replica = ReplicaKV(link, spec.dst_tensor_parallel, spec.dst_pipeline_parallel)
         engine = build_engine(
             spec, parallel, replica.before_forward if link is not None else None, agree
         )
@@ -101,7 +103,7 @@ class WorkerActor:
             "worker %s (%s, %d ranks) ready in pid %d",
             spec.name,
             spec.role,
-            spec.tensor_parallel,
+            spec.num_ranks,
             os.getpid(),
         )
 

@@ -26,23 +26,6 @@ pytest.importorskip("nixl")
 BLOCK_SIZE = 8  # cluster_config's kv_cache.block_size
 
 
-def _bring_up_passes_pipeline_parallel() -> bool:
-    """Bring-up (cluster/bringup.py) hands pipeline_parallel on to the workers."""
-    from cluster import bringup
-    from cluster.config import ClusterConfig, PoolSection
-
-    pool = PoolSection(pipeline_parallel=2)
-    spec = bringup._spec(ClusterConfig(), pool, "p", "prefill", "m", "m", "cpu", 1)
-    return spec.pipeline_parallel == 2
-
-
-pytestmark = pytest.mark.skipif(
-    not _bring_up_passes_pipeline_parallel(),
-    reason="cluster/bringup.py does not pass pipeline_parallel to WorkerSpec yet "
-    "(docs/replicas.md, 'Pipeline parallelism': the wiring left to do)",
-)
-
-
 @pytest.fixture(scope="module")
 def reference(tiny_model_dir):
     """The single-process engine's greedy tokens (as test_parallel_cluster.py's)."""
