@@ -19,9 +19,7 @@ after the other, with the same model, block size, KV blocks and step budget.
   the cluster's stamps come from a hook installed through ``sitecustomize`` (see
   ``bench/serving_stamps.py``) that appends (kind, request id, tokens, time) to a list.
 
-    python bench/serving.py --rate 1.5 0.75 --repeats 3 --json bench/serving.json
-
-(about 14 minutes on 2 cores; with the default single rate, about 9.)
+    python bench/serving.py --rate 1.5 0.75 --repeats 3 --json bench/serving.json  # 14 min
 """
 
 from __future__ import annotations
@@ -32,7 +30,6 @@ import json
 import os
 import platform
 import random
-import socket
 import sys
 import tempfile
 import time
@@ -60,8 +57,7 @@ from serving_overhead import DirectEngine, delivery, router_overhead  # noqa: E4
 from serving_stamps import wait_for_stamps  # noqa: E402
 from serving_stats import dist_ms, median_run  # noqa: E402
 
-PROMPT_LENS = (32, 128, 320, 600)
-MAX_TOKENS = (16, 128)
+PROMPT_LENS, MAX_TOKENS = (32, 128, 320, 600), (16, 128)  # prompt lengths, max_tokens range
 MODES = ("disaggregated", "aggregated")
 REQUEST_TIMEOUT_S = 300.0
 
@@ -188,9 +184,9 @@ async def run_overhead(address: str, work: list[Item], engine: DirectEngine, tag
 
 # ---- the cluster -----------------------------------------------------------------------
 def cluster_config(model_dir: str, mode: str, args: argparse.Namespace) -> dict:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    from workers.replica import free_port
+
+    port = free_port("127.0.0.1")  # serving_cluster.Cluster needs it up front
     pool = {
         "max_num_seqs": args.max_num_seqs,
         "max_num_batched_tokens": args.max_num_batched_tokens,
