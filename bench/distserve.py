@@ -1,0 +1,229 @@
+"""DistServe in miniature, measured with ``baton bench``: long prompts arrive among ongoing
+decodes; 1 prefill + 1 decode worker (disaggregated) against 2 aggregated workers at the
+same request rates.
+
+The workload is a JSONL trace (written here, fixed seed) mixing two kinds of requests in
+random order: *chat* (short prompt, long output: they spend their life decoding) and
+*documents* (long prompt, short output). In the aggregated cluster a document's prefill
+chunks share engine steps with the chats' decodes and stretch them; in the disaggregated
+one the decode worker never prefills. Each configuration is served by ``python -m
+cluster`` as a user would, and loaded by ``baton bench --dataset trace --rates ...``
+(Poisson arrivals; each rate with fresh prompts, so no prefix-cache hits); the
+configurations alternate in every repeat, and each figure is the median over repeats.
+
+    python bench/distserve.py --rates 0.4,0.7,1.0 --repeats 3 \\
+        --json bench/distserve.json --plot bench/distserve.png
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import random
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from statistics import median
+
+ROOT = Path(__file__).resolve().parents[1]
+# `python bench/distserve.py` puts bench/ first on sys.path, where bench/kernels.py shadows
+# the `kernels` package; the repository goes first, bench/ last (serving_cluster).
+if sys.path and Path(sys.path[0]).resolve() == ROOT / "bench":
+    del sys.path[0]
+sys.path[:0] = [str(ROOT)]
+sys.path.append(str(ROOT / "bench"))
+
+from serving_cluster import Cluster, Host  # noqa: E402
+
+MODES = ("disaggregated", "aggregated")
+FIGURES = (  # (key in a baton bench run, percentile key, label)
+    ("ttft_ms", "median", "TTFT p50 (ms)"),
+    ("ttft_ms", "p99", "TTFT p99 (ms)"),
+    ("tpot_ms", "median", "TPOT p50 (ms)"),
+    ("tpot_ms", "p99", "TPOT p99 (ms)"),
+    ("itl_ms", "p99", "ITL p99 (ms)"),
+    ("goodput", None, "goodput (req/s)"),
+    ("request_throughput", None, "requests/s"),
+    ("output_throughput", None, "output tok/s"),
+)
+
+
+def write_trace(path: Path, args: argparse.Namespace) -> dict:
+    """The mixed workload; returns its composition."""
+    rng = random.Random(args.seed)
+    rows, kinds = [], {"chat": 0, "document": 0}
+    for i in range(args.num_prompts):
+        if rng.random() < args.document_share:
+            kind, input_len, output_len = "document", rng.randint(800, 960), rng.randint(8, 32)
+        else:
+            kind, input_len, output_len = "chat", rng.randint(32, 96), rng.randint(64, 128)
+        kinds[kind] += 1
+        rows.append({"timestamp": i * 1000, "input_length": input_len, "output_length": output_len})
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return {
+        **kinds,
+        "input_tokens": sum(r["input_length"] for r in rows),
+        "output_tokens": sum(r["output_length"] for r in rows),
+    }
+
+
+def cluster_config(model_dir: str, mode: str, args: argparse.Namespace) -> dict:
+    pool = {"max_num_seqs": 64, "max_num_batched_tokens": args.max_num_batched_tokens}
+    disaggregated = mode == "disaggregated"
+    return {
+        "model": {"path": model_dir, "name": "bench", "max_model_len": 1024},
+        "prefill": {"replicas": 1 if disaggregated else 0, **pool},
+        "decode": {"replicas": 1 if disaggregated else 2, **pool},
+        "kv_cache": {"block_size": 16, "num_blocks": 2048},
+        "kv_transfer": {"backend": "nixl"},
+        "router": {
+            "port": free_port(),
+            "policy": "kv_aware",
+            "disaggregation": "always" if disaggregated else "never",
+            "max_queued_requests": 4 * args.num_prompts,
+            "drain_grace_seconds": 5,
+        },
+        "metrics": {"port": 0},
+    }
+
+
+def free_port() -> int:
+    # serving_cluster.Cluster needs the router's port up front.
+    from workers.replica import free_port as pick
+
+    return pick("127.0.0.1")
+
+
+def run_mode(mode: str, model_dir: str, trace: Path, args, host: Host, workdir: Path) -> list:
+    """Serve ``mode``, sweep the rates with ``baton bench``; its runs (one per rate)."""
+    host.wait_quiet(args.quiet_wait)
+    cluster = Cluster(cluster_config(model_dir, mode, args), workdir)
+    try:
+        result = workdir / "result.json"
+        command = [
+            str(Path(sys.executable).parent / "baton"), "bench", "--target", cluster.address,
+            "--dataset", "trace", "--trace", str(trace), "--rates", args.rates,
+            "--ignore-eos", "--warmup", "4", "--seed", str(args.seed), "--slo", args.slo,
+            "--result-json", str(result),
+        ]  # fmt: skip
+        started = host.sample()
+        subprocess.run(command, check=True, cwd=ROOT)
+        foreign = host.foreign_s(started)
+        runs = json.loads(result.read_text())["runs"]
+    finally:
+        cluster.stop()
+    for run in runs:
+        run.pop("requests")  # per-request records: large, and not needed here
+        run["foreign_core_s"] = foreign
+        if run["failed"]:
+            raise RuntimeError(f"{mode} at {run['request_rate']}: {run['errors']}")
+    return runs
+
+
+def figure(run: dict, key: str, pct: str | None) -> float:
+    return run[key][pct] if pct else run[key]
+
+
+def summarize(all_runs: dict[str, list[list[dict]]], rates: list[float]) -> dict:
+    """Median over repeats of every figure, per mode and rate."""
+    out: dict = {}
+    for mode, repeats in all_runs.items():
+        out[mode] = {}
+        for i, rate in enumerate(rates):
+            out[mode][str(rate)] = {
+                label: median(figure(runs[i], key, pct) for runs in repeats)
+                for key, pct, label in FIGURES
+            }
+    return out
+
+
+def table(medians: dict, rates: list[float]) -> str:
+    lines = []
+    for rate in rates:
+        d, a = medians["disaggregated"][str(rate)], medians["aggregated"][str(rate)]
+        lines += [f"\n**{rate} req/s**\n", "| | disaggregated 1P+1D | aggregated 2× | A ÷ D |"]
+        lines.append("|---|---|---|---|")
+        for _, _, label in FIGURES:
+            ratio = a[label] / d[label] if d[label] else float("nan")
+            lines.append(f"| {label} | {d[label]:.3g} | {a[label]:.3g} | {ratio:.2f}× |")
+    return "\n".join(lines)
+
+
+def plot(medians: dict, rates: list[float], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    labels = ["TTFT p99 (ms)", "TPOT p99 (ms)", "TPOT p50 (ms)", "goodput (req/s)"]
+    fig, axes = plt.subplots(2, 2, figsize=(10, 7))
+    for ax, label in zip(axes.flat, labels, strict=True):
+        for mode, style in zip(MODES, ("o-", "s--"), strict=True):
+            ax.plot(rates, [medians[mode][str(r)][label] for r in rates], style, label=mode)
+        ax.set_xlabel("request rate (req/s)")
+        ax.set_title(label)
+        ax.grid(alpha=0.3)
+    axes.flat[0].legend()
+    fig.suptitle("1 prefill + 1 decode vs 2 aggregated workers: documents among chats")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--rates", default="0.4,0.7,1.0")
+    parser.add_argument("--num-prompts", type=int, default=40)
+    parser.add_argument("--document-share", type=float, default=0.4)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--slo", default="ttft=4000,tpot=100")
+    parser.add_argument("--max-num-batched-tokens", type=int, default=512)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--model", help="model directory (default: a small random Llama)")
+    parser.add_argument("--quiet-wait", type=float, default=30.0)
+    parser.add_argument("--json", type=Path)
+    parser.add_argument("--plot", type=Path)
+    args = parser.parse_args()
+    rates = [float(r) for r in args.rates.split(",")]
+    model_dir = Path(args.model) if args.model else ROOT / ".models/bench-small-llama"
+    if not (model_dir / "config.json").exists():
+        from workers.make_model import make_model
+
+        make_model(model_dir, "llama", "small", seed=0)
+    host = Host()
+    all_runs: dict[str, list] = {mode: [] for mode in MODES}
+    started = time.monotonic()
+    with tempfile.TemporaryDirectory(prefix="baton-distserve-") as tmp:
+        trace = Path(tmp) / "trace.jsonl"
+        workload = write_trace(trace, args)
+        print(f"workload: {workload}", flush=True)
+        for repeat in range(args.repeats):
+            order = MODES if repeat % 2 == 0 else MODES[::-1]  # cancel drift
+            for mode in order:
+                workdir = Path(tmp) / f"{mode}-{repeat}"
+                workdir.mkdir()
+                runs = run_mode(mode, str(model_dir), trace, args, host, workdir)
+                all_runs[mode].append(runs)
+                print(f"repeat {repeat} {mode}: done", flush=True)
+    medians = summarize(all_runs, rates)
+    print(table(medians, rates))
+    if args.plot:
+        plot(medians, rates, args.plot)
+    if args.json:
+        document = {
+            "command": " ".join(sys.argv),
+            "machine": {"platform": platform.platform(), "processor": platform.processor()},
+            "workload": workload,
+            "arguments": {k: str(v) for k, v in vars(args).items()},
+            "wall_s": time.monotonic() - started,
+            "medians": medians,
+            "runs": all_runs,
+        }
+        args.json.write_text(json.dumps(document, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
