@@ -14,6 +14,7 @@ one machine).
 from __future__ import annotations
 
 import logging
+import os
 import shutil
 import threading
 
@@ -28,34 +29,40 @@ _TIMEOUT_S = 60.0
 
 
 class MetricsExporter:
-    """The Ray actor: serves one node directory over HTTP until ``close``."""
+    """The Ray actor: serves one node directory over HTTP until ``close``.
+
+    A port it cannot take is an error *value* (``address``), not an exception: Ray would
+    wrap a raising constructor's message in a page of traceback."""
 
     def __init__(self, directory: str, host: str, port: int):
-        import os
-
         from prometheus_client import CollectorRegistry, start_http_server
 
         os.makedirs(directory, exist_ok=True)
         self.directory = directory
+        self._server = None
+        self._address, self._error = "", ""
         registry = CollectorRegistry(auto_describe=False)
         registry.register(NodeCollector(directory))
         try:
-            self._server, self._thread = start_http_server(port, host, registry)
+            self._server, _thread = start_http_server(port, host, registry)
         except OSError as exc:
-            raise RuntimeError(f"metrics.port: cannot listen on {host}:{port}: {exc}") from None
+            self._error = f"metrics.port: cannot listen on {host}:{port}: {exc.strerror}"
+            return
         bound = self._server.server_port
         self._address = f"{host}:{bound}"
         if host in ("0.0.0.0", "::"):
             self._address = f"{ray.util.get_node_ip_address()}:{bound}"
 
-    def address(self) -> str:
-        """Where this node's metrics are: ``HOST:PORT`` (``/metrics`` on it)."""
-        return self._address
+    def address(self) -> list[str]:
+        """[``HOST:PORT`` where this node's metrics are (``/metrics`` on it), ""], or
+        ["", the error] when it could not listen."""
+        return [self._address, self._error]
 
     def close(self) -> None:
         """Stop serving and remove the node directory (the run is over)."""
-        self._server.shutdown()
-        self._server.server_close()
+        if self._server is not None:
+            self._server.shutdown()
+            self._server.server_close()
         shutil.rmtree(self.directory, ignore_errors=True)
 
 
@@ -95,11 +102,12 @@ class NodeExporters:
             started = []
             for node_id, ref in fresh.items():
                 try:
-                    address = ray.get(ref, timeout=_TIMEOUT_S)
+                    address, error = ray.get(ref, timeout=_TIMEOUT_S)
                 except ray.exceptions.RayError as exc:
-                    del self._actors[node_id]
-                    cause = getattr(exc, "cause", None) or exc
-                    raise RuntimeError(f"node {node_id[:12]}: {cause}") from None
+                    error = str(exc).splitlines()[0]  # Ray's errors go on for a page
+                if error:  # none is left behind: a later ensure tries this node again
+                    _stop([self._actors.pop(node_id)])
+                    raise RuntimeError(f"node {node_id[:12]}: {error}")
                 self._addresses[node_id] = address
                 started.append(address)
             return started
@@ -112,17 +120,21 @@ class NodeExporters:
     def close(self) -> None:
         """Stop every exporter (their node directories go with them)."""
         with self._lock:
-            actors, self._actors = dict(self._actors), {}
-        closes = [a.close.remote() for a in actors.values()]
+            actors, self._actors = list(self._actors.values()), {}
+        _stop(actors)
+
+
+def _stop(actors: list) -> None:
+    """Close exporter actors (their directories go), then end them."""
+    try:
+        ray.get([a.close.remote() for a in actors], timeout=_TIMEOUT_S)
+    except Exception:
+        logger.warning("some metrics exporters did not close", exc_info=True)
+    for actor in actors:
         try:
-            ray.get(closes, timeout=_TIMEOUT_S)
+            ray.kill(actor, no_restart=True)
         except Exception:
-            logger.warning("some metrics exporters did not close", exc_info=True)
-        for actor in actors.values():
-            try:
-                ray.kill(actor, no_restart=True)
-            except Exception:
-                logger.debug("cannot kill a metrics exporter", exc_info=True)
+            logger.debug("cannot kill a metrics exporter", exc_info=True)
 
 
 def replica_nodes(placement_group) -> list[str]:
