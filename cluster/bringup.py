@@ -110,12 +110,13 @@ def bring_up(config: ClusterConfig) -> Cluster:
     cluster = Cluster(config, router=None, listener=None, started_ray=started)  # type: ignore[arg-type]
     try:
         metrics_root = ""
+        here = ray.get_runtime_context().get_node_id()  # this process's (the router's) node
         if config.metrics.enabled:
             metrics_root = default_root(RUN_ID)
             m = config.metrics
             cluster.exporters = NodeExporters(metrics_root, m.host, m.port, RUN_ID)
             # This process (the router) records into its node's directory too.
-            record_into(node_directory(metrics_root, ray.get_runtime_context().get_node_id()))
+            record_into(node_directory(metrics_root, here))
         has_gpu = ray.cluster_resources().get("GPU", 0) > 0
         gpus_per_node = max((n["Resources"].get("GPU", 0) for n in ray.nodes()), default=0)
         # Local CPU ranks share the machine's cores; give each its share of threads.
@@ -132,7 +133,7 @@ def bring_up(config: ClusterConfig) -> Cluster:
                 )
         replicas = cluster.replicas
         if cluster.exporters is not None:
-            nodes = [ray.get_runtime_context().get_node_id()]
+            nodes = [here]
             nodes += [n for r in replicas.values() for n in replica_nodes(r.placement_group)]
             cluster.exporters.ensure(nodes)
         start_replicas(replicas)
