@@ -68,11 +68,9 @@ def test_one_endpoint_per_node_serves_router_and_worker_series(cluster):
     urls = cluster.metrics_urls()
     assert len(urls) == 1 and urls[0].startswith("http://127.0.0.1:")
     s = scrape(cluster)
+    series = [labels for labels, _ in s.samples["baton_num_requests_running"]]
     for labels in (ROUTER, PREFILL, DECODE):
-        assert ("baton_num_requests_running", labels) in [
-            ("baton_num_requests_running", have)
-            for have, _ in s.samples["baton_num_requests_running"]
-        ]
+        assert labels in series
     assert s.samples["baton_kv_cache_usage_ratio"], "every worker reports its KV usage"
 
 
@@ -199,16 +197,14 @@ def test_gauges_follow_a_running_request(cluster):
     assert busy.get("baton_kv_cache_usage_ratio", **DECODE) > 0
     call.cancel()
     wait_blocks_released(stub)
-    deadline = time.monotonic() + 10
-    while True:  # worker gauges follow their reports (at least every 0.25 s)
-        s = scrape(cluster)
-        idle = [
-            s.get("baton_num_requests_running", **labels) == 0
-            and s.get("baton_num_requests_waiting", **labels) == 0
-            and s.get("baton_kv_cache_usage_ratio", **labels) == 0
+
+    def idle(s: Scrape) -> bool:
+        workers = all(
+            s.get(name, **labels) == 0
+            for name in ("baton_num_requests_running", "baton_num_requests_waiting",
+                         "baton_kv_cache_usage_ratio")
             for labels in (PREFILL, DECODE)
-        ]
-        if all(idle) and s.get("baton_num_requests_running", **ROUTER) == 0:
-            break
-        assert time.monotonic() < deadline, s.samples
-        time.sleep(0.1)
+        )  # fmt: skip
+        return workers and s.get("baton_num_requests_running", **ROUTER) == 0
+
+    wait_for(cluster, idle)
