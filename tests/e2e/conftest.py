@@ -125,3 +125,16 @@ def cluster(tiny_model_dir, tmp_path_factory):
     code = stop_cluster(served)
     assert code == 0, served.output()[-4000:]
     assert "baton: stopped" in served.output()
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_model_dir) -> dict[int, list[int]]:
+    """The single-process engine's greedy tokens for test_cluster's PROMPTS and
+    TOKEN_PROMPT (24 each, EOS ignored): what every cluster layout must give."""
+    from tests.e2e.test_cluster import PROMPTS, TOKEN_PROMPT
+    from workers import LLM, SamplingParams
+
+    llm = LLM(str(tiny_model_dir), dtype="float32", max_model_len=512)
+    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    prompts = [*PROMPTS, TOKEN_PROMPT]
+    return {i: list(out.token_ids) for i, out in enumerate(llm.generate(prompts, params))}

@@ -49,16 +49,6 @@ def _block_bytes(model_dir) -> int:
     return arch.num_hidden_layers * 2 * arch.num_key_value_heads * BLOCK_SIZE * arch.head_dim * 4
 
 
-@pytest.fixture(scope="module")
-def reference(tiny_model_dir):
-    from workers import LLM, SamplingParams
-
-    llm = LLM(str(tiny_model_dir), dtype="float32", max_model_len=512)
-    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
-    prompts = [*PROMPTS, TOKEN_PROMPT]
-    return {i: list(out.token_ids) for i, out in enumerate(llm.generate(prompts, params))}
-
-
 def _layout_config(model_dir, prefill_tp: int, decode_tp: int, decode_replicas: int = 1):
     config = cluster_config(model_dir)
     config["prefill"]["tensor_parallel"] = prefill_tp
@@ -77,19 +67,25 @@ def test_mixed_layouts_match_the_single_process_engine(
         status = stub.GetClusterStatus(pb.GetClusterStatusRequest(), timeout=5)
         tps = {p.role: p.workers[0].tensor_parallel for p in status.pools}
         assert tps == {"prefill": prefill_tp, "decode": decode_tp}
-        for i, prompt in enumerate([*PROMPTS, TOKEN_PROMPT]):
-            req = request(prompt, disaggregation=pb.DISAGGREGATION_ALWAYS)
-            req.output.return_timing = True
-            disagg = collect(stub, req)
-            agg = collect(stub, request(prompt, disaggregation=pb.DISAGGREGATION_NEVER))
-            assert disagg[0] == agg[0] == reference[i], f"prompt {i}"
-            # Every head of every layer of every prompt block crossed over, exactly once,
-            # summed over the decode ranks (each pulls only the heads it holds).
-            blocks = -(-disagg[2].usage.prompt_tokens // BLOCK_SIZE)
-            assert disagg[2].timing.kv_transfer_bytes == blocks * _block_bytes(tiny_model_dir)
-        wait_blocks_released(stub)
+        assert_outputs_and_hand_off(stub, tiny_model_dir, reference)
     finally:
         assert stop_cluster(served) == 0
+
+
+def assert_outputs_and_hand_off(stub, model_dir, reference) -> None:
+    """Disaggregated and aggregated outputs equal the single-process engine's, every head
+    of every layer of every prompt block crossed over exactly once (summed over the
+    decode ranks: each pulls only the layers and heads it holds), and no block stays in
+    use."""
+    for i, prompt in enumerate([*PROMPTS, TOKEN_PROMPT]):
+        req = request(prompt, disaggregation=pb.DISAGGREGATION_ALWAYS)
+        req.output.return_timing = True
+        disagg = collect(stub, req)
+        agg = collect(stub, request(prompt, disaggregation=pb.DISAGGREGATION_NEVER))
+        assert disagg[0] == agg[0] == reference[i], f"prompt {i}"
+        blocks = -(-disagg[2].usage.prompt_tokens // BLOCK_SIZE)
+        assert disagg[2].timing.kv_transfer_bytes == blocks * _block_bytes(model_dir)
+    wait_blocks_released(stub)
 
 
 def _rank_pids(served, actor_class: str = "RankActor") -> list[int]:

@@ -17,25 +17,10 @@ import pytest
 
 from proto.baton.v1 import inference_pb2 as pb
 from tests.e2e.conftest import cluster_config, start_cluster, stop_cluster
-from tests.e2e.test_cluster import PROMPTS, TOKEN_PROMPT, collect, request, wait_blocks_released
-from tests.e2e.test_parallel_cluster import _block_bytes
+from tests.e2e.test_parallel_cluster import assert_outputs_and_hand_off
 
 pytest.importorskip("ray")
 pytest.importorskip("nixl")
-
-BLOCK_SIZE = 8  # cluster_config's kv_cache.block_size
-
-
-@pytest.fixture(scope="module")
-def reference(tiny_model_dir):
-    """The single-process engine's greedy tokens (as test_parallel_cluster.py's)."""
-    from workers import LLM, SamplingParams
-
-    llm = LLM(str(tiny_model_dir), dtype="float32", max_model_len=512)
-    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
-    prompts = [*PROMPTS, TOKEN_PROMPT]
-    return {i: list(out.token_ids) for i, out in enumerate(llm.generate(prompts, params))}
-
 
 LAYOUTS = [  # (prefill (tp, pp), decode (tp, pp))
     pytest.param((1, 2), (1, 1), id="P-PP2-D1"),
@@ -61,16 +46,6 @@ def test_pipeline_layouts_match_the_single_process_engine(
             for p in status.pools
         }
         assert layouts == {"prefill": prefill, "decode": decode}
-        for i, prompt in enumerate([*PROMPTS, TOKEN_PROMPT]):
-            req = request(prompt, disaggregation=pb.DISAGGREGATION_ALWAYS)
-            req.output.return_timing = True
-            disagg = collect(stub, req)
-            agg = collect(stub, request(prompt, disaggregation=pb.DISAGGREGATION_NEVER))
-            assert disagg[0] == agg[0] == reference[i], f"prompt {i}"
-            # Every head of every layer of every prompt block crossed over exactly once,
-            # summed over the decode ranks (each pulls only its layers and heads).
-            blocks = -(-disagg[2].usage.prompt_tokens // BLOCK_SIZE)
-            assert disagg[2].timing.kv_transfer_bytes == blocks * _block_bytes(tiny_model_dir)
-        wait_blocks_released(stub)
+        assert_outputs_and_hand_off(stub, tiny_model_dir, reference)
     finally:
         assert stop_cluster(served) == 0
