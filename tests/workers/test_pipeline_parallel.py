@@ -28,13 +28,18 @@ import torch
 import torch.multiprocessing as mp
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
-from tests.workers.test_tensor_parallel import MAX_TOKENS, PROMPT_LENGTHS, _config, _generate
+from tests.workers.test_tensor_parallel import (
+    MAX_TOKENS,
+    PROMPT_LENGTHS,
+    _config,
+    _follow,
+    _generate,
+)
 from workers.engine import LLMEngine
 from workers.make_model import make_model
 from workers.models import loader
 from workers.models.parallel import ParallelContext
 from workers.replica import agree_min, free_port, join_replica, leave_replica
-from workers.replica_follower import RankFollower
 from workers.replica_kv import ReplicaKV
 
 VOCAB = 1024  # the tiny tokenizer's (copied from a make_model directory)
@@ -116,12 +121,8 @@ def _rank_main(rank: int, world: int, pp: int, port: int, model_dir: str, out_di
             kv.close()
             result = {"tokens": tokens, "steps": kv.rounds - 1}  # less the stop command
         else:
-            engine = LLMEngine(
-                _config(model_dir), parallel=parallel, agree_num_blocks=agree_min(link)
-            )
-            follower = RankFollower(engine, link)
-            follower.run()
-            result = {"steps": follower.steps}
+            engine, steps = _follow(model_dir, parallel, link)
+            result = {"steps": steps}
         result["stage"] = [parallel.pp_rank, parallel.tp_rank]
         result["layers"] = list(engine.layer_range)
         result["kv_cache_shape"] = list(engine.kv_cache.shape)

@@ -64,6 +64,15 @@ def _generate(engine: LLMEngine) -> dict[str, list[int]]:
     return tokens
 
 
+def _follow(model_dir: str, parallel, link) -> tuple[LLMEngine, int]:
+    """A rank other than 0: build its engine, run rank 0's steps until told to stop;
+    (its engine, how many steps it ran)."""
+    engine = LLMEngine(_config(model_dir), parallel=parallel, agree_num_blocks=agree_min(link))
+    follower = RankFollower(engine, link)
+    follower.run()
+    return engine, follower.steps
+
+
 def _rank_main(rank: int, world: int, port: int, model_dir: str, out_dir: str) -> None:
     torch.set_num_threads(1)
     parallel, link = join_replica(rank, world, "127.0.0.1", port, "cpu")
@@ -86,12 +95,8 @@ def _rank_main(rank: int, world: int, port: int, model_dir: str, out_dir: str) -
             kv.close()
             result = {"tokens": tokens, "steps": len(sent)}
         else:
-            engine = LLMEngine(
-                _config(model_dir), parallel=parallel, agree_num_blocks=agree_min(link)
-            )
-            follower = RankFollower(engine, link)
-            follower.run()
-            result = {"steps": follower.steps}
+            engine, steps = _follow(model_dir, parallel, link)
+            result = {"steps": steps}
         result["kv_cache_shape"] = list(engine.kv_cache.shape)
         Path(out_dir, f"rank{rank}.json").write_text(json.dumps(result))
     finally:
