@@ -37,6 +37,7 @@ sys.path[:0] = [str(ROOT)]
 sys.path.append(str(ROOT / "bench"))
 
 from serving_cluster import Cluster, Host  # noqa: E402
+from workers.replica import free_port  # noqa: E402
 
 MODES = ("disaggregated", "aggregated")
 FIGURES = (  # (key in a baton bench run, percentile key, label)
@@ -80,7 +81,7 @@ def cluster_config(model_dir: str, mode: str, args: argparse.Namespace) -> dict:
         "kv_cache": {"block_size": 16, "num_blocks": 2048},
         "kv_transfer": {"backend": "nixl"},
         "router": {
-            "port": free_port(),
+            "port": free_port("127.0.0.1"),  # serving_cluster.Cluster needs it up front
             "policy": "kv_aware",
             "disaggregation": "always" if disaggregated else "never",
             "max_queued_requests": 4 * args.num_prompts,
@@ -88,13 +89,6 @@ def cluster_config(model_dir: str, mode: str, args: argparse.Namespace) -> dict:
         },
         "metrics": {"port": 0},
     }
-
-
-def free_port() -> int:
-    # serving_cluster.Cluster needs the router's port up front.
-    from workers.replica import free_port as pick
-
-    return pick("127.0.0.1")
 
 
 def run_mode(mode: str, model_dir: str, trace: Path, args, host: Host, workdir: Path) -> list:
