@@ -37,6 +37,7 @@ sys.path[:0] = [str(ROOT)]
 sys.path.append(str(ROOT / "bench"))
 
 from serving_cluster import Cluster, Host  # noqa: E402
+
 from workers.replica import free_port  # noqa: E402
 
 MODES = ("disaggregated", "aggregated")
