@@ -78,10 +78,11 @@ def _broadcast_main(rank: int, tp: int, pp: int, port: int, rounds: int, out: st
                 t0 = time.perf_counter()
                 if rank == 0:
                     data = encode_command(RankCommand(seq=seq, step=inputs))
-                    link.broadcast(data)
+                    link.send(data)
+                    link.settle()  # every rank has it
                     size = len(data)
                 else:
-                    decode_command(link.broadcast())
+                    decode_command(link.receive())
                 if seq >= 5:
                     times.append(time.perf_counter() - t0)
             results.append(

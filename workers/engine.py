@@ -18,6 +18,7 @@ import time
 import uuid
 from collections.abc import Callable, Sequence
 
+from workers.batches import BatchesInFlight, InFlightBatch
 from workers.block_manager import BlockManager
 from workers.cache_sizing import resolve_max_model_len, resolve_num_blocks
 from workers.config import EngineConfig
@@ -31,10 +32,10 @@ from workers.outputs import StreamDelta
 from workers.request import Request, check_stop
 from workers.sampler import Sampler, SamplerOutput, SamplingRow, TokenLogprobs, make_generator
 from workers.sampling_params import SamplingParams
-from workers.scheduler import Scheduler, SchedulerOutput
+from workers.scheduler import ScheduledChunk, Scheduler
 from workers.step_inputs import StepInputs
 from workers.step_times import StepTimes
-from workers.tokenizer import Tokenizer
+from workers.tokenizer import Tokenizer, encode_prompt
 
 
 class LLMEngine:
@@ -46,11 +47,14 @@ class LLMEngine:
         *,
         before_forward: Callable[[StepInputs], None] | None = None,
         agree_num_blocks: Callable[[int], int] | None = None,
+        batches_in_flight: int | None = None,
     ):
         """``parallel``: one rank of a replica (a TP rank of a pipeline stage, caching its
         layers' KV only). Rank 0 (the last stage: it samples) sends each step's inputs
         with ``before_forward`` to the others, which run ``runner.run``
-        (``workers/replica_*.py``); ``agree_num_blocks`` agrees the KV-cache size."""
+        (``workers/replica_*.py``); ``agree_num_blocks`` agrees the KV-cache size.
+        ``batches_in_flight``: at most this many batches in the pipeline at once
+        (default: one per pipeline stage; 1 runs the stages one batch at a time)."""
         self.config = config
         self.parallel = parallel or ParallelContext()
         self.device = config.resolve_device()
@@ -84,9 +88,14 @@ class LLMEngine:
         self.block_manager = BlockManager(
             num_blocks, config.block_size, config.enable_prefix_caching
         )
+        # One slot per pipeline stage: that many batches in flight keep every stage busy.
         self.scheduler = Scheduler(
-            self.block_manager, config.max_num_seqs, config.max_num_batched_tokens
+            self.block_manager,
+            config.max_num_seqs,
+            config.max_num_batched_tokens,
+            num_slots=self.parallel.pp_size if batches_in_flight is None else batches_in_flight,
         )
+        self._in_flight = BatchesInFlight()
         self.runner = ModelRunner(
             self.model, self.kv_cache, config.block_size, self.device, before_forward
         )
@@ -132,7 +141,7 @@ class LLMEngine:
         if request_id in self._held:
             raise ValueError(f"request_id {request_id!r} is already in use (held)")
         params.validate_for_model(self.vocab_size)
-        token_ids = self._prompt_token_ids(prompt)
+        token_ids = encode_prompt(self.tokenizer, prompt, self.vocab_size)
         room = self.max_model_len - len(token_ids)
         if room < 1:
             raise ValueError(
@@ -202,7 +211,7 @@ class LLMEngine:
     def has_unfinished_requests(self) -> bool:
         """True while anything is waiting, running or RECEIVING, or a final is unsent.
         Held requests do not count: they need no more steps."""
-        return self.scheduler.num_unfinished > 0 or bool(self._pending)
+        return self.scheduler.num_unfinished > 0 or bool(self._pending or self._in_flight)
 
     # ---- KV hand-off -----------------------------------------------------------------
     def release_held(self, request_id: str) -> bool:
@@ -245,50 +254,55 @@ class LLMEngine:
         return len(self.scheduler.receiving)
 
     # ---- the step --------------------------------------------------------------------
+    @property
+    def num_in_flight(self) -> int:
+        """Batches sent down the pipeline and not yet sampled (0 without stages)."""
+        return len(self._in_flight)
+
     def step(self) -> list[StreamDelta]:
-        """One engine step. If the model or sampler raises, no request advances (their
-        blocks stay allocated for a retry) and the finals of aborted requests are kept."""
-        t0 = time.perf_counter()
-        sched = self.scheduler.schedule()
-        if sched.is_empty:
+        """One engine step: fill the free slots with batches, then sample the oldest.
+
+        Without pipeline stages that is one batch, scheduled and sampled here. If the
+        model or sampler raises, no request of that batch advances (their blocks stay
+        allocated for a retry) and the finals of aborted requests are kept."""
+        self._in_flight.launch(self.scheduler, self.runner)
+        if not self._in_flight:
             deltas, self._pending = self._pending, []
             return deltas
-        t1 = time.perf_counter()
-        logits = self.runner.execute(sched, self.scheduler.requests)
-        t2 = time.perf_counter()
-        sampled = self.sampler(logits, self._sampling_rows(sched))
-        t3 = time.perf_counter()
-        deltas, self._pending = self._pending, []
-        deltas.extend(self._update(sched, sampled))
-        t4 = time.perf_counter()
-        self.step_times.add(
-            len(sched.chunks),
-            sched.num_batched_tokens,
-            (t1 - t0, self.runner.last_prepare_s, t2 - t1, t3 - t2, t4 - t3),
-        )
+        deltas = self._complete(self._in_flight.popleft())
+        deltas, self._pending = self._pending + deltas, []
         return deltas
 
-    def _sampling_rows(self, sched: SchedulerOutput) -> list[SamplingRow]:
-        rows = []
-        for chunk in sched.chunks:
-            if not chunk.needs_sample:
-                continue
-            req = self.scheduler.requests[chunk.request_id]
-            rows.append(
-                SamplingRow(
-                    params=req.params,
-                    prompt_token_ids=req.prompt_token_ids,
-                    output_token_ids=req.output_token_ids,
-                    generator=req.generator,
-                    eos_token_ids=req.eos_token_ids,  # empty under ignore_eos
-                )
-            )
-        return rows
+    def drain(self) -> None:
+        """Sample every batch in flight; their deltas come with the next ``step``.
+        (Rank 0 does this before it waits for the other ranks: ``ReplicaKV``.)"""
+        while self._in_flight:
+            self._pending.extend(self._complete(self._in_flight.popleft()))
 
-    def _update(self, sched: SchedulerOutput, sampled: SamplerOutput) -> list[StreamDelta]:
+    def _complete(self, batch: InFlightBatch) -> list[StreamDelta]:
+        """Run rank 0's part of a batch (all of it without stages), sample, update."""
+        t0 = time.perf_counter()
+        logits = self.runner.run(batch.inputs)
+        if logits is None:
+            raise RuntimeError("the rank that schedules must run the last pipeline stage")
+        t1 = time.perf_counter()
+        live, logits = batch.live(self.scheduler.requests, logits)
+        rows = [SamplingRow.of(req) for chunk, req in live if chunk.needs_sample]
+        sampled = self.sampler(logits, rows)
+        t2 = time.perf_counter()
+        deltas = self._update(live, sampled)
+        stages = (batch.schedule_s, batch.prepare_s, batch.prepare_s + t1 - t0, t2 - t1)
+        sched = batch.sched
+        stages += (time.perf_counter() - t2,)
+        self.step_times.add(len(sched.chunks), sched.num_batched_tokens, stages)
+        return deltas
+
+    def _update(
+        self, live: list[tuple[ScheduledChunk, Request]], sampled: SamplerOutput
+    ) -> list[StreamDelta]:
         deltas = []
         row = 0
-        for chunk in sched.chunks:
+        for chunk, _ in live:
             req = self.scheduler.update_computed(chunk)
             if not chunk.needs_sample:
                 continue
@@ -376,24 +390,3 @@ class LLMEngine:
             num_prompt_tokens=req.num_prompt_tokens,
             num_cached_tokens=req.num_cached_tokens,
         )
-
-    # ---- helpers ---------------------------------------------------------------------
-    def _prompt_token_ids(self, prompt: str | Sequence[int]) -> list[int]:
-        if isinstance(prompt, str):
-            token_ids = self.tokenizer.encode(prompt)
-        elif isinstance(prompt, Sequence) and all(
-            isinstance(t, int) and not isinstance(t, bool) for t in prompt
-        ):
-            token_ids = list(prompt)
-        else:
-            raise ValueError("prompt must be a string or a list of int token ids")
-        if not token_ids:
-            raise ValueError("prompt is empty")
-        # Also for text: a tokenizer with ids past the model's embedding would otherwise
-        # fail inside a step, for every request in the batch.
-        bad = [t for t in token_ids if not 0 <= t < self.vocab_size]
-        if bad:
-            raise ValueError(
-                f"prompt token ids out of vocabulary [0, {self.vocab_size}): {bad[:5]}"
-            )
-        return token_ids

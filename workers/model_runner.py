@@ -14,7 +14,6 @@ between pipeline stages. Only the last stage (rank 0's) returns logits.
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable, Mapping
 
 import numpy as np
@@ -42,7 +41,6 @@ class ModelRunner:
         self.block_size = block_size
         self.device = device
         self.before_forward = before_forward
-        self.last_prepare_s = 0.0  # input preparation time of the last step (engine stats)
 
     def prepare_inputs(self, sched: SchedulerOutput, requests: Mapping[str, Request]) -> StepInputs:
         """The step's flat batch as host arrays."""
@@ -123,17 +121,13 @@ class ModelRunner:
             to_dev(inputs.sample_indices, torch.int64),
         )
 
-    def execute(self, sched: SchedulerOutput, requests: Mapping[str, Request]) -> torch.Tensor:
-        """Run the step; returns float32 logits [num_sampling_chunks, vocab] (possibly 0 rows)."""
-        t0 = time.perf_counter()
+    def launch(self, sched: SchedulerOutput, requests: Mapping[str, Request]) -> StepInputs:
+        """Prepare the step's inputs and send them to the other ranks (``before_forward``);
+        ``run`` computes them, now or, with pipeline stages, once earlier batches are done."""
         inputs = self.prepare_inputs(sched, requests)
         if self.before_forward is not None:
             self.before_forward(inputs)
-        self.last_prepare_s = time.perf_counter() - t0
-        logits = self.run(inputs)
-        if logits is None:
-            raise RuntimeError("the rank that schedules must run the last pipeline stage")
-        return logits
+        return inputs
 
     @torch.inference_mode()
     def run(self, inputs: StepInputs) -> torch.Tensor | None:

@@ -1,14 +1,23 @@
 """Bytes between the ranks of one replica, over a gloo process group (host memory).
 
-Rank 0 broadcasts each command; every rank can be asked to answer and rank 0 gathers
+Rank 0 sends each command to every other rank, point to point and without waiting; the
+other ranks receive them in order. Every rank can be asked to answer and rank 0 gathers
 the answers. Messages up to a few KiB (a decode step of a small batch, most replies)
-take one collective: a fixed-size buffer whose first 8 bytes hold the length. Longer
-ones take a second collective for the rest. The group is gloo even when the model's
-own collectives run on NCCL, so the control path never touches the GPU, and a peer
-that dies closes its TCP connections: the next collective raises at once.
+take one transfer: a fixed-size buffer whose first 8 bytes hold the length. Longer ones
+take a second transfer for the rest. The group is gloo even when the model's own
+collectives run on NCCL, so the control path never touches the GPU, and a peer that
+dies closes its TCP connections: the next transfer with it raises at once.
+
+Why rank 0 does not wait for its sends: with pipeline stages it sends the next batch's
+command while earlier batches are still in the pipeline, and a rank of its own stage
+reads that command only after it has run those batches *together with rank 0* (their
+all-reduces). Waiting there would deadlock. ``settle`` waits for the sends that are
+safe to wait for (the caller knows which), which also surfaces a dead peer.
 """
 
 from __future__ import annotations
+
+from collections import deque
 
 import torch
 import torch.distributed as dist
@@ -16,6 +25,9 @@ import torch.distributed as dist
 COMMAND_INLINE_BYTES = 16 * 1024
 REPLY_INLINE_BYTES = 4 * 1024
 _HEADER = 8
+# Point-to-point tags of the commands; the activations between pipeline stages use 0.
+_TAG_COMMAND = 1
+_TAG_COMMAND_REST = 2
 
 
 class RankLink:
@@ -28,26 +40,56 @@ class RankLink:
         self._command = torch.zeros(COMMAND_INLINE_BYTES, dtype=torch.uint8)
         self._reply = torch.zeros(REPLY_INLINE_BYTES, dtype=torch.uint8)
         self._replies = [torch.zeros_like(self._reply) for _ in range(world_size)]
+        self.num_sent = 0  # rank 0: commands sent so far; the next one's number
+        # Rank 0: (number, transfers, buffers) of sends not yet waited for. The buffers
+        # must live until their transfers are done.
+        self._unsettled: deque[tuple[int, list[dist.Work], list[torch.Tensor]]] = deque()
 
-    def broadcast(self, data: bytes | None = None) -> bytes:
-        """Rank 0 passes ``data``; every rank returns it."""
+    def send(self, data: bytes) -> int:
+        """Rank 0: send ``data`` to every other rank without waiting; returns its number."""
+        assert self.rank == 0
+        head = torch.zeros(COMMAND_INLINE_BYTES, dtype=torch.uint8)
+        _pack(head, data)
+        buffers = [head]
+        rest_len = len(data) - (COMMAND_INLINE_BYTES - _HEADER)
+        if rest_len > 0:
+            buffers.append(_as_tensor(data[-rest_len:]))
+        works = [
+            dist.isend(buf, peer, group=self.group, tag=tag)
+            for peer in range(1, self.world_size)
+            for buf, tag in zip(buffers, (_TAG_COMMAND, _TAG_COMMAND_REST), strict=False)
+        ]
+        number = self.num_sent
+        self.num_sent += 1
+        self._unsettled.append((number, works, buffers))
+        return number
+
+    def settle(self, before: int | None = None) -> None:
+        """Rank 0: wait until the sends numbered below ``before`` (all: None) arrived.
+        Raises if a peer is gone. Only for sends that no rank needs rank 0 to reach."""
+        while self._unsettled and (before is None or self._unsettled[0][0] < before):
+            _, works, _ = self._unsettled[0]
+            for work in works:
+                work.wait()
+            self._unsettled.popleft()
+
+    def receive(self) -> bytes:
+        """The other ranks: rank 0's next message."""
+        assert self.rank != 0
         buf = self._command
-        if self.rank == 0:
-            assert data is not None
-            _pack(buf, data)
-        dist.broadcast(buf, 0, group=self.group)
+        dist.recv(buf, 0, group=self.group, tag=_TAG_COMMAND)
         length, inline = _unpack(buf)
         if length == len(inline):
             return inline
         rest = torch.empty(length - len(inline), dtype=torch.uint8)
-        if self.rank == 0:
-            assert data is not None
-            rest.copy_(_as_tensor(data[len(inline) :]))
-        dist.broadcast(rest, 0, group=self.group)
+        dist.recv(rest, 0, group=self.group, tag=_TAG_COMMAND_REST)
         return inline + rest.numpy().tobytes()
 
     def gather(self, data: bytes) -> list[bytes] | None:
-        """Every rank passes its answer; rank 0 gets all of them (rank order), others None."""
+        """Every rank passes its answer; rank 0 gets all of them (rank order), others None.
+        Rank 0 calls it only when no rank needs rank 0 to reach it (nothing in flight)."""
+        if self.rank == 0:
+            self.settle()
         _pack(self._reply, data)
         dist.all_gather(self._replies, self._reply, group=self.group)
         parts = [_unpack(buf) for buf in self._replies]

@@ -52,7 +52,7 @@ class RankFollower:
     def run(self) -> None:
         expected = 0
         while True:
-            command = decode_command(self.link.broadcast())
+            command = decode_command(self.link.receive())
             if command.seq != expected:
                 raise RuntimeError(f"rank command {command.seq} arrived, {expected} expected")
             expected += 1

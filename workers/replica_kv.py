@@ -21,6 +21,14 @@ replies to rank 0's commands: rank 0 asks for replies while anything is outstand
 on them, at least every ``POLL_S``, and sends an empty command at least every
 ``HEARTBEAT_S`` so that a dead rank is noticed (its link closes) within that time.
 With one rank there is no link and everything is local.
+
+**Batches in flight** (pipeline stages, ``bind_engine``): rank 0 sends a batch's step
+command while earlier batches are still in the pipeline. A rank of rank 0's own stage
+reads each command only after running the batches before it with rank 0, so rank 0 may
+wait for the other ranks (a reply, a send) only up to the oldest batch still in flight.
+A round that needs replies (an offer; news owed) first *drains* the pipeline: the
+engine completes every batch in flight. A step's command never asks for replies while
+other batches are in flight; the next poll does.
 """
 
 from __future__ import annotations
@@ -28,6 +36,7 @@ from __future__ import annotations
 import logging
 import queue
 import time
+from collections import deque
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
@@ -78,6 +87,10 @@ class ReplicaKV:
         self._receiving: dict[str, _Receiving] = {}
         self._seq = 0
         self._last_round = time.monotonic()
+        # The engine's batches in flight: how many, and how to complete them all.
+        self._in_flight: Callable[[], int] = lambda: 0
+        self._drain: Callable[[], None] = lambda: None
+        self._step_msgs: deque[int] = deque(maxlen=64)  # link numbers of step commands
         self.rounds = 0  # commands sent (stats, tests)
 
     def bind(
@@ -91,6 +104,11 @@ class ReplicaKV:
         self._connector = connector
         self._on_release = on_release
         self._wake = wake
+
+    def bind_engine(self, in_flight: Callable[[], int], drain: Callable[[], None]) -> None:
+        """The engine's batches in flight (``LLMEngine.num_in_flight``, ``drain``)."""
+        self._in_flight = in_flight
+        self._drain = drain
 
     def local_released(self, request_id: str, reason: str) -> None:
         """Rank 0's connector thread: its lease ended."""
@@ -190,7 +208,9 @@ class ReplicaKV:
     def close(self) -> None:
         """Tell the other ranks to stop (the loop is ending)."""
         if self.link is not None:
+            self._drain()
             self._round(stop=True)
+            self.link.settle()
 
     def abandon(self) -> None:
         """Rank 0's loop died: close the link, so that the other ranks' next collective
@@ -211,10 +231,22 @@ class ReplicaKV:
         """One command to every other rank; their replies when any were needed."""
         assert self.link is not None
         reply = bool(ops.get("offers")) or self.owed
+        in_flight = self._in_flight()  # not counting the batch of ``step``
+        if reply and in_flight:
+            if step is not None:
+                reply = False  # the next poll asks, once the pipeline drained
+            else:
+                self._drain()
+                in_flight = 0
         command = RankCommand(seq=self._seq, step=step, reply=reply, **ops)
         self._seq += 1
         self.rounds += 1
-        self.link.broadcast(encode_command(command))
+        number = self.link.send(encode_command(command))
+        if step is not None:
+            self._step_msgs.append(number)
+            in_flight += 1
+        # Safe to wait for: what the other ranks read before the oldest batch in flight.
+        self.link.settle(self._step_msgs[-in_flight] if in_flight else None)
         self._last_round = time.monotonic()
         if not reply:
             return []

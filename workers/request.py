@@ -57,6 +57,8 @@ class Request:
     is_remote_prefill: bool = False
     # Aborted while RECEIVING: its blocks stay until the transfer into them has ended.
     is_abort_requested: bool = False
+    # Which of the engine's batches in flight carries it (pipeline stages; 0 without).
+    slot: int = 0
 
     def __post_init__(self) -> None:
         self.token_ids = list(self.prompt_token_ids)

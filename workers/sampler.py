@@ -31,6 +31,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from workers.request import Request
 from workers.sampling.penalties import apply_penalties, suppress_stop_tokens
 from workers.sampling_params import SamplingParams
 
@@ -55,6 +56,14 @@ class SamplingRow:
     """Suppressed, with `params.stop_token_ids`, while fewer than `params.min_tokens`
     tokens were generated. The sampler suppresses whatever it is given here, so a caller
     that wants EOS to stay sampleable under `ignore_eos` passes an empty set."""
+
+    @classmethod
+    def of(cls, req: Request) -> SamplingRow:
+        """A request's row (its ``eos_token_ids`` are empty under ``ignore_eos``)."""
+        return cls(
+            req.params, req.prompt_token_ids, req.output_token_ids, req.generator,
+            req.eos_token_ids,
+        )  # fmt: skip
 
 
 @dataclass(frozen=True)

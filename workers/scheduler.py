@@ -16,6 +16,14 @@ Disaggregated roles differ only at the two ends of a request's life:
   admitted like any other, but gets blocks for its prompt only and waits in RECEIVING
   (counted against ``max_num_seqs``, never scheduled, never preempted) until
   ``finish_receiving`` says the KV arrived; then it decodes like any running request.
+
+**Slots** (pipeline stages): with ``num_slots > 1`` every request belongs to one slot,
+chosen when it is added (the slot with the fewest unfinished requests), and
+``schedule(slot)`` considers that slot's requests only: its running ones, and its
+waiting ones FCFS. The engine keeps one batch per slot in flight, so a request is never
+in two batches at once, and a preemption's victim is never one whose batch is still in
+the pipeline (it is taken from the slot being scheduled). ``max_num_seqs`` counts all
+slots together.
 """
 
 from __future__ import annotations
@@ -61,7 +69,11 @@ class Scheduler:
         block_manager: BlockManager,
         max_num_seqs: int,
         max_num_batched_tokens: int,
+        num_slots: int = 1,
     ):
+        if num_slots < 1:
+            raise ValueError(f"num_slots must be >= 1, got {num_slots}")
+        self.num_slots = num_slots
         self.block_manager = block_manager
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -80,6 +92,11 @@ class Scheduler:
     def add(self, req: Request) -> None:
         if req.request_id in self.requests:
             raise ValueError(f"request_id {req.request_id!r} is already in use")
+        if self.num_slots > 1:
+            load = [0] * self.num_slots
+            for other in self.requests.values():
+                load[other.slot] += 1
+            req.slot = load.index(min(load))
         self.requests[req.request_id] = req
         self.waiting.append(req)
 
@@ -166,18 +183,21 @@ class Scheduler:
         return len(self.requests)
 
     # ---- the step ----------------------------------------------------------------
-    def schedule(self) -> SchedulerOutput:
+    def schedule(self, slot: int = 0) -> SchedulerOutput:
+        """The next batch of ``slot``'s requests (all requests with one slot)."""
         budget = self.max_num_batched_tokens
         chunks: list[ScheduledChunk] = []
         preempted: list[str] = []
         bm = self.block_manager
+        running = [r for r in self.running if r.slot == slot]
 
         index = 0
-        while index < len(self.running) and budget > 0:
-            req = self.running[index]
+        while index < len(running) and budget > 0:
+            req = running[index]
             num_new = min(req.num_tokens - req.num_computed_tokens, budget)
             while not bm.allocate_slots(req.request_id, req.num_computed_tokens, num_new):
-                victim = self.running.pop()
+                victim = running.pop()
+                self.running.remove(victim)
                 self._preempt(victim)
                 preempted.append(victim.request_id)
                 if victim is req:
@@ -191,11 +211,12 @@ class Scheduler:
 
         while (
             not preempted
-            and self.waiting
             and budget > 0
             and len(self.running) + len(self.receiving) < self.max_num_seqs
         ):
-            req = self.waiting[0]
+            req = self._head_of_queue(slot)
+            if req is None:
+                break
             if req.is_remote_prefill:
                 if not self._admit_receiving(req):
                     break
@@ -205,7 +226,7 @@ class Scheduler:
             num_new = min(req.num_tokens - num_cached, budget)
             if not bm.allocate_slots(req.request_id, num_cached, num_new, prefix):
                 break  # FCFS: no one overtakes the head of the queue
-            self.waiting.popleft()
+            self.waiting.remove(req)
             if req.first_scheduled_time is None:
                 req.num_cached_tokens = num_cached
                 self._first_scheduled(req)
@@ -227,7 +248,7 @@ class Scheduler:
         """
         if not self.block_manager.allocate_slots(req.request_id, 0, req.num_prompt_tokens):
             return False
-        self.waiting.popleft()
+        self.waiting.remove(req)
         if req.first_scheduled_time is None:
             self._first_scheduled(req)
         req.num_computed_tokens = 0
@@ -236,6 +257,12 @@ class Scheduler:
         block_ids = tuple(self.block_manager.block_table(req.request_id))
         self._new_receives.append((req.request_id, block_ids))
         return True
+
+    def _head_of_queue(self, slot: int) -> Request | None:
+        """The first waiting request of ``slot`` (FCFS within the slot)."""
+        if self.num_slots == 1:
+            return self.waiting[0] if self.waiting else None
+        return next((r for r in self.waiting if r.slot == slot), None)
 
     def _first_scheduled(self, req: Request) -> None:
         req.first_scheduled_time = time.monotonic()

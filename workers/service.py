@@ -93,6 +93,7 @@ class EngineService:
             else None
         )
         self.kv.bind(self.connector, self._on_release, self._wake.set)
+        self.kv.bind_engine(lambda: engine.num_in_flight, engine.drain)
         self._thread = threading.Thread(target=self._loop, name=f"engine-{name}", daemon=True)
         self._thread.start()
 

@@ -113,3 +113,23 @@ def _token_id(backend: tokenizers.Tokenizer, token: str | dict[str, Any] | None)
     if not token:
         return None
     return backend.token_to_id(token)
+
+
+def encode_prompt(tokenizer: Tokenizer, prompt: str | Sequence[int], vocab_size: int) -> list[int]:
+    """A prompt (text, or token ids) as token ids; ValueError naming what is wrong."""
+    if isinstance(prompt, str):
+        token_ids = tokenizer.encode(prompt)
+    elif isinstance(prompt, Sequence) and all(
+        isinstance(t, int) and not isinstance(t, bool) for t in prompt
+    ):
+        token_ids = list(prompt)
+    else:
+        raise ValueError("prompt must be a string or a list of int token ids")
+    if not token_ids:
+        raise ValueError("prompt is empty")
+    # Also for text: a tokenizer with ids past the model's embedding would otherwise
+    # fail inside a step, for every request in the batch.
+    bad = [t for t in token_ids if not 0 <= t < vocab_size]
+    if bad:
+        raise ValueError(f"prompt token ids out of vocabulary [0, {vocab_size}): {bad[:5]}")
+    return token_ids

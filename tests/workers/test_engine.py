@@ -265,17 +265,17 @@ def test_a_failing_step_loses_nothing(tiny_llm):
     victim = engine.add_request("to be aborted", params)
     survivor = engine.add_request("a retry", params)
     engine.abort_request(victim)
-    real_execute = engine.runner.execute
+    real_run = engine.runner.run
 
     def broken(*args, **kwargs):
         raise RuntimeError("device fault")
 
-    engine.runner.execute = broken
+    engine.runner.run = broken
     try:
         with pytest.raises(RuntimeError, match="device fault"):
             engine.step()
     finally:
-        engine.runner.execute = real_execute
+        engine.runner.run = real_run
     deltas = []
     while engine.has_unfinished_requests():
         deltas.extend(engine.step())

@@ -111,15 +111,23 @@ def _rank_main(rank: int, world: int, pp: int, port: int, model_dir: str, out_di
     try:
         if rank == 0:
             kv = ReplicaKV(link)
+            ahead: list[int] = []  # batches already in flight when each one was sent
+
+            def send(inputs) -> None:
+                ahead.append(engine.num_in_flight)
+                kv.before_forward(inputs)
+
             engine = LLMEngine(
                 _config(model_dir),
                 parallel=parallel,
-                before_forward=kv.before_forward,
+                before_forward=send,
                 agree_num_blocks=agree_min(link),
             )
+            kv.bind_engine(lambda: engine.num_in_flight, engine.drain)
             tokens = _generate(engine)
             kv.close()
             result = {"tokens": tokens, "steps": kv.rounds - 1}  # less the stop command
+            result["max_ahead"] = max(ahead)
         else:
             engine, steps = _follow(model_dir, parallel, link)
             result = {"steps": steps}
@@ -155,6 +163,8 @@ def test_pipeline_ranks_match_the_single_process_engine_and_transformers(model, 
     arch = json.loads(Path(model_dir, "config.json").read_text())
     num_layers, kv_heads = arch["num_hidden_layers"], arch["num_key_value_heads"]
     assert results[0]["stage"] == [pp - 1, 0]  # rank 0 runs the last stage
+    # One batch per stage in flight: stage 0 runs the next batch while rank 0 the last.
+    assert results[0]["max_ahead"] == pp - 1
     covered: dict[int, list[int]] = {}  # stage -> its layers
     for rank, result in enumerate(results):
         stage = result["stage"][0]

@@ -30,9 +30,12 @@ class FakeLink:
         self.commands = []
         self.replies: dict[int, list[Received]] = {1: [], 2: []}
 
-    def broadcast(self, data: bytes) -> bytes:
+    def send(self, data: bytes) -> int:
         self.commands.append(decode_command(data))
-        return data
+        return len(self.commands) - 1
+
+    def settle(self, before: int | None = None) -> None:
+        self.settled = len(self.commands) if before is None else before
 
     def gather(self, data: bytes) -> list[bytes]:
         answers = [data]

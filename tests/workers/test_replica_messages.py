@@ -116,7 +116,11 @@ def _link_main(rank: int, port: int, out_dir: str) -> None:
         got = []
         for size in sizes:
             data = bytes((i * 7 + size) % 251 for i in range(size))
-            received = link.broadcast(data if rank == 0 else None)
+            if rank == 0:
+                link.send(data)
+                received = data
+            else:
+                received = link.receive()
             got.append(received == data)
         # Replies: rank 1's overflows the inline buffer, rank 0's is empty.
         mine = b"" if rank == 0 else bytes(i % 253 for i in range(REPLY_INLINE_BYTES * 3))

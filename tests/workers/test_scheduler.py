@@ -226,3 +226,53 @@ def test_hold_keeps_the_blocks_out_of_scheduling():
     bm.free("p")  # what the engine's release_held does
     bm.check_integrity()
     assert bm.num_used_blocks == 0
+
+
+# ---- slots: one batch per pipeline stage in flight ---------------------------------------
+
+
+def test_slots_balance_requests_and_schedule_only_their_own():
+    sched = Scheduler(BlockManager(64, BS), max_num_seqs=8, max_num_batched_tokens=64, num_slots=2)
+    for rid in "abcde":
+        sched.add(make_request(rid, [1, 2, 3]))
+    assert [sched.requests[r].slot for r in "abcde"] == [0, 1, 0, 1, 0]
+    first = sched.schedule(0)
+    assert [c.request_id for c in first.chunks] == ["a", "c", "e"]
+    # Slot 0's batch is "in flight" (not updated): slot 1 draws only its own requests,
+    # and slot 0's running requests are not touched.
+    second = sched.schedule(1)
+    assert [c.request_id for c in second.chunks] == ["b", "d"]
+    for out in (first, second):
+        for chunk in out.chunks:
+            sched.update_computed(chunk).append_token(7)
+    again = sched.schedule(0)
+    assert [(c.request_id, c.start_pos, c.num_tokens) for c in again.chunks] == [
+        ("a", 3, 1),
+        ("c", 3, 1),
+        ("e", 3, 1),
+    ]
+    sched.block_manager.check_integrity()
+    # A request added later goes to the slot with fewer unfinished requests.
+    sched.finish(sched.requests["b"], FinishReason.STOP)
+    sched.finish(sched.requests["d"], FinishReason.STOP)
+    sched.add(make_request("f", [4, 5]))
+    assert sched.requests["f"].slot == 1
+
+
+def test_a_slot_preempts_only_its_own_requests():
+    """Blocks run out while slot 1's batch is in flight: slot 0 preempts its own newest
+    request, never one of slot 1 (whose KV the pipeline is still writing)."""
+    sched = Scheduler(BlockManager(6, BS), max_num_seqs=8, max_num_batched_tokens=64, num_slots=2)
+    for rid in "abcd":
+        sched.add(make_request(rid, [1, 2, 3, 4]))  # one full block each
+    for slot in (0, 1):
+        for chunk in sched.schedule(slot).chunks:
+            sched.update_computed(chunk).append_token(7)
+    assert sched.block_manager.num_free_blocks == 2
+    in_flight = sched.schedule(1)  # b and d take the two free blocks for their 5th token
+    assert [c.request_id for c in in_flight.chunks] == ["b", "d"]
+    out = sched.schedule(0)  # a and c need a block each: none is free
+    assert out.preempted_ids == ("c",)
+    assert [c.request_id for c in out.chunks] == ["a"]
+    assert {sched.requests[r].status for r in "bd"} == {RequestStatus.RUNNING}
+    sched.block_manager.check_integrity()
