@@ -1,10 +1,12 @@
-"""Cost of rank 0 driving a parallel replica: the step broadcast, on CPU (gloo).
+"""Cost of rank 0 driving a parallel replica: the step command, on CPU (gloo).
 
 ``--tp`` x ``--pp`` ranks (default 2 x 1) in as many processes on this machine, joined
 like a cluster replica (``workers/replica.py``). Two measurements:
 
-1. **The broadcast alone**: rank 0 encodes a step's :class:`StepInputs` into a
-   :class:`RankCommand` and broadcasts it; the other rank decodes it. Decode steps of
+1. **The command alone**: rank 0 encodes a step's :class:`StepInputs` into a
+   :class:`RankCommand`, sends it and waits until every rank has it (``send`` +
+   ``settle``; figures before batches in flight were a gloo broadcast); the other rank
+   decodes it. Decode steps of
    batch 1 / 8 / 32 / 64 at 1k and 4k tokens of context (the block table grows with the
    context), and one 2048-token prefill chunk. Per shape: the payload, and the median
    over ``--rounds`` of rank 0's time (encode + broadcast) and the other rank's
