@@ -38,6 +38,7 @@ from cluster.replicas import (
 )
 from cluster.restart import RayRestarter
 from router.config import RouterConfig
+from router.recovery import RestartPolicy
 from router.router import Router
 from workers.channel import ChannelListener
 from workers.metrics_node import default_root, node_directory, record_into
@@ -165,7 +166,13 @@ def bring_up(config: ClusterConfig) -> Cluster:
             Tokenizer.from_dir(model_dir),
             clients["prefill"],
             clients["decode"],
-            restarter=cluster.restarter,
+            # No restarter: a dead worker stays out of routing (state "down").
+            restarter=cluster.restarter if config.router.restart_attempts > 0 else None,
+            restart_policy=RestartPolicy(
+                max_attempts=config.router.restart_attempts,
+                backoff_s=config.router.restart_backoff_seconds,
+                max_backoff_s=config.router.restart_max_backoff_seconds,
+            ),
         )
     except BaseException:
         cluster.shutdown()

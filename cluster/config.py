@@ -106,6 +106,15 @@ class RouterSection:
     drain_grace_seconds: float = option(
         30.0, "On SIGTERM, how long in-flight requests may take to finish", ge=0.0
     )
+    restart_attempts: int = option(
+        4, "Attempts to restart a dead worker's replica; 0 = leave it out of routing", ge=0
+    )
+    restart_backoff_seconds: float = option(
+        1.0, "Wait before the second restart attempt; doubles after each failure", gt=0.0
+    )
+    restart_max_backoff_seconds: float = option(
+        30.0, "Longest wait between restart attempts", gt=0.0
+    )
 
 
 @dataclass(frozen=True)
@@ -135,6 +144,12 @@ class ClusterConfig:
         if self.prefill.replicas < 1 and self.router.disaggregation != "never":
             raise ValueError(
                 "prefill.replicas: 0 prefill workers needs router.disaggregation: never"
+            )
+        router = self.router
+        if router.restart_max_backoff_seconds < router.restart_backoff_seconds:
+            raise ValueError(
+                f"router.restart_max_backoff_seconds ({router.restart_max_backoff_seconds}) "
+                f"is below router.restart_backoff_seconds ({router.restart_backoff_seconds})"
             )
 
 

@@ -41,6 +41,12 @@ def test_empty_and_missing_config_are_the_defaults():
         ({"model": "x"}, "model: expected a mapping"),
         ({"decode": {"replicas": 0}}, "decode.replicas: must be >= 1"),
         ({"prefill": {"replicas": 0}}, "disaggregation: never"),
+        ({"router": {"restart_attempts": -1}}, "router.restart_attempts: must be >= 0"),
+        ({"router": {"restart_backoff_seconds": 0}}, "router.restart_backoff_seconds: must be > 0"),
+        (
+            {"router": {"restart_backoff_seconds": 10, "restart_max_backoff_seconds": 5}},
+            "router.restart_max_backoff_seconds .5.0. is below router.restart_backoff_seconds",
+        ),
         ([1, 2], "config: expected a mapping"),
     ],
 )
