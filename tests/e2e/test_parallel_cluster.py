@@ -11,7 +11,8 @@ the prefill ranks that hold them, real gRPC. What must hold:
 - killing one rank of a decode replica ends the streams on that replica with an error
   within seconds, takes the replica out of routing, and the cluster keeps serving on the
   other decode replica; then the replica is restarted, and requests routed to the new one
-  give the same tokens;
+  give the same tokens. Decode replicas of TP=2 and of PP=2 (the killed rank is then the
+  first stage);
 - a prefill replica whose rank dies is restarted too, and its new KV agents are known to
   the decode workers (disaggregated requests give the same tokens); so are a TP=1 prefill
   and a TP=1 decode worker killed together (they restart one after the other and meet).
@@ -49,10 +50,13 @@ def _block_bytes(model_dir) -> int:
     return arch.num_hidden_layers * 2 * arch.num_key_value_heads * BLOCK_SIZE * arch.head_dim * 4
 
 
-def _layout_config(model_dir, prefill_tp: int, decode_tp: int, decode_replicas: int = 1):
+def _layout_config(
+    model_dir, prefill_tp: int, decode_tp: int, decode_replicas: int = 1, decode_pp: int = 1
+):
     config = cluster_config(model_dir)
     config["prefill"]["tensor_parallel"] = prefill_tp
     config["decode"]["tensor_parallel"] = decode_tp
+    config["decode"]["pipeline_parallel"] = decode_pp
     config["decode"]["replicas"] = decode_replicas
     return config
 
@@ -157,16 +161,18 @@ def _serves_the_reference(stub, reference, num: int = 4) -> set[str]:
     return decode_workers
 
 
+@pytest.mark.parametrize(("tp", "pp"), [(2, 1), (1, 2)], ids=["TP2", "PP2"])
 def test_a_dead_decode_rank_fails_its_streams_and_the_cluster_keeps_serving(
-    tiny_model_dir, tmp_path, reference
+    tiny_model_dir, tmp_path, reference, tp, pp
 ):
-    config = _layout_config(tiny_model_dir, 1, 2, decode_replicas=2)
+    config = _layout_config(tiny_model_dir, 1, tp, decode_replicas=2, decode_pp=pp)
     config["router"]["policy"] = "round_robin"  # the streams split over both replicas
     served = start_cluster(config, tmp_path)
     try:
         stub = served.stub()
         pids = _rank_pids(served)
-        assert len(pids) == 2, pids  # rank 1 of each decode replica
+        # Rank 1 of each decode replica: with PP=2 the first stage (rank 0 is the last).
+        assert len(pids) == 2, pids
         results: dict[int, object] = {}
         ended_at: dict[int, float] = {}
 
