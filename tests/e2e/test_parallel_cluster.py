@@ -132,16 +132,16 @@ def _wait_serving(stub, role: str, restarts: dict[str, int]) -> None:
         time.sleep(0.2)
 
 
-def _wait_restarting(stub, role: str) -> set[str]:
+def _wait_restarting(stub, role: str, state: str = "restarting") -> set[str]:
     """Poll until some replica of the pool is out of routing (death is seen in seconds),
-    and check that the status says it is being restarted; the names of those."""
+    and check that the status says it is being restarted (or ``state``); their names."""
     deadline = time.monotonic() + DEATH_DEADLINE_S
     while True:
         status = stub.GetClusterStatus(pb.GetClusterStatusRequest(), timeout=5)
         pool = next(p for p in status.pools if p.role == role)
         if pool.healthy_replicas < pool.replicas:
             down = [w for w in pool.workers if not w.healthy]
-            assert {w.state for w in down} == {"restarting"}, status
+            assert {w.state for w in down} == {state}, status
             return {w.name for w in down}
         if time.monotonic() > deadline:
             raise AssertionError(f"{role}: no replica went down: {status}")
@@ -256,3 +256,34 @@ def test_a_dead_prefill_rank_is_restarted_and_meets_the_decode_workers(
     finally:
         if served.process.poll() is None:
             stop_cluster(served)
+
+
+def test_without_restarts_a_dead_replica_stays_down_and_the_rest_serves(
+    tiny_model_dir, tmp_path, reference
+):
+    """``router.restart_attempts: 0``: no restart is tried. With the prefill pool down, a
+    request that must be handed off is refused (UNAVAILABLE); ``auto`` prefills on decode."""
+    config = _layout_config(tiny_model_dir, 2, 1)
+    config["router"]["restart_attempts"] = 0
+    served = start_cluster(config, tmp_path)
+    try:
+        stub = served.stub()
+        (pid,) = _rank_pids(served)  # rank 1 of the prefill replica
+        os.kill(pid, signal.SIGKILL)
+        assert _wait_restarting(stub, "prefill", state="down") == {"prefill-0"}
+        with pytest.raises(grpc.RpcError) as refused:  # the cluster's default: always
+            collect(stub, request(PROMPTS[0]))
+        assert refused.value.code() == grpc.StatusCode.UNAVAILABLE
+        assert "no healthy worker" in refused.value.details()
+        req = request(PROMPTS[0], disaggregation=pb.DISAGGREGATION_AUTO)
+        req.output.return_timing = True
+        tokens, _, final = collect(stub, req)
+        assert tokens == reference[0]
+        assert not final.timing.prefill_worker  # prefilled on the decode worker
+        assert final.finish_reason == pb.FINISH_REASON_LENGTH
+        status = stub.GetClusterStatus(pb.GetClusterStatusRequest(), timeout=5)
+        (prefill,) = [w for p in status.pools if p.role == "prefill" for w in p.workers]
+        assert (prefill.state, prefill.restarts) == ("down", 0)
+        wait_blocks_released(stub)
+    finally:
+        assert stop_cluster(served) == 0, served.output()[-4000:]
