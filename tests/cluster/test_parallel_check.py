@@ -8,21 +8,12 @@ import pytest
 
 from cluster.config import PoolSection
 from cluster.parallel_check import check_pool_parallel
+from tests.workers.test_models_config import LLAMA31_V4
 from workers.models.arch_config import ArchConfig
 
-# Llama-3-8B's shape: 32 heads, 8 KV heads, intermediate 14336.
-ARCH = ArchConfig.from_dict(
-    {
-        "architectures": ["LlamaForCausalLM"],
-        "model_type": "llama",
-        "vocab_size": 128256,
-        "hidden_size": 4096,
-        "intermediate_size": 14336,
-        "num_hidden_layers": 32,
-        "num_attention_heads": 32,
-        "num_key_value_heads": 8,
-    }
-)
+# Llama-3-8B's shape: 32 heads, 8 KV heads, intermediate 14336 (the config.json that the
+# model-config tests read).
+ARCH = ArchConfig.from_dict(LLAMA31_V4)
 
 
 @pytest.mark.parametrize("tp", [1, 2, 4, 8, 16, 32])
