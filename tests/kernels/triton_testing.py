@@ -1,7 +1,7 @@
 """Shared pieces of the Triton kernel tests (tests/kernels/test_triton_*.py).
 
 The same tests run compiled on a CUDA machine and in Triton's interpreter on CPU
-(``conftest.py`` sets ``TRITON_INTERPRET=1`` when there is no CUDA device). Each test module
+(``tests/conftest.py`` sets ``TRITON_INTERPRET=1`` when there is no CUDA device). Each test module
 calls ``require_triton()`` before importing a kernel, so a missing Triton skips with a reason
 instead of failing collection.
 """
