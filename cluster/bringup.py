@@ -2,10 +2,11 @@
 
 Ray: connect to the cluster in ``RAY_ADDRESS`` (what ``ray job submit`` sets) or to a
 running local one (``address="auto"``); else start a local instance, which keeps Ray's
-token authentication on. Each worker replica gets its own placement group, its
-``tensor_parallel`` x ``pipeline_parallel`` ranks packed on one node, one actor per rank,
-and every rank of every decode worker is introduced to every rank of every prefill
-worker before the router starts (``cluster/replicas.py``). Workers push their token events to the router over an event
+token authentication on. Each worker replica gets its own placement group, a bundle
+per pipeline stage (a stage's ``tensor_parallel`` ranks on one node, the stages on one
+node or several), one actor per rank, and every rank of every decode worker is
+introduced to every rank of every prefill worker before the router starts
+(``cluster/replicas.py``). Workers push their token events to the router over an event
 channel (``workers/channel.py``) whose listener binds to loopback when the whole Ray
 cluster is this node, else to this node's Ray address; connections must present the
 listener's random token. The router restarts a replica that dies through
@@ -119,12 +120,12 @@ def bring_up(config: ClusterConfig) -> Cluster:
             # This process (the router) records into its node's directory too.
             record_into(node_directory(metrics_root, here))
         has_gpu = ray.cluster_resources().get("GPU", 0) > 0
-        gpus_per_node = max((n["Resources"].get("GPU", 0) for n in ray.nodes()), default=0)
+        node_gpus = [int(n["Resources"].get("GPU", 0)) for n in ray.nodes() if n["Alive"]]
         # Local CPU ranks share the machine's cores; give each its share of threads.
         threads = max(1, (os.cpu_count() or 1) // num_ranks) if started else 0
         for role, pool in pools:
             device = pool.device if pool.device != "auto" else ("cuda" if has_gpu else "cpu")
-            check_pool_parallel(role, pool, arch, device, int(gpus_per_node))
+            check_pool_parallel(role, pool, arch, device, node_gpus)
             for index in range(pool.replicas):
                 worker = f"{role}-{index}"
                 spec = _spec(config, pool, worker, role, str(model_dir), name, device, threads)

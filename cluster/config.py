@@ -39,7 +39,8 @@ class PoolSection:
     pipeline_parallel: int = option(
         1,
         "Pipeline stages per replica, each with its share of the layers (at most one per "
-        "layer); a replica's tensor_parallel x pipeline_parallel ranks share one node",
+        "layer); a stage's tensor_parallel ranks share one node, the stages share one "
+        "when it has room, else they span nodes",
         ge=1,
     )
     max_num_batched_tokens: int = option(2048, "Token budget of one engine step", ge=1)

@@ -3,8 +3,8 @@
 The config alone cannot tell whether ``tensor_parallel: 4`` suits the model; these
 checks read the model's ``config.json`` and the cluster's resources and refuse, with
 the key and the numbers, a layout that would fail later inside a worker (a head count
-that does not split, more pipeline stages than layers) or never be placed (more GPUs per
-replica than any node has).
+that does not split, more pipeline stages than layers) or never be placed (a stage with
+more GPUs than any node has, or more stages than the nodes hold).
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from workers.models.arch_config import ArchConfig
 
 
 def check_pool_parallel(
-    role: str, pool: PoolSection, arch: ArchConfig, device: str, gpus_per_node: int
+    role: str, pool: PoolSection, arch: ArchConfig, device: str, node_gpus: list[int]
 ) -> None:
     """Raise ValueError naming ``<role>.tensor_parallel`` (or pipeline_parallel) and why."""
     tp, pp = pool.tensor_parallel, pool.pipeline_parallel
@@ -36,12 +36,20 @@ def check_pool_parallel(
             f"{key}: {tp} and the model's num_key_value_heads ({heads}) must divide one "
             "another (heads split across ranks, or each head replicated on tp/heads ranks)"
         )
-    # A replica is one STRICT_PACK placement group (cluster/replicas.py): all its ranks,
-    # every stage's, on one node.
-    if device == "cuda" and tp * pp > gpus_per_node:
-        what = f"{tp} ranks" if pp == 1 else f"{tp} x {pp} ranks (tensor x pipeline)"
-        key = key if pp == 1 else f"{role}.tensor_parallel x pipeline_parallel"
+    # A replica's placement group has a bundle per stage (cluster/replicas.py): a stage's
+    # TP ranks share a node, and the stages may use several nodes.
+    if device != "cuda":
+        return
+    largest = max(node_gpus, default=0)
+    if tp > largest:
         raise ValueError(
-            f"{key}: a replica's {what} share one node, one GPU each, but the "
-            f"largest node has {gpus_per_node} GPUs"
+            f"{key}: a pipeline stage's {tp} ranks share one node, one GPU each, but the "
+            f"largest node has {largest} GPUs"
+        )
+    stages = sum(gpus // tp for gpus in node_gpus)
+    if pp > stages:
+        raise ValueError(
+            f"{role}.tensor_parallel x pipeline_parallel: a replica's {pp} stages of {tp} "
+            f"GPUs each (a stage on one node) do not fit the cluster's nodes "
+            f"({', '.join(map(str, node_gpus))} GPUs: room for {stages})"
         )

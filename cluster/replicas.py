@@ -1,9 +1,12 @@
 """Worker replicas on Ray: place, start, wait, introduce, stop. Bring-up and restart share it.
 
-A replica is one placement group with a bundle per rank (``tensor_parallel`` x
-``pipeline_parallel`` of them), ``STRICT_PACK`` (its ranks, every pipeline stage's, share a
-node), and one actor per rank: rank 0 a ``WorkerActor`` (schedules, talks to the router),
-the others ``RankActor``s that follow it. Every rank has its own KV agent, so decode and
+A replica is one placement group with a bundle per pipeline stage, and one actor per
+rank: rank 0 a ``WorkerActor`` (schedules, talks to the router), the others
+``RankActor``s that follow it. A stage's bundle holds all its ``tensor_parallel`` ranks
+(a bundle is always on one node: the all-reduce of every layer stays inside it), and the
+group is ``PACK``: its stages share a node when one has room, else they span nodes (the
+activations between stages are one tensor per step). The group is placed all or nothing,
+so a replica is never half placed, and a restart removes and places it as a unit. Every rank has its own KV agent, so decode and
 prefill replicas are introduced rank by rank, in both directions: the reader needs the
 owner's memory, the owner needs the reader for completion notices.
 
@@ -25,6 +28,7 @@ import ray
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+from workers.models.parallel import stage_and_tp_rank
 from workers.ray_rank import RankActor
 from workers.ray_worker import ACTOR_CONCURRENCY, WorkerActor
 from workers.wire import WorkerInfo, decode_as
@@ -64,24 +68,25 @@ def rank_bundle(device: str, node_resource: str | None = None) -> dict[str, floa
 def place_replica(
     spec: WorkerSpec, bundle: dict[str, float], generation: int = 0, cancel=None
 ) -> Replica:
-    """One placement group with ``bundle`` per rank, and each rank's actor (not started).
+    """One placement group with a bundle per stage (``bundle`` per rank of the stage), and
+    each rank's actor (not started) in its stage's bundle.
 
     ``generation`` counts restarts: Ray may still hold a killed actor's name for a moment,
     so a replacement gets names of its own.
     """
     # Unique per serving process: two deployments may share one Ray cluster.
     ray_name = f"baton-{RUN_ID}-{spec.name}" + (f"-{generation}" if generation else "")
-    # One node for the whole replica, pipeline stages included: simplest to place and
-    # restart as a unit. Stages on separate nodes would need a group per stage (each
-    # STRICT_PACK for its TP ranks); see docs/replicas.md.
-    pg = placement_group([bundle] * spec.num_ranks, strategy="STRICT_PACK", name=ray_name)
+    tp, pp = spec.tensor_parallel, spec.pipeline_parallel
+    stage_bundle = {key: value * tp for key, value in bundle.items()}
+    pg = placement_group([stage_bundle] * pp, strategy="PACK", name=ray_name)
     try:
         _get(pg.ready(), READY_TIMEOUT_S, cancel)
     except ray.exceptions.GetTimeoutError:
         remove_placement_group(pg)
+        stages = f"{pp} stages of " if pp > 1 else ""
         raise RuntimeError(
             f"{spec.role}: the Ray cluster cannot place worker {spec.name} "
-            f"({spec.num_ranks} x {bundle} on one node); "
+            f"({stages}{stage_bundle}, each on one node); "
             f"resources: {ray.available_resources()}"
         ) from None
     except BaseException:
@@ -96,7 +101,7 @@ def place_replica(
             max_concurrency=ACTOR_CONCURRENCY,
             max_restarts=0,  # a dead rank is replaced with its whole replica, not alone
             scheduling_strategy=PlacementGroupSchedulingStrategy(
-                pg, placement_group_bundle_index=rank
+                pg, placement_group_bundle_index=stage_and_tp_rank(rank, tp, pp)[0]
             ),
         )
         if rank == 0:

@@ -18,53 +18,66 @@ ARCH = ArchConfig.from_dict(LLAMA31_V4)
 
 @pytest.mark.parametrize("tp", [1, 2, 4, 8, 16, 32])
 def test_layouts_that_split_the_model_pass(tp):
-    check_pool_parallel("decode", PoolSection(tensor_parallel=tp), ARCH, "cpu", 0)
+    check_pool_parallel("decode", PoolSection(tensor_parallel=tp), ARCH, "cpu", [])
 
 
-@pytest.mark.parametrize(("tp", "pp", "gpus"), [(1, 2, 2), (2, 2, 4), (1, 32, 0), (4, 3, 0)])
-def test_pipeline_stages_pass_up_to_one_per_layer_and_one_gpu_per_rank(tp, pp, gpus):
+@pytest.mark.parametrize(
+    ("tp", "pp", "node_gpus"),
+    [
+        (1, 2, [2]),
+        (2, 2, [4]),
+        (1, 32, []),
+        (4, 3, []),
+        # Stages span nodes: each stage's TP ranks on one node.
+        (4, 2, [4, 4]),
+        (2, 3, [4, 2, 1]),
+        (8, 4, [8, 8, 8, 8]),
+    ],
+)
+def test_pipeline_stages_pass_up_to_one_per_layer_and_one_node_per_stage(tp, pp, node_gpus):
     pool = PoolSection(tensor_parallel=tp, pipeline_parallel=pp)
-    check_pool_parallel("decode", pool, ARCH, "cuda" if gpus else "cpu", gpus)
+    check_pool_parallel("decode", pool, ARCH, "cuda" if node_gpus else "cpu", node_gpus)
 
 
 @pytest.mark.parametrize(
     "pool, arch, device, gpus, message",
     [
-        (PoolSection(tensor_parallel=3), ARCH, "cpu", 0, "3 does not divide .*attention_heads"),
+        (PoolSection(tensor_parallel=3), ARCH, "cpu", [], "3 does not divide .*attention_heads"),
         (
             PoolSection(tensor_parallel=4),
             dataclasses.replace(ARCH, num_key_value_heads=6, num_attention_heads=48),
             "cpu",
-            0,
+            [],
             "num_key_value_heads \\(6\\) must divide one another",
         ),
         (
             PoolSection(tensor_parallel=2),
             dataclasses.replace(ARCH, intermediate_size=14337),
             "cpu",
-            0,
+            [],
             "intermediate_size",
         ),
-        (PoolSection(tensor_parallel=8), ARCH, "cuda", 4, "largest node has 4 GPUs"),
+        (PoolSection(tensor_parallel=8), ARCH, "cuda", [4, 4], "largest node has 4 GPUs"),
         (
             PoolSection(pipeline_parallel=33),
             ARCH,
             "cpu",
-            0,
+            [],
             "pipeline_parallel: 33 stages, but the model has only 32 layers",
         ),
         (
             PoolSection(tensor_parallel=2, pipeline_parallel=4),
             ARCH,
             "cuda",
-            4,
-            "tensor_parallel x pipeline_parallel: .* 2 x 4 ranks .* largest node has 4 GPUs",
+            [4, 3],
+            "tensor_parallel x pipeline_parallel: a replica's 4 stages of 2 GPUs .* "
+            "\\(4, 3 GPUs: room for 3\\)",
         ),
         (
             PoolSection(tensor_parallel=3, pipeline_parallel=2),
             ARCH,
             "cpu",
-            0,
+            [],
             "tensor_parallel: 3 does not divide",
         ),
     ],

@@ -50,9 +50,9 @@ def test_worker_groups_match_the_pools(example):
         pool = values["config"][role]
         ranks = pool.get("tensor_parallel", 1) * pool.get("pipeline_parallel", 1)
         gpus_per_pod = values["workers"][role]["gpusPerPod"] or ranks
-        per_pod = gpus_per_pod // ranks
         assert group["replicas"] == group["minReplicas"] == group["maxReplicas"]
-        assert group["replicas"] * per_pod == pool["replicas"]
+        # Every rank of every replica has a place (one unit per rank), none is left over.
+        assert group["replicas"] * gpus_per_pod == pool["replicas"] * ranks
         resources = group["template"]["spec"]["containers"][0]["resources"]
         want_gpus = 0 if pool.get("device") == "cpu" else gpus_per_pod
         for kind in ("requests", "limits"):
@@ -61,7 +61,7 @@ def test_worker_groups_match_the_pools(example):
                 assert resources[kind]["rdma/ib"] == values["rdma"]["count"]
         # KubeRay's format: a quoted JSON string, one unit per rank of the pod.
         offered = json.loads(json.loads(group["rayStartParams"]["resources"]))
-        assert offered == {f"baton_{role}": ranks * per_pod}
+        assert offered == {f"baton_{role}": gpus_per_pod}
 
 
 @pytest.mark.parametrize("example", EXAMPLES, ids=lambda p: p.name)
@@ -211,7 +211,7 @@ REFUSED = [
     (["model.hostPath.path=/m", "model.pvc.claimName=w"], "set only one of"),
     (
         ["model.hostPath.path=/m", "config.prefill.tensor_parallel=4", "workers.prefill.gpusPerPod=2"],
-        "workers.prefill.gpusPerPod (2) is smaller than config.prefill tensor_parallel",
+        "workers.prefill.gpusPerPod (2) is smaller than config.prefill.tensor_parallel",
     ),
     (
         ["model.hostPath.path=/m", "config.decode.tensor_parallel=2", "workers.decode.gpusPerPod=3"],
@@ -219,7 +219,7 @@ REFUSED = [
     ),
     (
         ["model.hostPath.path=/m", "config.decode.replicas=3", "workers.decode.gpusPerPod=2"],
-        "config.decode.replicas (3) is not a multiple of the 2 replicas per pod",
+        "= 3 GPUs, not a multiple of workers.decode.gpusPerPod (2)",
     ),
     (
         ["model.hostPath.path=/m", "config.decode.device=cpu", "workers.decode.gpusPerPod=2"],
@@ -244,6 +244,22 @@ def test_invalid_combinations_fail_at_template_time(sets, message):
     proc = helm("template", "baton", str(CHART), *args)
     assert proc.returncode != 0
     assert message in proc.stderr, proc.stderr
+
+
+def test_pipeline_stages_of_one_replica_span_pods():
+    """TP=4 x PP=2 on 4-GPU pods: a replica's two stages take two pods, each offering
+    four units (one per rank), and two replicas take four pods."""
+    objects = render(
+        "--set", "model.hostPath.path=/m", "--set", "config.decode.replicas=2",
+        "--set", "config.decode.tensor_parallel=4", "--set", "config.decode.pipeline_parallel=2",
+        "--set", "workers.decode.gpusPerPod=4",
+    )  # fmt: skip
+    cluster = objects[("RayCluster", NAME)]
+    (decode,) = [g for g in cluster["spec"]["workerGroupSpecs"] if g["groupName"] == "decode"]
+    assert decode["replicas"] == 4
+    assert json.loads(json.loads(decode["rayStartParams"]["resources"])) == {"baton_decode": 4}
+    resources = decode["template"]["spec"]["containers"][0]["resources"]
+    assert resources["limits"]["nvidia.com/gpu"] == 4
 
 
 def test_no_prefill_pool_renders_no_prefill_group():

@@ -40,9 +40,11 @@ The router's port: the config's router.port (cluster/config.py's default when un
 {{- end -}}
 
 {{/*
-A pool's shape, as YAML (use with fromYaml): ranks per replica, GPUs and replicas per pod,
-pods, and the Ray resource that pins the pool's ranks to its worker group. Fails on
-combinations that cannot be scheduled. Call with (list $ "prefill").
+A pool's shape, as YAML (use with fromYaml): ranks per replica, GPUs per pod, pods, and
+the Ray resource (and units of it per pod) that pins the pool's ranks to its worker
+group. A pod holds whole pipeline stages (a stage's tensor-parallel ranks share a node);
+a replica's stages may span pods. Fails on combinations that cannot be scheduled. Call
+with (list $ "prefill").
 */}}
 {{- define "baton.pool" -}}
 {{- $root := index . 0 -}}
@@ -55,31 +57,33 @@ combinations that cannot be scheduled. Call with (list $ "prefill").
 {{- $group := index $root.Values.workers $role -}}
 {{- $ranks := mul $tp $pp -}}
 {{- $gpus := 0 -}}
-{{- $perPod := 1 -}}
+{{- $units := $ranks -}}
+{{- $pods := $replicas -}}
 {{- if not (kindIs "invalid" $group.gpusPerPod) -}}
 {{- if eq $device "cpu" -}}
 {{- fail (printf "workers.%s.gpusPerPod is set but config.%s.device is cpu" $role $role) -}}
 {{- end -}}
 {{- $gpus = int $group.gpusPerPod -}}
-{{- if lt $gpus $ranks -}}
-{{- fail (printf "workers.%s.gpusPerPod (%d) is smaller than config.%s tensor_parallel x pipeline_parallel (%d x %d = %d): one replica's ranks must share a pod" $role $gpus $role $tp $pp $ranks) -}}
+{{- if lt $gpus $tp -}}
+{{- fail (printf "workers.%s.gpusPerPod (%d) is smaller than config.%s.tensor_parallel (%d): a pipeline stage's ranks must share a pod" $role $gpus $role $tp) -}}
 {{- end -}}
-{{- if mod $gpus $ranks -}}
-{{- fail (printf "workers.%s.gpusPerPod (%d) is not a multiple of config.%s tensor_parallel x pipeline_parallel (%d)" $role $gpus $role $ranks) -}}
+{{- if mod $gpus $tp -}}
+{{- fail (printf "workers.%s.gpusPerPod (%d) is not a multiple of config.%s.tensor_parallel (%d): a pod holds whole pipeline stages" $role $gpus $role $tp) -}}
 {{- end -}}
-{{- $perPod = div $gpus $ranks -}}
+{{- $total := mul $replicas $ranks -}}
+{{- if mod $total $gpus -}}
+{{- fail (printf "config.%s needs replicas x tensor_parallel x pipeline_parallel = %d x %d x %d = %d GPUs, not a multiple of workers.%s.gpusPerPod (%d)" $role $replicas $tp $pp $total $role $gpus) -}}
+{{- end -}}
+{{- $pods = div $total $gpus -}}
+{{- $units = $gpus -}}
 {{- else if ne $device "cpu" -}}
 {{- $gpus = $ranks -}}
 {{- end -}}
-{{- if mod $replicas $perPod -}}
-{{- fail (printf "config.%s.replicas (%d) is not a multiple of the %d replicas per pod that workers.%s.gpusPerPod gives" $role $replicas $perPod $role) -}}
-{{- end -}}
 ranks: {{ $ranks }}
 gpusPerPod: {{ $gpus }}
-replicasPerPod: {{ $perPod }}
-pods: {{ div $replicas $perPod }}
+pods: {{ $pods }}
 resource: {{ dig $role "node_resource" (printf "baton_%s" $role) $cfg }}
-units: {{ mul $ranks $perPod }}
+units: {{ $units }}
 {{- end -}}
 
 {{/*
