@@ -1,26 +1,36 @@
-"""Bytes between the ranks of one replica, over a gloo process group (host memory).
+"""Bytes between the ranks of one replica, over gloo process groups (host memory).
 
 Rank 0 sends each command to every other rank, point to point and without waiting; the
-other ranks receive them in order. Every rank can be asked to answer and rank 0 gathers
-the answers. Messages up to a few KiB (a decode step of a small batch, most replies)
-take one transfer: a fixed-size buffer whose first 8 bytes hold the length. Longer ones
-take a second transfer for the rest. The group is gloo even when the model's own
-collectives run on NCCL, so the control path never touches the GPU, and a peer that
-dies closes its TCP connections: the next transfer with it raises at once.
+other ranks receive them in order. The other ranks send their news back (``reply``)
+whenever they have some, on a group of their own, and a thread on rank 0 takes it in
+(``start_replies``, ``take_replies``): rank 0 never waits for an answer. Messages up to
+a few KiB (a decode step of a small batch, most replies) take one transfer: a fixed-size
+buffer whose first 8 bytes hold the length. Longer ones take a second transfer for the
+rest. The groups are gloo even when the model's own collectives run on NCCL, so the
+control path never touches the GPU, and a peer that dies closes its TCP connections:
+the next send to it raises at once.
 
-Why rank 0 does not wait for its sends: with pipeline stages it sends the next batch's
-command while earlier batches are still in the pipeline, and a rank of its own stage
-reads that command only after it has run those batches *together with rank 0* (their
-all-reduces). Waiting there would deadlock. ``settle`` waits for the sends that are
-safe to wait for (the caller knows which), which also surfaces a dead peer.
+Why rank 0 waits for neither its sends nor answers: with pipeline stages it sends the
+next batch's command while earlier batches are still in the pipeline, and a rank of its
+own stage reads that command only after it has run those batches *together with rank 0*
+(their all-reduces). Waiting there would deadlock; so would waiting for an answer that
+comes only after that command. ``settle`` waits for the sends that are safe to wait for
+(the caller knows which), which also surfaces a dead peer. Answers come on a separate
+group so that the reading thread never shares a group with the engine's thread.
 """
 
 from __future__ import annotations
 
+import logging
+import queue
+import threading
 from collections import deque
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
+
+logger = logging.getLogger(__name__)
 
 COMMAND_INLINE_BYTES = 16 * 1024
 REPLY_INLINE_BYTES = 4 * 1024
@@ -28,22 +38,33 @@ _HEADER = 8
 # Point-to-point tags of the commands; the activations between pipeline stages use 0.
 _TAG_COMMAND = 1
 _TAG_COMMAND_REST = 2
+# Tags of the answers, on the reply group.
+_TAG_REPLY = 3
+_TAG_REPLY_REST = 4
 
 
 class RankLink:
-    def __init__(self, rank: int, world_size: int, group: dist.ProcessGroup | None):
+    def __init__(
+        self,
+        rank: int,
+        world_size: int,
+        group: dist.ProcessGroup | None,
+        reply_group: dist.ProcessGroup | None = None,
+    ):
         if world_size < 2:
             raise ValueError("a rank link joins at least two ranks")
         self.rank = rank
         self.world_size = world_size
         self.group = group
+        self.reply_group = reply_group  # the answers' own group (every rank is in it)
         self._command = torch.zeros(COMMAND_INLINE_BYTES, dtype=torch.uint8)
-        self._reply = torch.zeros(REPLY_INLINE_BYTES, dtype=torch.uint8)
-        self._replies = [torch.zeros_like(self._reply) for _ in range(world_size)]
         self.num_sent = 0  # rank 0: commands sent so far; the next one's number
         # Rank 0: (number, transfers, buffers) of sends not yet waited for. The buffers
         # must live until their transfers are done.
         self._unsettled: deque[tuple[int, list[dist.Work], list[torch.Tensor]]] = deque()
+        # Rank 0: answers read by the reply thread (bytes), or the error that ended it.
+        self._replies: queue.SimpleQueue = queue.SimpleQueue()
+        self._reader: threading.Thread | None = None
 
     def send(self, data: bytes) -> int:
         """Rank 0: send ``data`` to every other rank without waiting; returns its number."""
@@ -85,30 +106,77 @@ class RankLink:
         dist.recv(rest, 0, group=self.group, tag=_TAG_COMMAND_REST)
         return inline + rest.numpy().tobytes()
 
-    def gather(self, data: bytes) -> list[bytes] | None:
-        """Every rank passes its answer; rank 0 gets all of them (rank order), others None.
-        Rank 0 calls it only when no rank needs rank 0 to reach it (nothing in flight)."""
-        if self.rank == 0:
-            self.settle()
-        _pack(self._reply, data)
-        dist.all_gather(self._replies, self._reply, group=self.group)
-        parts = [_unpack(buf) for buf in self._replies]
-        longest = max(length for length, _ in parts)
-        capacity = REPLY_INLINE_BYTES - _HEADER
-        if longest > capacity:  # somebody's answer did not fit: everyone sends the rest
-            rest = torch.zeros(longest - capacity, dtype=torch.uint8)
-            tail = data[capacity:]
-            if tail:
-                rest[: len(tail)] = _as_tensor(tail)
-            rests = [torch.empty_like(rest) for _ in range(self.world_size)]
-            dist.all_gather(rests, rest, group=self.group)
-            parts = [
-                (length, inline + rests[i][: length - len(inline)].numpy().tobytes())
-                for i, (length, inline) in enumerate(parts)
-            ]
-        if self.rank != 0:
-            return None
-        return [payload for _, payload in parts]
+    # ---- answers: the other ranks -> rank 0 -----------------------------------------
+    def reply(self, data: bytes) -> None:
+        """The other ranks: send ``data`` to rank 0 (non-empty; rank 0's reader is always
+        receiving, so this returns at once). Raises if rank 0 is gone."""
+        assert self.rank != 0 and data
+        self._send_reply(data)
+
+    def reply_done(self) -> None:
+        """The other ranks: the last answer; rank 0's reader stops once every rank sent it."""
+        self._send_reply(b"")
+
+    def start_replies(self, wake: Callable[[], None]) -> None:
+        """Rank 0: read the other ranks' answers on a thread; ``wake`` runs after each."""
+        assert self.rank == 0 and self._reader is None
+        self._reader = threading.Thread(
+            target=self._read_replies, args=(wake,), name="rank-replies", daemon=True
+        )
+        self._reader.start()
+
+    def take_replies(self) -> list[bytes]:
+        """Rank 0: the answers read since the last call, in arrival order (each rank's in
+        the order it sent them). Raises if the reader failed (a rank is gone)."""
+        out = []
+        while True:
+            try:
+                item = self._replies.get_nowait()
+            except queue.Empty:
+                return out
+            if isinstance(item, Exception):
+                self._replies.put(item)  # every later call raises too
+                raise RuntimeError(f"the replica's answers stopped: {item}") from item
+            out.append(item)
+
+    def join_replies(self, timeout_s: float) -> bool:
+        """Rank 0: wait until every other rank sent its last answer; False on timeout."""
+        if self._reader is None:
+            return True
+        self._reader.join(timeout_s)
+        return not self._reader.is_alive()
+
+    def _send_reply(self, data: bytes) -> None:
+        head = torch.zeros(REPLY_INLINE_BYTES, dtype=torch.uint8)
+        _pack(head, data)
+        dist.send(head, 0, group=self.reply_group, tag=_TAG_REPLY)
+        rest_len = len(data) - (REPLY_INLINE_BYTES - _HEADER)
+        if rest_len > 0:
+            rest = _as_tensor(data[-rest_len:])
+            dist.send(rest, 0, group=self.reply_group, tag=_TAG_REPLY_REST)
+
+    def _read_replies(self, wake: Callable[[], None]) -> None:
+        head = torch.zeros(REPLY_INLINE_BYTES, dtype=torch.uint8)
+        left = self.world_size - 1  # ranks that have not sent their last answer
+        try:
+            while left:
+                # Whichever rank answers first. A dead rank does not end this wait (gloo
+                # does not notice it here); rank 0's sends do (``settle``).
+                src = dist.recv(head, src=None, group=self.reply_group, tag=_TAG_REPLY)
+                length, inline = _unpack(head)
+                if length == 0:
+                    left -= 1
+                    continue
+                if length > len(inline):
+                    rest = torch.empty(length - len(inline), dtype=torch.uint8)
+                    dist.recv(rest, src, group=self.reply_group, tag=_TAG_REPLY_REST)
+                    inline += rest.numpy().tobytes()
+                self._replies.put(inline)
+                wake()
+        except Exception as exc:
+            logger.warning("rank 0 stops reading the other ranks' answers: %s", exc)
+            self._replies.put(exc)
+            wake()
 
 
 def _as_tensor(data: bytes) -> torch.Tensor:

@@ -5,7 +5,7 @@ The model's collectives use the default group (NCCL on CUDA, gloo on CPU), or wi
 pipeline stages one group per stage's tensor-parallel ranks; the activations pass from
 stage to stage point to point on the default group. Rank 0's commands always travel on
 a gloo group (host memory, ``workers/rank_link.py``): on CPU that is the default group
-itself. How ranks map to (stage, TP rank): ``workers/models/parallel.py``.
+itself. The other ranks' answers travel on a gloo group of their own. How ranks map to (stage, TP rank): ``workers/models/parallel.py``.
 """
 
 from __future__ import annotations
@@ -50,6 +50,9 @@ def join_replica(
         timeout=datetime.timedelta(seconds=GROUP_TIMEOUT_S),
     )
     control = None if backend == "gloo" else dist.new_group(backend="gloo")
+    # The other ranks' answers to rank 0 have a gloo group of their own: a thread on rank
+    # 0 reads them while its engine thread uses the other groups (workers/rank_link.py).
+    replies = dist.new_group(backend="gloo")
     stage, tp_rank = stage_and_tp_rank(rank, tp_size, pp_size)
     tp_group = None  # the default group: every rank is in this stage
     if pp_size > 1 and tp_size > 1:
@@ -59,7 +62,7 @@ def join_replica(
             if other == stage:
                 tp_group = group
     parallel = ParallelContext(tp_rank, tp_size, tp_group, stage, pp_size)
-    return parallel, RankLink(rank, world_size, control)
+    return parallel, RankLink(rank, world_size, control, replies)
 
 
 def agree_min(link: RankLink) -> Callable[[int], int]:

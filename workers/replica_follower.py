@@ -3,8 +3,12 @@
 No scheduler, sampler or router traffic here: each :class:`RankCommand` brings the KV
 operations of this rank's connector and, for a step, the forward pass's inputs, which
 this rank runs on its shard of the weights and its heads of the KV cache (a pipeline
-stage's layers: it receives the previous stage's activations and sends its own on). It answers
-when asked (``workers/replica_kv.py`` is the other end). ``run`` returns on a stop
+stage's layers: it receives the previous stage's activations and sends its own on).
+
+Its news for rank 0 (an offer's handle, a lease that ended, a receive that completed)
+goes out as it happens, on a thread of its own, not in step with the commands: this
+rank may be busy with a pipeline of batches when a lease ends, and rank 0 must not wait
+for that (``workers/replica_kv.py`` is the other end). ``run`` returns on a stop
 command and raises when the link to rank 0 breaks (rank 0 died) or a command is out of
 sequence; the caller then tears the process group down so that no rank waits on it.
 """
@@ -13,6 +17,7 @@ from __future__ import annotations
 
 import logging
 import queue
+import threading
 from concurrent.futures import Future
 
 from kvtransfer import KVConnector, KVHandle
@@ -41,15 +46,25 @@ class RankFollower:
         self.dst_tp_size = dst_tp_size  # prefill: the decode pool's layout (who reads us)
         self.dst_pp_size = dst_pp_size
         self.connector: KVConnector | None = None
-        self._released: queue.SimpleQueue = queue.SimpleQueue()  # from the connector thread
-        self._receives: dict[str, Future] = {}
+        # News for rank 0 (Offered, a released request id, Received), from any thread;
+        # None ends the sender.
+        self._news: queue.SimpleQueue = queue.SimpleQueue()
         self.steps = 0
 
     def on_release(self, request_id: str, reason: str) -> None:
         """The connector thread: this rank's lease of ``request_id`` ended."""
-        self._released.put(request_id)
+        self._news.put(request_id)
 
     def run(self) -> None:
+        sender = threading.Thread(target=self._send_news, name="rank-news", daemon=True)
+        sender.start()
+        try:
+            self._follow()
+        finally:
+            self._news.put(None)
+            sender.join(10.0)
+
+    def _follow(self) -> None:
         expected = 0
         while True:
             command = decode_command(self.link.receive())
@@ -64,9 +79,8 @@ class RankFollower:
                     connector.decline([decode_kv(h, KVHandle) for h in handles], "aborted")
             for op in command.receives:
                 self._start_receive(op.handles, op.block_ids)
-            offered = tuple(self._offer(op) for op in command.offers)
-            if command.reply:
-                self.link.gather(encode_reply(self._reply(offered)))
+            for op in command.offers:
+                self._news.put(self._offer(op))
             if command.step is not None:
                 self.engine.runner.run(command.step)
                 self.steps += 1
@@ -95,28 +109,49 @@ class RankFollower:
         try:
             if self.connector is None:
                 raise RuntimeError("no KV connector on this rank")
-            self._receives[request_id] = self.connector.receive(decoded, block_ids)
+            future = self.connector.receive(decoded, block_ids)
         except Exception as exc:
-            failed: Future = Future()
-            failed.set_exception(exc)
-            self._receives[request_id] = failed
+            future = Future()
+            future.set_exception(exc)
+        future.add_done_callback(lambda f: self._news.put(_received(request_id, f)))
 
-    def _reply(self, offered: tuple[Offered, ...]) -> RankReply:
-        released = []
-        while True:
+    def _send_news(self) -> None:
+        """Send what is new, batched while the previous send was going out; the last
+        answer once ``None`` comes (rank 0's reader then stops)."""
+        done = False
+        while not done:
+            items = [self._news.get()]
+            while True:
+                try:
+                    items.append(self._news.get_nowait())
+                except queue.Empty:
+                    break
+            done = None in items
+            news = [item for item in items if item is not None]
             try:
-                released.append(self._released.get_nowait())
-            except queue.Empty:
-                break
-        received = []
-        for request_id, future in list(self._receives.items()):
-            if not future.done():
-                continue
-            del self._receives[request_id]
-            exc = future.exception()
-            if exc is not None:
-                received.append(Received(request_id, f"{type(exc).__name__}: {exc}"))
-            else:
-                result = future.result()
-                received.append(Received(request_id, "", result.seconds, result.num_bytes))
-        return RankReply(self.link.rank, offered, tuple(released), tuple(received))
+                if news:
+                    self.link.reply(encode_reply(_reply(self.link.rank, news)))
+                if done:
+                    self.link.reply_done()
+            except Exception as exc:  # rank 0 is gone; the command loop sees it too
+                logger.warning("rank %d cannot send news to rank 0: %s", self.link.rank, exc)
+                return
+
+
+def _received(request_id: str, future: Future) -> Received:
+    exc = future.exception()
+    if exc is not None:
+        return Received(request_id, f"{type(exc).__name__}: {exc}")
+    result = future.result()
+    return Received(request_id, "", result.seconds, result.num_bytes)
+
+
+def _reply(rank: int, news: list) -> RankReply:
+    """Sorted by kind: rank 0 takes offers, then ended leases, then receives, so that a
+    lease's end never comes before its offer."""
+    return RankReply(
+        rank,
+        offered=tuple(n for n in news if isinstance(n, Offered)),
+        released=tuple(n for n in news if isinstance(n, str)),
+        received=tuple(n for n in news if isinstance(n, Received)),
+    )

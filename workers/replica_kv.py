@@ -4,31 +4,30 @@ Every rank of a replica has its own KV connector (its own NIXL agent over its ow
 cache, holding its own heads of its pipeline stage's layers), so each decode rank pulls
 exactly the heads and layers it owns from the prefill ranks that hold them
 (``kvtransfer/tp_mapping.py``).
-Rank 0 coordinates, on the engine loop's thread (the only thread that talks to the
+Rank 0 coordinates, on the engine loop's thread (the only thread that sends to the
 other ranks):
 
 - **offer** (prefill): every rank puts its copy of the blocks under a lease; the
-  request's handles are one per rank. The blocks are freed (``on_release``) only when
-  the lease has ended on *every* rank: the blocks ids are shared, and a decode rank may
-  still be reading one rank's copy after another rank's lease ended.
+  request's handles are one per rank, and the offer's future completes when every rank
+  has answered. The blocks are freed (``on_release``) only when the lease has ended on
+  *every* rank: the blocks ids are shared, and a decode rank may still be reading one
+  rank's copy after another rank's lease ended.
 - **receive** (decode): every rank pulls its part; the request's future completes when
   all parts have, and fails if any part failed (then the whole prompt is recomputed or
   the request fails, as ``on_failure`` says; nothing is admitted half-received).
 - **abort** / **decline** go to every rank.
 
-The other ranks' news (handles, ended leases, finished receives) comes back in the
-replies to rank 0's commands: rank 0 asks for replies while anything is outstanding
-on them, at least every ``POLL_S``, and sends an empty command at least every
-``HEARTBEAT_S`` so that a dead rank is noticed (its link closes) within that time.
-With one rank there is no link and everything is local.
+The other ranks' news (handles, ended leases, finished receives) comes back on its own,
+as it happens (``workers/rank_link.py``); ``poll`` takes it in. Rank 0 never waits for
+it, so nothing here stops the engine: with pipeline stages, batches stay in flight while
+hand-offs are open. An idle replica still sends an empty command every ``HEARTBEAT_S``,
+so that a dead rank is noticed (the send to it fails) within that time. With one rank
+there is no link and everything is local.
 
 **Batches in flight** (pipeline stages, ``bind_engine``): rank 0 sends a batch's step
 command while earlier batches are still in the pipeline. A rank of rank 0's own stage
-reads each command only after running the batches before it with rank 0, so rank 0 may
-wait for the other ranks (a reply, a send) only up to the oldest batch still in flight.
-A round that needs replies (an offer; news owed) first *drains* the pipeline: the
-engine completes every batch in flight. A step's command never asks for replies while
-other batches are in flight; the next poll does.
+reads each command only after running the batches before it with rank 0, so rank 0
+waits for its sends to arrive only up to the oldest batch still in flight.
 """
 
 from __future__ import annotations
@@ -59,8 +58,15 @@ from workers.step_inputs import StepInputs
 
 logger = logging.getLogger(__name__)
 
-POLL_S = 0.002  # how often rank 0 asks the other ranks while they owe it news
-HEARTBEAT_S = 0.5  # an idle replica still exchanges a command this often
+HEARTBEAT_S = 0.5  # an idle replica still sends a command this often
+_GOODBYE_S = 10.0  # at stop, how long rank 0 waits for the other ranks' last news
+
+
+@dataclass
+class _Offering:
+    future: Future  # what the service waits on: every rank's handle, in rank order
+    handles: list[bytes | None]  # by rank; rank 0's is known at once
+    errors: list[str] = field(default_factory=list)
 
 
 @dataclass
@@ -84,6 +90,7 @@ class ReplicaKV:
         self._wake: Callable[[], None] = lambda: None
         self._local_released: queue.SimpleQueue = queue.SimpleQueue()
         self._holds: dict[str, set[int]] = {}  # prefill: ranks whose lease is alive
+        self._offering: dict[str, _Offering] = {}
         self._receiving: dict[str, _Receiving] = {}
         self._seq = 0
         self._last_round = time.monotonic()
@@ -92,6 +99,7 @@ class ReplicaKV:
         self._drain: Callable[[], None] = lambda: None
         self._step_msgs: deque[int] = deque(maxlen=64)  # link numbers of step commands
         self.rounds = 0  # commands sent (stats, tests)
+        self._reading = False  # rank 0's reader of the other ranks' news has started
 
     def bind(
         self,
@@ -104,6 +112,9 @@ class ReplicaKV:
         self._connector = connector
         self._on_release = on_release
         self._wake = wake
+        if self.link is not None and not self._reading:
+            self.link.start_replies(wake)
+            self._reading = True
 
     def bind_engine(self, in_flight: Callable[[], int], drain: Callable[[], None]) -> None:
         """The engine's batches in flight (``LLMEngine.num_in_flight``, ``drain``)."""
@@ -122,13 +133,13 @@ class ReplicaKV:
 
     def offer(
         self, request_id: str, block_ids: Sequence[int], *, num_tokens: int, first_token_id: int
-    ) -> tuple[bytes, ...]:
-        """Leases on every rank; the handles in rank order. Raises (no lease counts) if
-        any rank cannot offer; the caller frees the blocks, since no handle went out."""
-        connector = self._require()
-        self._holds[request_id] = set(range(self.world_size))
+    ) -> Future:
+        """Leases on every rank; the future's result is the handles in rank order. It fails
+        (no lease counts) if any rank cannot offer; the caller then frees the blocks,
+        since no handle went out. Raises only if a rank is gone (the replica fails)."""
+        future: Future = Future()
         try:
-            local = connector.offer(
+            local = self._require().offer(
                 request_id,
                 block_ids,
                 num_tokens=num_tokens,
@@ -136,20 +147,16 @@ class ReplicaKV:
                 dst_tp_size=self.dst_tp_size,
                 dst_pp_size=self.dst_pp_size,
             )
-            handles = [encode_kv(local)]
-            if self.link is not None:
-                op = OfferOp(request_id, tuple(block_ids), num_tokens, first_token_id)
-                replies = self._round(offers=(op,))
-                for reply in replies:
-                    offered = reply.offered[0]
-                    if offered.error:
-                        raise RuntimeError(f"rank {reply.rank}: {offered.error}")
-                    handles.append(offered.handle)
-        except Exception:
-            # Leases that did start end by expiry; their blocks are freed by the caller.
-            del self._holds[request_id]
-            raise
-        return tuple(handles)
+        except Exception as exc:
+            future.set_exception(exc)
+            return future
+        self._holds[request_id] = set(range(self.world_size))
+        entry = _Offering(future, [encode_kv(local)] + [None] * (self.world_size - 1))
+        self._offering[request_id] = entry
+        if self.link is not None:
+            self._round(offers=(OfferOp(request_id, tuple(block_ids), num_tokens, first_token_id),))
+        self._settle_offer(request_id)
+        return future
 
     def receive(self, handles: Sequence[bytes], block_ids: Sequence[int]) -> Future:
         """Every rank's part of the request's KV into ``block_ids``; the Future's result is
@@ -178,39 +185,40 @@ class ReplicaKV:
             self._round(declines=(tuple(handles),))
 
     @property
-    def owed(self) -> bool:
-        """Another rank owes news (a lease or a receive is open there)."""
-        return any(len(h) > (0 in h) for h in self._holds.values()) or any(
-            r.ranks_left for r in self._receiving.values()
-        )
+    def pending(self) -> bool:
+        """An offer or a receive waits for some rank."""
+        return bool(self._offering or self._receiving)
 
     def wait_hint(self) -> float | None:
-        """How long the loop may sleep before it must ``poll`` again (None: no limit)."""
-        if self.link is None:
-            return None
-        return POLL_S if self.owed else HEARTBEAT_S
+        """How long the loop may sleep before it must ``poll`` again (None: no limit).
+        News from the other ranks wakes it sooner."""
+        return None if self.link is None else HEARTBEAT_S
 
     def poll(self) -> None:
-        """Take in rank 0's ended leases and receives; ask the other ranks when due."""
+        """Take in ended leases and finished receives (rank 0's and the other ranks'
+        news); send the heartbeat when due. Raises if a rank is gone."""
         while True:
             try:
                 request_id, reason = self._local_released.get_nowait()
             except queue.Empty:
                 break
             self._released(request_id, 0, reason)
+        if self.link is not None:
+            for data in self.link.take_replies():
+                self._take(decode_reply(data))
+            if time.monotonic() - self._last_round >= HEARTBEAT_S:
+                self._round()
         for request_id in list(self._receiving):
             self._settle(request_id)
-        if self.link is not None:
-            since = time.monotonic() - self._last_round
-            if since >= HEARTBEAT_S or (self.owed and since >= POLL_S):
-                self._round()
 
     def close(self) -> None:
-        """Tell the other ranks to stop (the loop is ending)."""
+        """Tell the other ranks to stop (the loop is ending), and take their last news."""
         if self.link is not None:
             self._drain()
             self._round(stop=True)
             self.link.settle()
+            if not self.link.join_replies(_GOODBYE_S):
+                logger.warning("some ranks sent no last news within %g s", _GOODBYE_S)
 
     def abandon(self) -> None:
         """Rank 0's loop died: close the link, so that the other ranks' next collective
@@ -227,18 +235,11 @@ class ReplicaKV:
             raise RuntimeError("no KV connector on this worker")
         return self._connector
 
-    def _round(self, step: StepInputs | None = None, **ops) -> list[RankReply]:
-        """One command to every other rank; their replies when any were needed."""
+    def _round(self, step: StepInputs | None = None, **ops) -> None:
+        """One command to every other rank."""
         assert self.link is not None
-        reply = bool(ops.get("offers")) or self.owed
         in_flight = self._in_flight()  # not counting the batch of ``step``
-        if reply and in_flight:
-            if step is not None:
-                reply = False  # the next poll asks, once the pipeline drained
-            else:
-                self._drain()
-                in_flight = 0
-        command = RankCommand(seq=self._seq, step=step, reply=reply, **ops)
+        command = RankCommand(seq=self._seq, step=step, **ops)
         self._seq += 1
         self.rounds += 1
         number = self.link.send(encode_command(command))
@@ -248,25 +249,42 @@ class ReplicaKV:
         # Safe to wait for: what the other ranks read before the oldest batch in flight.
         self.link.settle(self._step_msgs[-in_flight] if in_flight else None)
         self._last_round = time.monotonic()
-        if not reply:
-            return []
-        raw = self.link.gather(b"")
-        assert raw is not None
-        replies = [decode_reply(data) for data in raw[1:]]
-        for reply_msg in replies:
-            for request_id in reply_msg.released:
-                self._released(request_id, reply_msg.rank, "released")
-            for received in reply_msg.received:
-                entry = self._receiving.get(received.request_id)
-                if entry is None or reply_msg.rank not in entry.ranks_left:
-                    continue
-                entry.ranks_left.discard(reply_msg.rank)
-                if received.error:
-                    entry.errors.append(f"rank {reply_msg.rank}: {received.error}")
-                entry.seconds = max(entry.seconds, received.seconds)
-                entry.num_bytes += received.num_bytes
-                self._wake()
-        return replies
+
+    def _take(self, reply: RankReply) -> None:
+        """One rank's news: offers first, then ended leases (never before their offer),
+        then receives."""
+        for offered in reply.offered:
+            entry = self._offering.get(offered.request_id)
+            if entry is None or entry.handles[reply.rank] is not None:
+                continue
+            if offered.error:
+                entry.errors.append(f"rank {reply.rank}: {offered.error}")
+            entry.handles[reply.rank] = offered.handle
+            self._settle_offer(offered.request_id)
+        for request_id in reply.released:
+            self._released(request_id, reply.rank, "released")
+        for received in reply.received:
+            entry = self._receiving.get(received.request_id)
+            if entry is None or reply.rank not in entry.ranks_left:
+                continue
+            entry.ranks_left.discard(reply.rank)
+            if received.error:
+                entry.errors.append(f"rank {reply.rank}: {received.error}")
+            entry.seconds = max(entry.seconds, received.seconds)
+            entry.num_bytes += received.num_bytes
+
+    def _settle_offer(self, request_id: str) -> None:
+        """Complete an offer's future once every rank has answered."""
+        entry = self._offering[request_id]
+        if any(handle is None for handle in entry.handles):
+            return
+        del self._offering[request_id]
+        if entry.errors:
+            # Leases that did start end by expiry; their blocks are freed by the caller.
+            self._holds.pop(request_id, None)
+            entry.future.set_exception(RuntimeError("; ".join(entry.errors)))
+        else:
+            entry.future.set_result(tuple(entry.handles))
 
     def _released(self, request_id: str, rank: int, reason: str) -> None:
         holders = self._holds.get(request_id)

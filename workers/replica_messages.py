@@ -3,9 +3,10 @@
 Rank 0 runs the scheduler, the sampler and the router's work; the other ranks hold
 their shards of the weights and the KV cache and do what a :class:`RankCommand` says,
 in order: end transfers (``aborts``, ``declines``), offer held blocks (``offers``),
-start receives (``receives``), run a forward pass (``step``). When ``reply`` is set
-every rank answers with a :class:`RankReply`: handles of the offers, leases that
-ended, receives that completed. msgpack, checked on decode; no pickle, no method names.
+start receives (``receives``), run a forward pass (``step``). The other ranks send their
+news back on their own, as it happens, in :class:`RankReply` messages: handles of their
+offers, leases that ended, receives that completed (``workers/rank_link.py``). msgpack,
+checked on decode; no pickle, no method names.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import msgpack
 
 from workers.step_inputs import StepInputs
 
-REPLICA_WIRE_VERSION = 1
+REPLICA_WIRE_VERSION = 2
 
 
 @dataclass(frozen=True)
@@ -46,7 +47,6 @@ class RankCommand:
     receives: tuple[ReceiveOp, ...] = ()
     aborts: tuple[str, ...] = ()  # decode: stop these receives
     declines: tuple[tuple[bytes, ...], ...] = ()  # decode: nothing will be read from these
-    reply: bool = False
     stop: bool = False
 
 
@@ -68,7 +68,7 @@ class Received:
 @dataclass(frozen=True)
 class RankReply:
     rank: int
-    offered: tuple[Offered, ...] = ()  # one per offer of this command, in order
+    offered: tuple[Offered, ...] = ()  # offers this rank made (handle or error)
     released: tuple[str, ...] = ()  # request ids whose lease on this rank ended
     received: tuple[Received, ...] = ()  # receives on this rank that completed
 
@@ -84,7 +84,6 @@ def encode_command(cmd: RankCommand) -> bytes:
             [[r.request_id, list(r.handles), list(r.block_ids)] for r in cmd.receives],
             list(cmd.aborts),
             [list(handles) for handles in cmd.declines],
-            cmd.reply,
             cmd.stop,
         ],
         use_bin_type=True,
@@ -93,8 +92,8 @@ def encode_command(cmd: RankCommand) -> bytes:
 
 def decode_command(data: bytes) -> RankCommand:
     """Raises ValueError for anything but a command of this version."""
-    msg = _unpack(data, "cmd", 10)
-    _, _, seq, step, offers, receives, aborts, declines, reply, stop = msg
+    msg = _unpack(data, "cmd", 9)
+    _, _, seq, step, offers, receives, aborts, declines, stop = msg
     try:
         return RankCommand(
             seq=int(seq),
@@ -109,7 +108,6 @@ def decode_command(data: bytes) -> RankCommand:
             ),
             aborts=tuple(str(rid) for rid in aborts),
             declines=tuple(tuple(bytes(h) for h in hs) for hs in declines),
-            reply=bool(reply),
             stop=bool(stop),
         )
     except (TypeError, ValueError) as exc:

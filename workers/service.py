@@ -11,8 +11,9 @@ until a sink is attached it keeps them.
 Who frees which block, and when (the hazards of the hand-off):
 
 - Prefill: a request whose first token does not end it stays *held* by the engine; the
-  loop offers its blocks to the connector (a lease) and publishes the handle. The blocks
-  are freed only in ``on_release`` (decode's notice, or lease expiry), never on abort.
+  loop offers its blocks to the connector (a lease, on every rank) and publishes the
+  handles once every rank has answered. The blocks are freed only in ``on_release``
+  (decode's notice, or lease expiry), never on abort, or at once if the offer fails.
 - Decode: a request admitted with handles gets fresh blocks; the loop starts the receive
   into exactly those. An abort while receiving asks the connector to stop and the engine
   frees the blocks only when the receive's future completes (nothing writes them then).
@@ -34,6 +35,7 @@ from kvtransfer import KVConnector, KVHandle
 from kvtransfer.messages import decode_as as decode_kv
 from workers.channel import HEARTBEAT_S
 from workers.engine import LLMEngine
+from workers.events import failed_event, token_event
 from workers.metrics import WorkerMetrics
 from workers.outputs import StreamDelta
 from workers.replica_kv import ReplicaKV
@@ -78,6 +80,8 @@ class EngineService:
         self._receives: dict[str, _Receive] = {}  # loop thread only
         self._errors: dict[str, str] = {}  # loop thread only: why a request failed
         self._transfer: dict[str, tuple[float, int]] = {}  # loop thread only
+        # Prefill, loop thread only: finished prompts whose offer waits for some rank.
+        self._offers: dict[str, tuple[StreamDelta, Future]] = {}
         self._reports = ReportBuilder(engine, name, role)  # loop thread only
         self._stopping = False
         self._failed: str | None = None
@@ -149,9 +153,10 @@ class EngineService:
                 if self.engine.has_unfinished_requests():
                     deltas = self.engine.step()
                     started = self._start_receives()
-                    self._publish([self._event(d) for d in deltas])
+                    self._publish(self._events_of(deltas))
                     # Only receiving, or waiting for blocks: sleep until something wakes us.
                     did_work = bool(deltas or started or self.engine.scheduler.running)
+                self._publish(self._offered())  # every rank has answered (this step's too)
                 self._reports.refresh_hashes()
                 if self._sink is not None and time.monotonic() - self._sent_at >= HEARTBEAT_S:
                     self._send(())
@@ -167,8 +172,8 @@ class EngineService:
         """The loop is dead: every request it had fails now (the router answers INTERNAL)."""
         self._failed = error
         self.kv.abandon()  # the other ranks stop waiting for commands
-        rids = set(self.engine.scheduler.requests) | set(self._receives)
-        events = [_failed_event(rid, 0, f"worker {self.name} failed: {error}") for rid in rids]
+        rids = set(self.engine.scheduler.requests) | set(self._receives) | set(self._offers)
+        events = [failed_event(rid, 0, f"worker {self.name} failed: {error}") for rid in rids]
         if self._sink is not None:
             self._send(events)  # even with no events: the report says the loop is dead
         else:
@@ -202,7 +207,7 @@ class EngineService:
         rid = item.request_id
         if rid in self._receives or rid in self.engine.scheduler.requests:
             # Touch nothing: the state under this id belongs to the request that has it.
-            self._publish([_failed_event(rid, 0, f"request_id {rid!r} is already in use")])
+            self._publish([failed_event(rid, 0, f"request_id {rid!r} is already in use")])
             return
         try:
             if item.mode == "decode":
@@ -228,7 +233,7 @@ class EngineService:
             receive = self._receives.pop(rid, None)
             if receive is not None:
                 self._safe_decline(receive.handles)
-            self._publish([_failed_event(rid, len(item.prompt_token_ids), f"{exc}")])
+            self._publish([failed_event(rid, len(item.prompt_token_ids), f"{exc}")])
 
     def _abort(self, rid: str) -> None:
         if self.engine.is_held(rid):
@@ -305,53 +310,53 @@ class EngineService:
             self.engine.abort_request(rid)
         self.engine.kv_received(rid, ok=False)
 
-    def _event(self, delta: StreamDelta) -> TokenEvent:
+    def _events_of(self, deltas: Sequence[StreamDelta]) -> list[TokenEvent]:
+        """The step's events; a finished prefill's waits for its offer (``_offered``)."""
+        events = []
+        for delta in deltas:
+            if delta.held_block_ids is not None:
+                self._offer(delta)
+            else:
+                events.append(self._event(delta))
+        return events
+
+    def _event(self, delta: StreamDelta, kv_handles: tuple[bytes, ...] = ()) -> TokenEvent:
         rid = delta.request_id
-        kv_handles: tuple[bytes, ...] = ()
-        if delta.held_block_ids is not None:
-            kv_handles = self._offer(delta)
-            if not kv_handles:
-                return _failed_event(rid, delta.num_prompt_tokens, self._errors.pop(rid))
         if delta.finished and rid in self._receives:
             # Ended before its receive started (aborted while queued): free P's blocks now.
             self._safe_decline(self._receives.pop(rid).handles)
-        seconds, num_bytes = self._transfer.pop(rid, (0.0, 0))
+        transfer = self._transfer.pop(rid, (0.0, 0))
         error = self._errors.pop(rid, "") if delta.finished else ""
-        reason = delta.finish_reason.value if delta.finish_reason is not None else None
-        return TokenEvent(
-            request_id=rid,
-            token_ids=delta.token_ids,
-            finished=delta.finished,
-            finish_reason=reason,
-            stop_token_id=delta.stop_reason if isinstance(delta.stop_reason, int) else None,
-            num_prompt_tokens=delta.num_prompt_tokens,
-            num_cached_tokens=delta.num_cached_tokens,
-            logprobs=delta.logprobs,
-            kv_handles=kv_handles,
-            kv_transfer_seconds=seconds,
-            kv_transfer_bytes=num_bytes,
-            error=error,
-        )
+        return token_event(delta, kv_handles=kv_handles, transfer=transfer, error=error)
 
-    def _offer(self, delta: StreamDelta) -> tuple[bytes, ...]:
-        """Prefill: put the held blocks under a lease on every rank; the handles, one per
-        rank, or none (blocks freed) if that fails."""
-        rid = delta.request_id
+    def _offer(self, delta: StreamDelta) -> None:
+        """Prefill: put the held blocks under a lease on every rank (``_offered`` sends
+        the event with the handles, one per rank, once every rank has answered)."""
         assert delta.held_block_ids is not None
-        try:
-            if self.connector is None:
-                raise RuntimeError("no KV connector on this worker")
-            return self.kv.offer(
-                rid,
-                delta.held_block_ids,
-                num_tokens=delta.num_prompt_tokens,
-                first_token_id=delta.token_ids[0],
-            )
-        except Exception as exc:
+        future = self.kv.offer(
+            delta.request_id,
+            delta.held_block_ids,
+            num_tokens=delta.num_prompt_tokens,
+            first_token_id=delta.token_ids[0],
+        )
+        self._offers[delta.request_id] = (delta, future)
+
+    def _offered(self) -> list[TokenEvent]:
+        """Events of the offers that completed: the handles, or a failure (blocks freed)."""
+        events = []
+        for rid, (delta, future) in list(self._offers.items()):
+            if not future.done():
+                continue
+            del self._offers[rid]
+            exc = future.exception()
+            if exc is None:
+                events.append(self._event(delta, future.result()))
+                continue
             self.engine.release_held(rid)
-            self._errors[rid] = f"cannot offer KV: {exc}"
             self.metrics.transfer_failed("offer")
-            return ()
+            error = f"cannot offer KV: {exc}"
+            events.append(failed_event(rid, delta.num_prompt_tokens, error))
+        return events
 
     def _publish(self, events: list[TokenEvent]) -> None:
         if not events:
@@ -379,22 +384,13 @@ class EngineService:
         for rid in list(self.engine.scheduler.requests):
             self._abort(rid)
         deadline = time.monotonic() + 5.0
-        while any(r.future is not None for r in self._receives.values()):
+        while self._offers or any(r.future is not None for r in self._receives.values()):
             if time.monotonic() > deadline:
                 break
+            self.kv.poll()  # the other ranks' parts
             self._finish_receives()
+            self._publish(self._offered())
             time.sleep(0.01)
         while self.engine.has_unfinished_requests() and time.monotonic() < deadline:
             self._finish_receives()
-            self._publish([self._event(d) for d in self.engine.step()])
-
-
-def _failed_event(rid: str, num_prompt_tokens: int, error: str) -> TokenEvent:
-    return TokenEvent(
-        request_id=rid,
-        token_ids=(),
-        finished=True,
-        finish_reason="abort",
-        num_prompt_tokens=num_prompt_tokens,
-        error=error or "failed",
-    )
+            self._publish(self._events_of(self.engine.step()))

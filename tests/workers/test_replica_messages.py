@@ -57,7 +57,6 @@ def test_a_command_round_trips_with_every_field():
         receives=(ReceiveOp("b", (b"h0", b"h1"), (8, 9)),),
         aborts=("c",),
         declines=((b"h2",),),
-        reply=True,
     )
     got = decode_command(encode_command(command))
     _same_inputs(got.step, command.step)
@@ -68,7 +67,7 @@ def test_a_command_round_trips_with_every_field():
         ("c",),
         ((b"h2",),),
     )
-    assert got.reply and not got.stop
+    assert not got.stop
     assert decode_command(encode_command(RankCommand(seq=0, stop=True))).step is None
 
 
@@ -86,10 +85,10 @@ def test_a_reply_round_trips():
     "data, error",
     [
         (b"\xc1", "undecodable"),
-        (msgpack.packb(["reply", 1, 0, [], [], []]), "not a cmd"),
-        (msgpack.packb(["cmd", 99, 0, None, [], [], [], [], False, False]), "version 99"),
+        (msgpack.packb(["reply", 2, 0, [], [], []]), "not a cmd"),
+        (msgpack.packb(["cmd", 99, 0, None, [], [], [], [], False]), "version 99"),
         (
-            msgpack.packb(["cmd", 1, 0, None, [["a", [1], 2]], [], [], [], False, False]),
+            msgpack.packb(["cmd", 2, 0, None, [["a", [1], 2]], [], [], [], False]),
             "malformed",
         ),
     ],
@@ -109,9 +108,18 @@ def test_step_inputs_whose_lengths_disagree_are_refused():
 # ---- the link, between two real processes ------------------------------------------------
 
 
+def _answer(rank: int, size: int) -> bytes:
+    return bytes([rank]) + bytes((i * rank + size) % 253 for i in range(size - 1))
+
+
+ANSWER_SIZES = (1, REPLY_INLINE_BYTES - 8, REPLY_INLINE_BYTES * 3)  # short, full, overflow
+
+
 def _link_main(rank: int, port: int, out_dir: str) -> None:
-    _, link = join_replica(rank, 2, "127.0.0.1", port, "cpu")
+    _, link = join_replica(rank, 3, "127.0.0.1", port, "cpu")
     try:
+        if rank == 0:
+            link.start_replies(lambda: None)
         sizes = (0, 100, COMMAND_INLINE_BYTES - 8, COMMAND_INLINE_BYTES + 5, 300_000)
         got = []
         for size in sizes:
@@ -122,15 +130,22 @@ def _link_main(rank: int, port: int, out_dir: str) -> None:
             else:
                 received = link.receive()
             got.append(received == data)
-        # Replies: rank 1's overflows the inline buffer, rank 0's is empty.
-        mine = b"" if rank == 0 else bytes(i % 253 for i in range(REPLY_INLINE_BYTES * 3))
-        replies = link.gather(mine)
-        result = {"broadcast_ok": got}
+        result: dict = {"broadcast_ok": got}
         if rank == 0:
-            expected = bytes(i % 253 for i in range(REPLY_INLINE_BYTES * 3))
-            result["gather_ok"] = replies == [b"", expected]
+            link.settle()
+            result["answers_ended"] = link.join_replies(60.0)
+            answers = link.take_replies()
+            # Each rank's answers arrive whole and in its order; the ranks interleave.
+            result["answers_ok"] = [
+                [a for a in answers if a in {_answer(r, n) for n in ANSWER_SIZES}]
+                == [_answer(r, n) for n in ANSWER_SIZES]
+                for r in (1, 2)
+            ]
+            result["num_answers"] = len(answers)
         else:
-            result["gather_none"] = replies is None
+            for size in ANSWER_SIZES:
+                link.reply(_answer(rank, size))
+            link.reply_done()
         Path(out_dir, f"rank{rank}.json").write_text(json.dumps(result))
     finally:
         leave_replica()
@@ -140,11 +155,11 @@ def test_the_link_carries_short_and_long_messages_both_ways(tmp_path):
     mp.start_processes(
         _link_main,
         args=(free_port("127.0.0.1"), str(tmp_path)),
-        nprocs=2,
+        nprocs=3,
         join=True,
         start_method="spawn",
     )
-    rank0 = json.loads((tmp_path / "rank0.json").read_text())
-    rank1 = json.loads((tmp_path / "rank1.json").read_text())
-    assert rank0["broadcast_ok"] == [True] * 5 and rank1["broadcast_ok"] == [True] * 5
-    assert rank0["gather_ok"] and rank1["gather_none"]
+    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(3)]
+    assert all(r["broadcast_ok"] == [True] * 5 for r in ranks)
+    assert ranks[0]["answers_ended"]  # every rank's last answer came: the reader stopped
+    assert ranks[0]["answers_ok"] == [True, True] and ranks[0]["num_answers"] == 6
