@@ -19,7 +19,6 @@ from __future__ import annotations
 import os
 import secrets
 import signal
-import subprocess
 
 import pytest
 
@@ -29,6 +28,7 @@ from tests.e2e.test_parallel_cluster import (
     _serves_the_reference,
     _wait_restarting,
     _wait_serving,
+    actor_processes,
     assert_outputs_and_hand_off,
 )
 
@@ -82,13 +82,7 @@ def _raylet_pids(cluster) -> dict[int, str]:
 def _actors_by_node(cluster, actor_class: str) -> dict[str, list[int]]:
     """Node id -> pids of the live actors of ``actor_class`` that node's raylet started."""
     raylets = _raylet_pids(cluster)
-    out = subprocess.run(["ps", "-eo", "pid=,ppid=,stat=,args="], capture_output=True, text=True)
-    parents, found = {}, []
-    for line in out.stdout.splitlines():
-        pid, ppid, stat, args = line.split(maxsplit=3)
-        parents[int(pid)] = int(ppid)
-        if f"ray::{actor_class}" in args and not stat.startswith("Z"):
-            found.append(int(pid))
+    found, parents = actor_processes(actor_class)
     by_node: dict[str, list[int]] = {}
     for pid in found:
         ancestor = pid

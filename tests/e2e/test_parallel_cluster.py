@@ -92,10 +92,10 @@ def assert_outputs_and_hand_off(stub, model_dir, reference) -> None:
     wait_blocks_released(stub)
 
 
-def _rank_pids(served, actor_class: str = "RankActor") -> list[int]:
-    """Live processes of one actor class in this cluster: Ray titles them after the class
-    (``RankActor``: follower ranks, ``WorkerActor``: rank 0 of every replica), and they
-    descend from the serving process (its Ray instance's raylet started them)."""
+def actor_processes(actor_class: str) -> tuple[list[int], dict[int, int]]:
+    """Live processes of one actor class on this machine (Ray titles them after the class:
+    ``RankActor``: follower ranks, ``WorkerActor``: rank 0 of every replica), and every
+    process's parent (pid -> ppid)."""
     out = subprocess.run(["ps", "-eo", "pid=,ppid=,stat=,args="], capture_output=True, text=True)
     parents, found = {}, []
     for line in out.stdout.splitlines():
@@ -103,6 +103,13 @@ def _rank_pids(served, actor_class: str = "RankActor") -> list[int]:
         parents[int(pid)] = int(ppid)
         if f"ray::{actor_class}" in args and not stat.startswith("Z"):
             found.append(int(pid))
+    return found, parents
+
+
+def _rank_pids(served, actor_class: str = "RankActor") -> list[int]:
+    """Live processes of one actor class in this cluster: they descend from the serving
+    process (its Ray instance's raylet started them)."""
+    found, parents = actor_processes(actor_class)
 
     def ours(pid: int) -> bool:
         while pid > 1:
