@@ -34,7 +34,7 @@ class ModelSection:
 class PoolSection:
     replicas: int = option(1, "Worker replicas in this pool", ge=0)
     tensor_parallel: int = option(
-        1, "Tensor-parallel ranks per replica (one process each, on one node)", ge=1
+        1, "Tensor-parallel ranks per pipeline stage (one process each, on one node)", ge=1
     )
     pipeline_parallel: int = option(
         1,
