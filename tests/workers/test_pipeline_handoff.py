@@ -17,6 +17,7 @@ must hold:
 from __future__ import annotations
 
 import json
+import threading
 import time
 from pathlib import Path
 
@@ -25,7 +26,13 @@ import torch.multiprocessing as mp
 
 from kvtransfer import KVHandle
 from kvtransfer.messages import decode_as as decode_kv
-from tests.workers.test_tensor_parallel import MAX_TOKENS, PROMPT_LENGTHS, _config, _generate
+from tests.workers.test_tensor_parallel import (
+    MAX_TOKENS,
+    PROMPT_LENGTHS,
+    _config,
+    _generate,
+    rank0_engine,
+)
 from workers import SamplingParams
 from workers.engine import LLMEngine
 from workers.make_model import make_model
@@ -54,22 +61,19 @@ class HoldingConnector:
 
 
 def _rank0(model_dir: str, parallel, link) -> dict:
-    kv = ReplicaKV(link)
-    released: list[str] = []
-    kv.bind(HoldingConnector("rank0", kv.local_released), lambda rid, _: released.append(rid), lambda: None)  # fmt: skip
-    drains: list[int] = []
     offer = None
     ahead_while_open: list[int] = []  # batches in flight at each send after the offer
 
-    def send(inputs) -> None:
+    def record(engine, _inputs) -> None:
         if offer is not None:
             ahead_while_open.append(engine.num_in_flight)
-        kv.before_forward(inputs)
 
-    engine = LLMEngine(
-        _config(model_dir), parallel=parallel, before_forward=send,
-        agree_num_blocks=agree_min(link),
-    )  # fmt: skip
+    kv, engine = rank0_engine(model_dir, parallel, link, record)
+    released: list[str] = []
+    woke = threading.Event()  # news from rank 1 came in (the reader wakes the loop)
+    connector = HoldingConnector("rank0", kv.local_released)
+    kv.bind(connector, lambda rid, _: released.append(rid), woke.set)
+    drains: list[int] = []
 
     def drain() -> None:
         drains.append(engine.num_in_flight)
@@ -91,14 +95,10 @@ def _rank0(model_dir: str, parallel, link) -> dict:
         steps += 1
     drains_while_open = list(drains)
     deadline = time.monotonic() + NEWS_TIMEOUT_S
-    while not offer.done() and time.monotonic() < deadline:
-        kv.poll()
-        time.sleep(0.01)
+    _poll_until(kv, woke, offer.done, deadline)
     handles = [decode_kv(h, KVHandle) for h in offer.result(timeout=0)]
     kv.decline(offer.result())
-    while not released and time.monotonic() < deadline:
-        kv.poll()
-        time.sleep(0.01)
+    _poll_until(kv, woke, lambda: bool(released), deadline)
     kv.close()
     return {
         "tokens": tokens,
@@ -107,6 +107,15 @@ def _rank0(model_dir: str, parallel, link) -> dict:
         "handles": [[h.agent_name, h.req_id, list(h.block_ids)] for h in handles],
         "released": released,
     }
+
+
+def _poll_until(kv: ReplicaKV, woke: threading.Event, done, deadline: float) -> None:
+    """Take in the other rank's news each time it arrives, until ``done()``."""
+    while True:
+        woke.clear()
+        kv.poll()
+        if done() or not woke.wait(max(0.0, deadline - time.monotonic())):
+            return
 
 
 def _rank_main(rank: int, port: int, model_dir: str, out_dir: str) -> None:

@@ -34,13 +34,13 @@ from tests.workers.test_tensor_parallel import (
     _config,
     _follow,
     _generate,
+    rank0_engine,
 )
 from workers.engine import LLMEngine
 from workers.make_model import make_model
 from workers.models import loader
 from workers.models.parallel import ParallelContext
-from workers.replica import agree_min, free_port, join_replica, leave_replica
-from workers.replica_kv import ReplicaKV
+from workers.replica import free_port, join_replica, leave_replica
 
 VOCAB = 1024  # the tiny tokenizer's (copied from a make_model directory)
 COMMON = dict(
@@ -110,20 +110,10 @@ def _rank_main(rank: int, world: int, pp: int, port: int, model_dir: str, out_di
     parallel, link = join_replica(rank, world, "127.0.0.1", port, "cpu", pp_size=pp)
     try:
         if rank == 0:
-            kv = ReplicaKV(link)
             ahead: list[int] = []  # batches already in flight when each one was sent
-
-            def send(inputs) -> None:
-                ahead.append(engine.num_in_flight)
-                kv.before_forward(inputs)
-
-            engine = LLMEngine(
-                _config(model_dir),
-                parallel=parallel,
-                before_forward=send,
-                agree_num_blocks=agree_min(link),
+            kv, engine = rank0_engine(
+                model_dir, parallel, link, lambda e, _: ahead.append(e.num_in_flight)
             )
-            kv.bind_engine(lambda: engine.num_in_flight, engine.drain)
             tokens = _generate(engine)
             kv.close()
             result = {"tokens": tokens, "steps": kv.rounds - 1}  # less the stop command

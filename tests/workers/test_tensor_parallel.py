@@ -64,6 +64,23 @@ def _generate(engine: LLMEngine) -> dict[str, list[int]]:
     return tokens
 
 
+def rank0_engine(model_dir: str, parallel, link, record) -> tuple[ReplicaKV, LLMEngine]:
+    """Rank 0's replica link and engine; ``record(engine, inputs)`` sees every step it
+    sends to the other ranks, before it goes."""
+    kv = ReplicaKV(link)
+
+    def send(inputs: StepInputs) -> None:
+        record(engine, inputs)
+        kv.before_forward(inputs)
+
+    engine = LLMEngine(
+        _config(model_dir), parallel=parallel, before_forward=send,
+        agree_num_blocks=agree_min(link),
+    )  # fmt: skip
+    kv.bind_engine(lambda: engine.num_in_flight, engine.drain)
+    return kv, engine
+
+
 def _follow(model_dir: str, parallel, link) -> tuple[LLMEngine, int]:
     """A rank other than 0: build its engine, run rank 0's steps until told to stop;
     (its engine, how many steps it ran)."""
@@ -78,19 +95,8 @@ def _rank_main(rank: int, world: int, port: int, model_dir: str, out_dir: str) -
     parallel, link = join_replica(rank, world, "127.0.0.1", port, "cpu")
     try:
         if rank == 0:
-            kv = ReplicaKV(link)
             sent: list[StepInputs] = []
-
-            def send(inputs: StepInputs) -> None:
-                sent.append(inputs)
-                kv.before_forward(inputs)
-
-            engine = LLMEngine(
-                _config(model_dir),
-                parallel=parallel,
-                before_forward=send,
-                agree_num_blocks=agree_min(link),
-            )
+            kv, engine = rank0_engine(model_dir, parallel, link, lambda _, i: sent.append(i))
             tokens = _generate(engine)
             kv.close()
             result = {"tokens": tokens, "steps": len(sent)}
