@@ -99,7 +99,8 @@ class ReplicaKV:
         self._drain: Callable[[], None] = lambda: None
         self._step_msgs: deque[int] = deque(maxlen=64)  # link numbers of step commands
         self.rounds = 0  # commands sent (stats, tests)
-        self._reading = False  # rank 0's reader of the other ranks' news has started
+        if link is not None:  # the other ranks' news, read from now on; wakes the loop
+            link.start_replies(lambda: self._wake())
 
     def bind(
         self,
@@ -112,9 +113,6 @@ class ReplicaKV:
         self._connector = connector
         self._on_release = on_release
         self._wake = wake
-        if self.link is not None and not self._reading:
-            self.link.start_replies(wake)
-            self._reading = True
 
     def bind_engine(self, in_flight: Callable[[], int], drain: Callable[[], None]) -> None:
         """The engine's batches in flight (``LLMEngine.num_in_flight``, ``drain``)."""
