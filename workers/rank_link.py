@@ -69,12 +69,7 @@ class RankLink:
     def send(self, data: bytes) -> int:
         """Rank 0: send ``data`` to every other rank without waiting; returns its number."""
         assert self.rank == 0
-        head = torch.zeros(COMMAND_INLINE_BYTES, dtype=torch.uint8)
-        _pack(head, data)
-        buffers = [head]
-        rest_len = len(data) - (COMMAND_INLINE_BYTES - _HEADER)
-        if rest_len > 0:
-            buffers.append(_as_tensor(data[-rest_len:]))
+        buffers = _frames(data, COMMAND_INLINE_BYTES)
         works = [
             dist.isend(buf, peer, group=self.group, tag=tag)
             for peer in range(1, self.world_size)
@@ -97,14 +92,8 @@ class RankLink:
     def receive(self) -> bytes:
         """The other ranks: rank 0's next message."""
         assert self.rank != 0
-        buf = self._command
-        dist.recv(buf, 0, group=self.group, tag=_TAG_COMMAND)
-        length, inline = _unpack(buf)
-        if length == len(inline):
-            return inline
-        rest = torch.empty(length - len(inline), dtype=torch.uint8)
-        dist.recv(rest, 0, group=self.group, tag=_TAG_COMMAND_REST)
-        return inline + rest.numpy().tobytes()
+        dist.recv(self._command, 0, group=self.group, tag=_TAG_COMMAND)
+        return _whole(self._command, 0, self.group, _TAG_COMMAND_REST)
 
     # ---- answers: the other ranks -> rank 0 -----------------------------------------
     def reply(self, data: bytes) -> None:
@@ -147,13 +136,10 @@ class RankLink:
         return not self._reader.is_alive()
 
     def _send_reply(self, data: bytes) -> None:
-        head = torch.zeros(REPLY_INLINE_BYTES, dtype=torch.uint8)
-        _pack(head, data)
-        dist.send(head, 0, group=self.reply_group, tag=_TAG_REPLY)
-        rest_len = len(data) - (REPLY_INLINE_BYTES - _HEADER)
-        if rest_len > 0:
-            rest = _as_tensor(data[-rest_len:])
-            dist.send(rest, 0, group=self.reply_group, tag=_TAG_REPLY_REST)
+        for buf, tag in zip(
+            _frames(data, REPLY_INLINE_BYTES), (_TAG_REPLY, _TAG_REPLY_REST), strict=False
+        ):
+            dist.send(buf, 0, group=self.reply_group, tag=tag)
 
     def _read_replies(self, wake: Callable[[], None]) -> None:
         head = torch.zeros(REPLY_INLINE_BYTES, dtype=torch.uint8)
@@ -163,15 +149,11 @@ class RankLink:
                 # Whichever rank answers first. A dead rank does not end this wait (gloo
                 # does not notice it here); rank 0's sends do (``settle``).
                 src = dist.recv(head, src=None, group=self.reply_group, tag=_TAG_REPLY)
-                length, inline = _unpack(head)
-                if length == 0:
+                data = _whole(head, src, self.reply_group, _TAG_REPLY_REST)
+                if not data:
                     left -= 1
                     continue
-                if length > len(inline):
-                    rest = torch.empty(length - len(inline), dtype=torch.uint8)
-                    dist.recv(rest, src, group=self.reply_group, tag=_TAG_REPLY_REST)
-                    inline += rest.numpy().tobytes()
-                self._replies.put(inline)
+                self._replies.put(data)
                 wake()
         except Exception as exc:
             logger.warning("rank 0 stops reading the other ranks' answers: %s", exc)
@@ -181,6 +163,25 @@ class RankLink:
 
 def _as_tensor(data: bytes) -> torch.Tensor:
     return torch.frombuffer(bytearray(data), dtype=torch.uint8)
+
+
+def _frames(data: bytes, inline_bytes: int) -> list[torch.Tensor]:
+    """A message as transfers: a buffer of ``inline_bytes`` (the length, then as much as
+    fits), and the rest, if any."""
+    head = torch.zeros(inline_bytes, dtype=torch.uint8)
+    _pack(head, data)
+    rest_len = len(data) - (inline_bytes - _HEADER)
+    return [head, _as_tensor(data[-rest_len:])] if rest_len > 0 else [head]
+
+
+def _whole(head: torch.Tensor, src: int, group, rest_tag: int) -> bytes:
+    """The message whose first transfer is ``head``: receives the rest from ``src``."""
+    length, inline = _unpack(head)
+    if length == len(inline):
+        return inline
+    rest = torch.empty(length - len(inline), dtype=torch.uint8)
+    dist.recv(rest, src, group=group, tag=rest_tag)
+    return inline + rest.numpy().tobytes()
 
 
 def _pack(buf: torch.Tensor, data: bytes) -> None:
