@@ -63,6 +63,16 @@ class BatchesInFlight:
     def popleft(self) -> InFlightBatch:
         return self._batches.popleft()
 
+    def cancel(self, batch: InFlightBatch, scheduler: Scheduler) -> None:
+        """``batch`` (already taken out) failed: it and every batch still in flight are
+        dropped, and their requests' tokens count as unscheduled again (a later chunk of a
+        prompt needs the KV of the failed one)."""
+        for dropped in (batch, *self._batches):
+            for chunk, req in zip(dropped.sched.chunks, dropped.requests, strict=True):
+                if scheduler.requests.get(chunk.request_id) is req:
+                    req.num_in_flight_tokens -= chunk.num_tokens
+        self._batches.clear()
+
     def launch(self, scheduler: Scheduler, runner: ModelRunner) -> None:
         """Schedule a batch for every free slot and send it down the pipeline."""
         busy = {batch.slot for batch in self._batches}

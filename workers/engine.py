@@ -18,7 +18,7 @@ import time
 import uuid
 from collections.abc import Callable, Sequence
 
-from workers.batches import BatchesInFlight, InFlightBatch
+from workers.batches import BatchesInFlight
 from workers.block_manager import BlockManager
 from workers.cache_sizing import resolve_max_model_len, resolve_num_blocks
 from workers.config import EngineConfig
@@ -263,13 +263,13 @@ class LLMEngine:
         """One engine step: fill the free slots with batches, then sample the oldest.
 
         Without pipeline stages that is one batch, scheduled and sampled here. If the
-        model or sampler raises, no request of that batch advances (their blocks stay
-        allocated for a retry) and the finals of aborted requests are kept."""
+        model or sampler raises, no request of a batch in flight advances (their blocks
+        stay allocated for a retry) and the finals of aborted requests are kept."""
         self._in_flight.launch(self.scheduler, self.runner)
         if not self._in_flight:
             deltas, self._pending = self._pending, []
             return deltas
-        deltas = self._complete(self._in_flight.popleft())
+        deltas = self._complete()
         deltas, self._pending = self._pending + deltas, []
         return deltas
 
@@ -277,24 +277,29 @@ class LLMEngine:
         """Sample every batch in flight; their deltas come with the next ``step``.
         (Rank 0 does this before it waits for the other ranks: ``ReplicaKV``.)"""
         while self._in_flight:
-            self._pending.extend(self._complete(self._in_flight.popleft()))
+            self._pending.extend(self._complete())
 
-    def _complete(self, batch: InFlightBatch) -> list[StreamDelta]:
-        """Run rank 0's part of a batch (all of it without stages), sample, update."""
+    def _complete(self) -> list[StreamDelta]:
+        """Run rank 0's part of the oldest batch in flight (all of it without stages),
+        sample, update. If the model or sampler raises, no request of any batch in flight
+        advances (their blocks stay allocated for a retry)."""
+        batch = self._in_flight.popleft()
         t0 = time.perf_counter()
-        logits = self.runner.run(batch.inputs)
-        if logits is None:
-            raise RuntimeError("the rank that schedules must run the last pipeline stage")
-        t1 = time.perf_counter()
-        live, logits = batch.live(self.scheduler.requests, logits)
-        rows = [SamplingRow.of(req) for chunk, req in live if chunk.needs_sample]
-        sampled = self.sampler(logits, rows)
+        try:
+            logits = self.runner.run(batch.inputs)
+            if logits is None:
+                raise RuntimeError("the rank that schedules must run the last pipeline stage")
+            t1 = time.perf_counter()
+            live, logits = batch.live(self.scheduler.requests, logits)
+            sampled = self.sampler(logits, [SamplingRow.of(r) for c, r in live if c.needs_sample])
+        except BaseException:
+            self._in_flight.cancel(batch, self.scheduler)
+            raise
         t2 = time.perf_counter()
         deltas = self._update(live, sampled)
         stages = (batch.schedule_s, batch.prepare_s, batch.prepare_s + t1 - t0, t2 - t1)
-        sched = batch.sched
         stages += (time.perf_counter() - t2,)
-        self.step_times.add(len(sched.chunks), sched.num_batched_tokens, stages)
+        self.step_times.add(len(batch.sched.chunks), batch.sched.num_batched_tokens, stages)
         return deltas
 
     def _update(

@@ -41,6 +41,9 @@ class Request:
     generator: torch.Generator | None = None
     token_ids: list[int] = field(init=False)
     num_computed_tokens: int = 0
+    # In batches still in the pipeline (scheduled, not yet computed): a prompt's next
+    # chunk may be scheduled while the previous one is in flight (workers/scheduler.py).
+    num_in_flight_tokens: int = 0
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache on first admission
     num_preemptions: int = 0
     status: RequestStatus = RequestStatus.WAITING
@@ -57,7 +60,8 @@ class Request:
     is_remote_prefill: bool = False
     # Aborted while RECEIVING: its blocks stay until the transfer into them has ended.
     is_abort_requested: bool = False
-    # Which of the engine's batches in flight carries it (pipeline stages; 0 without).
+    # The scheduler slot whose batches carry it (pipeline stages; 0 without); a prompt's
+    # chunks may also ride in other slots' batches.
     slot: int = 0
 
     def __post_init__(self) -> None:
@@ -66,6 +70,15 @@ class Request:
     @property
     def num_prompt_tokens(self) -> int:
         return len(self.prompt_token_ids)
+
+    @property
+    def num_scheduled_tokens(self) -> int:
+        """Computed or on their way through the pipeline."""
+        return self.num_computed_tokens + self.num_in_flight_tokens
+
+    @property
+    def num_unscheduled_tokens(self) -> int:
+        return len(self.token_ids) - self.num_scheduled_tokens
 
     @property
     def num_tokens(self) -> int:

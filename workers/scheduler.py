@@ -19,11 +19,22 @@ Disaggregated roles differ only at the two ends of a request's life:
 
 **Slots** (pipeline stages): with ``num_slots > 1`` every request belongs to one slot,
 chosen when it is added (the slot with the fewest unfinished requests), and
-``schedule(slot)`` considers that slot's requests only: its running ones, and its
-waiting ones FCFS. The engine keeps one batch per slot in flight, so a request is never
-in two batches at once, and a preemption's victim is never one whose batch is still in
-the pipeline (it is taken from the slot being scheduled). ``max_num_seqs`` counts all
+``schedule(slot)`` considers that slot's requests: its running ones, and its waiting
+ones FCFS. The engine keeps one batch per slot in flight. ``max_num_seqs`` counts all
 slots together.
+
+**A prompt's chunks overlap in the pipeline**: a request whose prompt still has
+unscheduled tokens while one of its chunks is in flight is also drawn by the other
+slots (after their own running requests), so a long prompt's next chunk enters the
+first stage while the previous one is still in the later stages: its prefill takes
+``C + P - 1`` stage times instead of ``C * P`` for ``C`` chunks on ``P`` stages. That
+is sound because every stage runs batches in the order they were sent: a chunk's
+attention at a stage reads the earlier chunks' KV, which that stage has written by
+then. A chunk that samples ends this: the request's next token is not known until that
+batch comes back (``num_unscheduled_tokens`` is 0 meanwhile). Tokens in flight count in
+``num_scheduled_tokens``, not ``num_computed_tokens``, until their batch comes back
+(``update_computed``), and a request with tokens in flight is never preempted (the
+pipeline is still writing its KV).
 """
 
 from __future__ import annotations
@@ -189,28 +200,22 @@ class Scheduler:
         chunks: list[ScheduledChunk] = []
         preempted: list[str] = []
         bm = self.block_manager
-        running = [r for r in self.running if r.slot == slot]
+        candidates = self._running_of(slot)
 
         index = 0
-        while index < len(running) and budget > 0:
-            req = running[index]
-            num_new = min(req.num_tokens - req.num_computed_tokens, budget)
-            while not bm.allocate_slots(req.request_id, req.num_computed_tokens, num_new):
-                victim = running.pop()
-                self.running.remove(victim)
-                self._preempt(victim)
-                preempted.append(victim.request_id)
-                if victim is req:
-                    break
-            else:
-                chunks.append(self._chunk(req, num_new))
-                budget -= num_new
-                index += 1
-                continue
-            break  # req itself was preempted: nothing after it is running
+        while index < len(candidates) and budget > 0:
+            req = candidates[index]
+            num_new = min(req.num_unscheduled_tokens, budget)
+            if not self._make_room(req, num_new, candidates, index, preempted):
+                break  # req (and so every candidate after it) waits for blocks
+            chunks.append(self._chunk(req, num_new))
+            budget -= num_new
+            index += 1
+        starved = index < len(candidates)
 
         while (
             not preempted
+            and not starved
             and budget > 0
             and len(self.running) + len(self.receiving) < self.max_num_seqs
         ):
@@ -238,6 +243,46 @@ class Scheduler:
 
         chunks.sort(key=lambda c: c.num_tokens != 1)  # stable: decodes first
         return SchedulerOutput(tuple(chunks), tuple(bm.take_copies()), tuple(preempted))
+
+    def _running_of(self, slot: int) -> list[Request]:
+        """The running requests ``slot`` may schedule, in order: its own, then other
+        slots' requests whose prompt has a chunk in flight and more to schedule."""
+        if self.num_slots == 1:
+            return [r for r in self.running if r.num_unscheduled_tokens > 0]
+        own = [r for r in self.running if r.slot == slot and r.num_unscheduled_tokens > 0]
+        lent = [
+            r
+            for r in self.running
+            if r.slot != slot and r.num_in_flight_tokens > 0 and r.num_unscheduled_tokens > 0
+        ]
+        return own + lent
+
+    def _make_room(
+        self,
+        req: Request,
+        num_new: int,
+        candidates: list[Request],
+        index: int,
+        preempted: list[str],
+    ) -> bool:
+        """Allocate ``req``'s blocks for ``num_new`` more tokens, preempting the newest
+        candidates after it (then ``req`` itself) while blocks run short. Requests with
+        tokens in flight are never preempted. False: ``req`` got no blocks."""
+        while not self.block_manager.allocate_slots(
+            req.request_id, req.num_scheduled_tokens, num_new
+        ):
+            victim = next(
+                (r for r in reversed(candidates[index:]) if r.num_in_flight_tokens == 0), None
+            )
+            if victim is None:
+                return False
+            candidates.remove(victim)
+            self.running.remove(victim)
+            self._preempt(victim)
+            preempted.append(victim.request_id)
+            if victim is req:
+                return False
+        return True
 
     def _admit_receiving(self, req: Request) -> bool:
         """Admit the head of the queue (remote prefill) into RECEIVING, if blocks allow.
@@ -270,7 +315,8 @@ class Scheduler:
             self.on_first_scheduled(req)
 
     def _chunk(self, req: Request, num_new: int) -> ScheduledChunk:
-        start = req.num_computed_tokens
+        start = req.num_scheduled_tokens
+        req.num_in_flight_tokens += num_new
         return ScheduledChunk(
             request_id=req.request_id,
             start_pos=start,
@@ -291,6 +337,7 @@ class Scheduler:
     def update_computed(self, chunk: ScheduledChunk) -> Request:
         """After the step ran: advance the request and publish its newly full blocks."""
         req = self.requests[chunk.request_id]
+        req.num_in_flight_tokens -= chunk.num_tokens
         req.num_computed_tokens += chunk.num_tokens
         self.block_manager.commit_computed(req.request_id, req.token_ids, req.num_computed_tokens)
         return req

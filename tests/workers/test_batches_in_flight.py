@@ -50,6 +50,21 @@ def _run(engine: LLMEngine, params: SamplingParams, abort_after: int | None = No
     return tokens, finals
 
 
+def watch_overlaps(engine: LLMEngine) -> list[str]:
+    """Ids of requests sent in a batch while an older batch in flight already carries one
+    of their chunks (a prompt's chunks overlapping in the pipeline), as they happen."""
+    seen: list[str] = []
+    real_launch = engine.runner.launch
+
+    def launch(sched, requests):
+        flying = {c.request_id for batch in engine._in_flight._batches for c in batch.sched.chunks}
+        seen.extend(c.request_id for c in sched.chunks if c.request_id in flying)
+        return real_launch(sched, requests)
+
+    engine.runner.launch = launch
+    return seen
+
+
 @pytest.mark.parametrize("depth", [2, 3])
 def test_batches_in_flight_give_the_same_tokens(config, depth):
     greedy = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
@@ -57,8 +72,10 @@ def test_batches_in_flight_give_the_same_tokens(config, depth):
     for params in (greedy, seeded):
         want, _ = _run(LLMEngine(config), params)
         engine = LLMEngine(config, batches_in_flight=depth)
+        overlaps = watch_overlaps(engine)
         got, finals = _run(engine, params)
         assert got == want
+        assert overlaps  # some prompt had chunks in two batches at once
         assert set(finals.values()) == {FinishReason.LENGTH}
         bm = engine.block_manager
         bm.check_integrity()
@@ -98,14 +115,51 @@ def test_drain_samples_every_batch_in_flight(config):
     engine = LLMEngine(config, batches_in_flight=2)
     for i, prompt in enumerate(_prompts()[:4]):
         engine.add_request(prompt, params, f"r{i}")
-    # Slots: r0, r2 -> 0; r1, r3 -> 1. Budget 24: slot 0 = r0's prompt + 21 of r2's,
-    # slot 1 = r1's prompt + 4 of r3's. Only complete prompts sample.
+    # Slots: r0, r2 -> 0; r1, r3 -> 1. Budget 24: slot 0 = r0's prompt + 21 of r2's;
+    # slot 1 = the other 20 of r2's (its prompt has a chunk in flight: it goes on in
+    # slot 1's batch, ahead of slot 1's waiting requests) + 4 of r1's. Only complete
+    # prompts sample.
     first = engine.step()
     assert [d.request_id for d in first] == ["r0"]
     assert engine.num_in_flight == 1  # slot 1's batch
     engine.drain()
     assert engine.num_in_flight == 0
-    # The drained batch's delta (r1) comes with the next step, before that step's own
-    # (slot 0 again: r0 decodes, r2's prompt completes).
+    # The drained batch's delta (r2's first token) comes with the next step, before that
+    # step's own (slot 0 again: r0 and r2 decode).
     second = engine.step()
-    assert [d.request_id for d in second] == ["r1", "r0", "r2"]
+    assert [d.request_id for d in second] == ["r2", "r0", "r2"]
+
+
+def test_a_failing_batch_cancels_every_batch_in_flight_and_loses_nothing(config):
+    """The model raises while a prompt has chunks in two batches: neither advances (the
+    later chunk needs the failed one's KV), and a retry gives the same tokens."""
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    want, _ = _run(LLMEngine(config), params)
+    engine = LLMEngine(config, batches_in_flight=2)
+    overlaps = watch_overlaps(engine)
+    real_run = engine.runner.run
+    failed: list[list[str]] = []
+
+    def run(inputs):
+        if overlaps and not failed:
+            failed.append(list(overlaps))
+            raise RuntimeError("device fault")
+        return real_run(inputs)
+
+    engine.runner.run = run
+    ids = [engine.add_request(p, params, f"r{i}") for i, p in enumerate(_prompts())]
+    tokens = {rid: [] for rid in ids}
+    while engine.has_unfinished_requests():
+        try:
+            deltas = engine.step()
+        except RuntimeError as exc:
+            assert "device fault" in str(exc)
+            assert engine.num_in_flight == 0
+            assert all(r.num_in_flight_tokens == 0 for r in engine.scheduler.requests.values())
+            continue
+        for delta in deltas:
+            tokens[delta.request_id].extend(delta.token_ids)
+    assert failed and failed[0]  # it failed with a prompt in two batches
+    assert tokens == want
+    engine.block_manager.check_integrity()
+    assert engine.block_manager.num_used_blocks == 0

@@ -28,6 +28,7 @@ import torch
 import torch.multiprocessing as mp
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
+from tests.workers.test_batches_in_flight import watch_overlaps
 from tests.workers.test_tensor_parallel import (
     MAX_TOKENS,
     PROMPT_LENGTHS,
@@ -114,10 +115,12 @@ def _rank_main(rank: int, world: int, pp: int, port: int, model_dir: str, out_di
             kv, engine = rank0_engine(
                 model_dir, parallel, link, lambda e, _: ahead.append(e.num_in_flight)
             )
+            overlaps = watch_overlaps(engine)
             tokens = _generate(engine)
             kv.close()
             result = {"tokens": tokens, "steps": kv.rounds - 1}  # less the stop command
             result["max_ahead"] = max(ahead)
+            result["overlaps"] = overlaps
         else:
             engine, steps = _follow(model_dir, parallel, link)
             result = {"steps": steps}
@@ -155,6 +158,8 @@ def test_pipeline_ranks_match_the_single_process_engine_and_transformers(model, 
     assert results[0]["stage"] == [pp - 1, 0]  # rank 0 runs the last stage
     # One batch per stage in flight: stage 0 runs the next batch while rank 0 the last.
     assert results[0]["max_ahead"] == pp - 1
+    # The 45-token prompt (budget 32) had its 2nd chunk sent before its 1st came back.
+    assert "r2" in results[0]["overlaps"]
     covered: dict[int, list[int]] = {}  # stage -> its layers
     for rank, result in enumerate(results):
         stage = result["stage"][0]

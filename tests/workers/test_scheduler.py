@@ -276,3 +276,109 @@ def test_a_slot_preempts_only_its_own_requests():
     assert [c.request_id for c in out.chunks] == ["a"]
     assert {sched.requests[r].status for r in "bd"} == {RequestStatus.RUNNING}
     sched.block_manager.check_integrity()
+
+
+def _spans(out: SchedulerOutput) -> list[tuple[str, int, int, bool]]:
+    return [(c.request_id, c.start_pos, c.num_tokens, c.needs_sample) for c in out.chunks]
+
+
+def _complete(sched: Scheduler, out: SchedulerOutput) -> None:
+    """The batch came back from the pipeline: advance its chunks, sample 7 where due."""
+    for chunk in out.chunks:
+        req = sched.update_computed(chunk)
+        if chunk.needs_sample:
+            req.append_token(7)
+
+
+def test_a_prompt_goes_on_in_another_slot_while_its_chunk_is_in_flight():
+    sched = Scheduler(BlockManager(64, BS), max_num_seqs=8, max_num_batched_tokens=8, num_slots=2)
+    a = make_request("a", list(range(20)))
+    sched.add(a)
+    first = sched.schedule(0)
+    second = sched.schedule(1)  # slot 0's batch is still in flight
+    assert _spans(first) == [("a", 0, 8, False)]
+    assert _spans(second) == [("a", 8, 8, False)]
+    assert (a.num_computed_tokens, a.num_scheduled_tokens) == (0, 16)
+    _complete(sched, first)
+    third = sched.schedule(0)
+    assert _spans(third) == [("a", 16, 4, True)]
+    _complete(sched, second)
+    # The chunk that samples is in flight: a has no known token left to schedule.
+    assert sched.schedule(1).is_empty
+    _complete(sched, third)
+    assert (a.num_computed_tokens, a.num_in_flight_tokens, a.num_tokens) == (20, 0, 21)
+    # Decodes stay in their own slot.
+    assert sched.schedule(1).is_empty
+    assert _spans(sched.schedule(0)) == [("a", 20, 1, True)]
+    sched.block_manager.check_integrity()
+
+
+def test_a_request_with_tokens_in_flight_is_never_preempted():
+    """Slot 0 runs out of blocks while a's first chunk is in flight in slot 1: a is not
+    the victim (the pipeline is still writing its KV); it just waits for blocks."""
+    sched = Scheduler(BlockManager(4, BS), max_num_seqs=8, max_num_batched_tokens=8, num_slots=2)
+    c, a = make_request("c", [1, 2, 3, 4]), make_request("a", list(range(20)))
+    sched.add(c)  # slot 0
+    sched.add(a)  # slot 1
+    _complete(sched, sched.schedule(0))  # c's prompt: one full block; 5 tokens now
+    in_flight = sched.schedule(1)
+    assert _spans(in_flight) == [("a", 0, 8, False)]  # two blocks; one is left
+    out = sched.schedule(0)
+    # c's decode takes the last block; a's next chunk (lent to slot 0) finds none.
+    assert _spans(out) == [("c", 4, 1, True)]
+    assert out.preempted_ids == ()
+    assert a.status is RequestStatus.RUNNING and a.num_in_flight_tokens == 8
+    _complete(sched, in_flight)
+    _complete(sched, out)
+    assert a.num_computed_tokens == 8
+    sched.block_manager.check_integrity()
+
+
+def test_slots_with_prompts_in_several_batches_keep_every_invariant():
+    """Random requests, budgets, block counts and aborts through 2-3 slots, run like the
+    engine: fill every free slot, then complete the oldest batch. A chunk always starts
+    where its request's computed tokens end (so no request is preempted, and no chunk
+    lost or repeated, while in flight), and nothing is left in use."""
+    rng = random.Random(3)
+    overlaps = 0
+    for trial in range(40):
+        num_slots = rng.choice([2, 3])
+        sched = Scheduler(
+            BlockManager(rng.randrange(12, 24), BS),
+            max_num_seqs=4,
+            max_num_batched_tokens=rng.choice([4, 8, 12]),
+            num_slots=num_slots,
+        )
+        for i in range(6):
+            prompt = [rng.randrange(5) for _ in range(rng.randrange(1, 40))]
+            sched.add(make_request(f"t{trial}-{i}", prompt, max_tokens=rng.randrange(1, 6)))
+        in_flight: list[tuple[int, SchedulerOutput, list[Request]]] = []
+        for _ in range(500):
+            busy = {slot for slot, _, _ in in_flight}
+            for slot in (s for s in range(num_slots) if s not in busy):
+                out = sched.schedule(slot)
+                if out.is_empty:
+                    continue
+                owners = [sched.requests[c.request_id] for c in out.chunks]
+                flying = {c.request_id for _, o, _ in in_flight for c in o.chunks}
+                overlaps += sum(c.request_id in flying for c in out.chunks)
+                in_flight.append((slot, out, owners))
+            if not in_flight:
+                break
+            _, out, owners = in_flight.pop(0)
+            for chunk, req in zip(out.chunks, owners, strict=True):
+                if sched.requests.get(chunk.request_id) is not req:
+                    continue  # aborted while in flight
+                assert chunk.start_pos == req.num_computed_tokens
+                sched.update_computed(chunk)
+                if chunk.needs_sample:
+                    req.append_token(7)
+                    if req.num_output_tokens >= req.max_tokens:
+                        sched.finish(req, FinishReason.LENGTH)
+            if rng.random() < 0.05 and sched.requests:
+                sched.abort([rng.choice(sorted(sched.requests))])
+            assert all(r.num_in_flight_tokens >= 0 for r in sched.requests.values())
+            sched.block_manager.check_integrity()
+        assert sched.num_unfinished == 0, f"trial {trial}: requests left unfinished"
+        assert sched.block_manager.num_used_blocks == 0
+    assert overlaps > 50  # prompts really were in several batches at once
