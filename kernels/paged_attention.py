@@ -19,10 +19,12 @@ and masked out of the softmax; a weight of exactly zero times a finite value add
 Context is gathered **by whole blocks** through the block table: indexing the layer view
 permuted to [2, Hkv, num_blocks, block_size, D] copies contiguous block_size*D tiles and yields,
 per (kv head, sequence), a [context, D] matrix with a uniform row stride — ready for ``bmm``
-with no second copy. Decodes run as one batched pair of ``bmm``s where the G query heads that
-share a KV head are G query rows (GQA without expanding K/V). Extends run one sequence at a
-time (their lengths vary a lot), causally, with a bottom-right-aligned mask when part of the
-context is cached.
+with no second copy. Decodes run as batched pairs of ``bmm``s where the G query heads that
+share a KV head are G query rows (GQA without expanding K/V), one pair per **group** of
+decodes of similar context length (``AttentionMetadata.decode_groups``): each group is padded
+to its own longest context, not the batch's, and its gathered K/V stays small enough to be
+in cache when the ``bmm``s read it. Extends run one sequence at a time (their lengths vary a
+lot), causally, with a bottom-right-aligned mask when part of the context is cached.
 """
 
 from __future__ import annotations
@@ -41,26 +43,69 @@ def _gather_blocks(kv_cache_layer: torch.Tensor, block_ids: torch.Tensor) -> tor
     return gathered.view(two, num_kv_heads, *block_ids.shape, block_size, head_dim)
 
 
+# What a group of decodes costs beyond its padded K/V, and the most K/V one group gathers:
+# bytes, measured on the CPU this path serves (bench/RESULTS.md, "Decode attention by
+# groups"). At 2 KiB per token and layer (4 kv heads of 64, float32), 2048 and 4096 tokens.
+_GROUP_COST_BYTES = 4 << 20
+_GROUP_MAX_BYTES = 8 << 20
+
+
 def _decode_attention(
     query: torch.Tensor,
     kv_cache_layer: torch.Tensor,
     metadata: AttentionMetadata,
     scale: float,
 ) -> torch.Tensor:
+    num_decodes = query.shape[0]
+    _, two, num_kv_heads, _, head_dim = kv_cache_layer.shape
+    token_bytes = two * num_kv_heads * head_dim * kv_cache_layer.element_size()
+    groups = metadata.decode_groups(
+        _GROUP_COST_BYTES // token_bytes, _GROUP_MAX_BYTES // token_bytes
+    )
+    tables, seq_lens = metadata.block_tables[:num_decodes], metadata.seq_lens[:num_decodes]
+    if groups[0].rows is None:  # one group: the whole batch, in order
+        return _padded_decode(query, kv_cache_layer, tables, seq_lens, groups[0].max_seq_len, scale)
+    output = torch.empty_like(query)
+    for group in groups:
+        rows = group.rows
+        output.index_copy_(
+            0,
+            rows,
+            _padded_decode(
+                query.index_select(0, rows),
+                kv_cache_layer,
+                tables.index_select(0, rows),
+                seq_lens.index_select(0, rows),
+                group.max_seq_len,
+                scale,
+            ),
+        )
+    return output
+
+
+def _padded_decode(
+    query: torch.Tensor,
+    kv_cache_layer: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    max_seq_len: int,
+    scale: float,
+) -> torch.Tensor:
+    """Decodes padded to ``max_seq_len``: one pair of ``bmm``s over their gathered blocks."""
     num_decodes, num_heads, head_dim = query.shape
     num_kv_heads, block_size = kv_cache_layer.shape[2], kv_cache_layer.shape[3]
     group = num_heads // num_kv_heads
-    num_blocks = -(-max(metadata.seq_lens_cpu[:num_decodes]) // block_size)
+    num_blocks = -(-max_seq_len // block_size)
     ctx_len = num_blocks * block_size
     batch = num_kv_heads * num_decodes
-    kv = _gather_blocks(kv_cache_layer, metadata.block_tables[:num_decodes, :num_blocks])
+    kv = _gather_blocks(kv_cache_layer, block_tables[:, :num_blocks])
     kv = kv.view(2, batch, ctx_len, head_dim)  # [2, Hkv * N, ctx, D], kv-head-major
     # [Hkv * N, G, D]: the query heads of one KV group become G query rows.
     q = query.view(num_decodes, num_kv_heads, group, head_dim).transpose(0, 1)
     scores = torch.bmm(q.reshape(batch, group, head_dim), kv[0].transpose(1, 2))
     scores = scores.view(num_kv_heads, num_decodes, group, ctx_len).mul_(scale)
     positions = torch.arange(ctx_len, device=query.device)
-    beyond = positions[None, :] >= metadata.seq_lens[:num_decodes, None]  # [N, ctx]
+    beyond = positions[None, :] >= seq_lens[:, None]  # [N, ctx]
     scores.masked_fill_(beyond[None, :, None, :], float("-inf"))
     probs = torch.softmax(scores, dim=-1).view(batch, group, ctx_len)
     out = torch.bmm(probs, kv[1]).view(num_kv_heads, num_decodes, group, head_dim)

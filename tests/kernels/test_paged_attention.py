@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib
 import math
 
 import pytest
@@ -13,6 +14,8 @@ from tests.kernels.paged_batch import build_metadata, random_block_tables
 # Finite (the cache's contract) yet huge: an unmasked read of an unowned slot is obvious.
 # Below float16's maximum, so the poison itself stays finite in every dtype we test.
 POISON = 3.0e4
+# The module (``kernels`` exports the function under the same name).
+paged_attention_module = importlib.import_module("kernels.paged_attention")
 
 
 def naive_attention(
@@ -127,6 +130,58 @@ def test_decodes_only():
     torch.testing.assert_close(
         out, dense_reference(query, cache, tables, query_lens, seq_lens, 0.125)
     )
+
+
+@pytest.mark.parametrize(
+    ("cost_bytes", "max_bytes", "num_groups"),
+    # 1 KiB per token: [130, 125 | 70, 61 | 9, 3, 2, 1] costs 100 tokens by length; with
+    # at most 200 tokens a group, 130 and 125 are one row each.
+    [(4 << 20, 8 << 20, 1), (100 << 10, 1 << 30, 3), (100 << 10, 200 << 10, 4)],
+    ids=["one-group", "by-length", "by-length-and-size"],
+)
+def test_decodes_in_groups_by_context_length(monkeypatch, cost_bytes, max_bytes, num_groups):
+    """Decodes of very different lengths, with extends after them: grouped (each group
+    padded to its own longest) or not, the same attention as the dense reference."""
+    monkeypatch.setattr(paged_attention_module, "_GROUP_COST_BYTES", cost_bytes)
+    monkeypatch.setattr(paged_attention_module, "_GROUP_MAX_BYTES", max_bytes)
+    decode_lens = [3, 130, 9, 61, 2, 125, 70, 1]
+    query_lens = [1] * len(decode_lens) + [5, 12]
+    seq_lens = [*decode_lens, 40, 12]
+    query, cache, tables, metadata = make_case(
+        query_lens, seq_lens, len(decode_lens), 8, 2, 64, 16, seed=5
+    )
+    out = paged_attention(query, cache, metadata, 0.125)
+    torch.testing.assert_close(
+        out, dense_reference(query, cache, tables, query_lens, seq_lens, 0.125)
+    )
+    token_bytes = 2 * 2 * 64 * 4  # K and V, 2 kv heads of 64, float32
+    groups = metadata.decode_groups(cost_bytes // token_bytes, max_bytes // token_bytes)
+    assert len(groups) == num_groups
+
+
+def test_decode_groups_cover_every_decode_once_longest_first():
+    gen = torch.Generator().manual_seed(7)
+    for trial in range(200):
+        n = int(torch.randint(1, 40, (1,), generator=gen))
+        lens = torch.randint(1, 3000, (n,), generator=gen).tolist()
+        if trial % 5 == 0:
+            lens = [lens[0]] * n  # all alike: one group, the batch in order
+        cost, cap = int(torch.randint(1, 4000, (1,), generator=gen)), 6000
+        metadata = build_metadata([1] * n, lens, [[0]] * n, 4096, n)
+        groups = metadata.decode_groups(cost, cap)
+        if len(set(lens)) == 1 and n * lens[0] <= cap:
+            assert len(groups) == 1  # no padding to save, and within the cap
+        if len(groups) == 1:
+            assert groups[0].rows is None and groups[0].max_seq_len == max(lens)
+            continue
+        rows = [group.rows.tolist() for group in groups]
+        assert sorted(r for group in rows for r in group) == list(range(n))
+        maxima = [group.max_seq_len for group in groups]
+        assert maxima == sorted(maxima, reverse=True)
+        for group, members in zip(groups, rows, strict=True):
+            assert group.num_rows == len(members)
+            assert group.max_seq_len == max(lens[r] for r in members)
+            assert group.num_rows == 1 or group.num_rows * group.max_seq_len <= cap
 
 
 def test_extends_only_ragged_prompts():
