@@ -43,11 +43,11 @@ def _gather_blocks(kv_cache_layer: torch.Tensor, block_ids: torch.Tensor) -> tor
     return gathered.view(two, num_kv_heads, *block_ids.shape, block_size, head_dim)
 
 
-# What a group of decodes costs beyond its padded K/V, and the most K/V one group gathers:
-# bytes, measured on the CPU this path serves (bench/RESULTS.md, "Decode attention by
-# groups"). At 2 KiB per token and layer (4 kv heads of 64, float32), 2048 and 4096 tokens.
+# What a group of decodes costs beyond its padded K/V, and the most K/V one group gathers,
+# in bytes: chosen by a sweep on the CPU this path serves (bench/decode_groups.py,
+# bench/RESULTS.md). At 2 KiB per token and layer (4 kv heads of 64, float32): 2048 tokens.
 _GROUP_COST_BYTES = 4 << 20
-_GROUP_MAX_BYTES = 8 << 20
+_GROUP_MAX_BYTES = 4 << 20
 
 
 def _decode_attention(
