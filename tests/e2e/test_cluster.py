@@ -231,10 +231,15 @@ def test_deadline_exceeded_releases_blocks(cluster):
 
 
 def flood(stub, num_requests: int, max_tokens: int) -> list[str]:
-    """Send ``num_requests`` at once; each one's status code name ("OK" if it finished)."""
+    """Send ``num_requests`` at once; each one's status code name ("OK" if it finished).
+
+    The calls wait for each other and then start together, so the router has them all
+    before any can finish (each lives for ``max_tokens`` decode steps at least)."""
     codes = []
+    start = threading.Barrier(num_requests)
 
     def one(i):
+        start.wait(timeout=30)
         try:
             collect(stub, request(f"flood {i}", max_tokens=max_tokens), timeout=120)
             codes.append("OK")
@@ -248,7 +253,7 @@ def flood(stub, num_requests: int, max_tokens: int) -> list[str]:
 
 def test_queue_overflow_is_resource_exhausted(cluster):
     stub = cluster.stub()
-    codes = flood(stub, 64, max_tokens=60)
+    codes = flood(stub, 64, max_tokens=150)
     assert "RESOURCE_EXHAUSTED" in codes, codes
     assert set(codes) <= {"OK", "RESOURCE_EXHAUSTED"}
     assert codes.count("OK") >= 32
