@@ -247,8 +247,6 @@ class Scheduler:
     def _running_of(self, slot: int) -> list[Request]:
         """The running requests ``slot`` may schedule, in order: its own, then other
         slots' requests whose prompt has a chunk in flight and more to schedule."""
-        if self.num_slots == 1:
-            return [r for r in self.running if r.num_unscheduled_tokens > 0]
         own = [r for r in self.running if r.slot == slot and r.num_unscheduled_tokens > 0]
         lent = [
             r
