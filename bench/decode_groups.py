@@ -17,7 +17,10 @@ Medians of ``--repeats`` calls, ``--threads`` threads.
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import functools
 import importlib
+import importlib.util
 import json
 import random
 import statistics
@@ -30,7 +33,6 @@ import torch
 # Run as a script, this directory would shadow the top-level packages (kernels, ...).
 sys.path[:] = [p for p in sys.path if Path(p).resolve() != Path(__file__).resolve().parent]
 
-from kernels.attention_metadata import AttentionMetadata  # noqa: E402
 from workers.cpu_memory import keep_freed_memory_mapped  # noqa: E402
 
 op = importlib.import_module("kernels.paged_attention")  # the module, not the function
@@ -41,34 +43,37 @@ CASES = [(32, 16, 768), (32, 400, 500), (8, 16, 768), (128, 16, 1024), (64, 100,
 SWEEP = [(c, m) for c in (512, 1024, 2048, 4096) for m in (2048, 4096, 8192, 1 << 40)]
 
 
+@functools.cache
+def _bench_kernels():
+    """bench/kernels.py, loaded by path (this folder is off sys.path, see above)."""
+    path = Path(__file__).resolve().with_name("kernels.py")
+    spec = importlib.util.spec_from_file_location("bench_kernels", path)
+    assert spec is not None and spec.loader is not None
+    module = sys.modules["bench_kernels"] = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)  # registered first: its dataclasses look it up
+    return module
+
+
 def _batch(num: int, shortest: int, longest: int, rng: random.Random):
+    """(query, layer view, metadata) of ``num`` decodes with scattered blocks."""
     lens = [rng.randint(shortest, longest) for _ in range(num)]
-    counts = [-(-n // BLOCK) for n in lens]
-    cache = torch.randn(sum(counts) + 1, 2, KV_HEADS, BLOCK, HEAD_DIM)
-    ids = (torch.randperm(sum(counts)) + 1).tolist()  # scattered, as in a busy cache
-    tables = torch.zeros(num, max(counts), dtype=torch.int32)
-    for row, count in enumerate(counts):
-        tables[row, :count] = torch.tensor(ids[:count])
-        del ids[:count]
-
-    def metadata() -> AttentionMetadata:  # fresh each call: groups are memoized per step
-        return AttentionMetadata(
-            torch.zeros(num, dtype=torch.long), tables, torch.tensor(lens, dtype=torch.int32),
-            torch.arange(num + 1, dtype=torch.int32), num, 1, max(lens), tuple(lens), (1,) * num,
-        )  # fmt: skip
-
-    return torch.randn(num, HEADS, HEAD_DIM), cache, metadata
+    return _bench_kernels().paged_batch(
+        [1] * num, lens, BLOCK, torch.float32, "cpu", num, HEADS, KV_HEADS, HEAD_DIM
+    )
 
 
-def _time_ms(query, cache, metadata, cost_tokens: int, max_tokens: int, repeats: int) -> float:
-    op._GROUP_COST_BYTES, op._GROUP_MAX_BYTES = cost_tokens * TOKEN_BYTES, max_tokens * TOKEN_BYTES
-    times = []
+def _time_ms(query, cache, metadata, settings: list[tuple[int, int]], repeats: int) -> list[float]:
+    """Median ms of each (cost, max) setting in row-tokens; the settings take turns call by
+    call, so that the machine's drift during the run weighs on all of them alike."""
+    times: list[list[float]] = [[] for _ in settings]
     for _ in range(repeats):
-        md = metadata()
-        t0 = time.perf_counter()
-        op.paged_attention(query, cache, md, HEAD_DIM**-0.5)
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times) * 1e3
+        for setting, samples in zip(settings, times, strict=True):
+            op._GROUP_COST_BYTES, op._GROUP_MAX_BYTES = (t * TOKEN_BYTES for t in setting)
+            md = dataclasses.replace(metadata)  # a new step: its groups are not memoized yet
+            t0 = time.perf_counter()
+            op.paged_attention(query, cache, md, HEAD_DIM**-0.5)
+            samples.append(time.perf_counter() - t0)
+    return [statistics.median(samples) * 1e3 for samples in times]
 
 
 def main() -> None:
@@ -84,12 +89,13 @@ def main() -> None:
     results = []
     for num, shortest, longest in CASES:
         query, cache, metadata = _batch(num, shortest, longest, rng)
-        one = _time_ms(query, cache, metadata, 1 << 40, 1 << 40, args.repeats)
-        grouped = _time_ms(query, cache, metadata, *default, args.repeats)
-        sweep = {f"{c}/{m}": _time_ms(query, cache, metadata, c, m, args.repeats) for c, m in SWEEP}
+        one, grouped, *swept = _time_ms(
+            query, cache, metadata, [(1 << 40, 1 << 40), default, *SWEEP], args.repeats
+        )
+        sweep = {f"{c}/{m}": ms for (c, m), ms in zip(SWEEP, swept, strict=True)}
         row = {"batch": num, "context": [shortest, longest], "one_group_ms": one,
                "groups_ms": grouped, "speedup": one / grouped,
-               "groups": len(metadata().decode_groups(*default)), "sweep_ms": sweep}  # fmt: skip
+               "groups": len(metadata.decode_groups(*default)), "sweep_ms": sweep}  # fmt: skip
         results.append(row)
         print(f"batch {num}, context {shortest}-{longest}: one group {one:.2f} ms, "
               f"{row['groups']} groups {grouped:.2f} ms ({one / grouped:.2f}x)", flush=True)  # fmt: skip

@@ -87,8 +87,12 @@ def matmul_rate(device: torch.device) -> float:
     return 2 * n**3 / (us * 1e-6)
 
 
-def paged_batch(query_lens, seq_lens, block_size, dtype, device, num_decodes):
-    """A random paged batch: scattered blocks, a zero-filled-then-random cache."""
+def paged_batch(
+    query_lens, seq_lens, block_size, dtype, device, num_decodes,
+    num_heads=NUM_HEADS, num_kv_heads=NUM_KV_HEADS, head_dim=HEAD_DIM,
+):  # fmt: skip
+    """A random paged batch: scattered blocks, a zero-filled-then-random cache (Llama-3-8B's
+    attention shape unless told otherwise; bench/decode_groups.py uses another)."""
     from kernels.attention_metadata import AttentionMetadata
 
     gen = torch.Generator().manual_seed(0)
@@ -102,7 +106,7 @@ def paged_batch(query_lens, seq_lens, block_size, dtype, device, num_decodes):
         slots += [table[p // block_size] * block_size + p % block_size for p in range(s - q, s)]
     # Two layers, so the layer view is strided as in the engine.
     cache = torch.randn(
-        num_blocks, 2, 2, NUM_KV_HEADS, block_size, HEAD_DIM, dtype=dtype, device=device
+        num_blocks, 2, 2, num_kv_heads, block_size, head_dim, dtype=dtype, device=device
     )
     cu = [0]
     for q in query_lens:
@@ -118,7 +122,7 @@ def paged_batch(query_lens, seq_lens, block_size, dtype, device, num_decodes):
         seq_lens_cpu=tuple(seq_lens),
         query_lens_cpu=tuple(query_lens),
     )
-    query = torch.randn(sum(query_lens), NUM_HEADS, HEAD_DIM, dtype=dtype, device=device)
+    query = torch.randn(sum(query_lens), num_heads, head_dim, dtype=dtype, device=device)
     return query, cache[:, 1], metadata
 
 
