@@ -131,11 +131,17 @@ class PagedRunner:
         return list(logits.split(query_lens))
 
 
+@pytest.mark.parametrize("pack_linear", [True, False], ids=["onednn", "f_linear"])
 @pytest.mark.parametrize("arch", sorted(CASES))
-def test_logits_match_hf_over_three_steps(arch, tmp_path):
+def test_logits_match_hf_over_three_steps(arch, pack_linear, tmp_path):
     hf_model = make_hf_model(arch, tmp_path)
-    model, config = load_model(tmp_path, torch.float32, torch.device("cpu"))
+    model, config = load_model(
+        tmp_path, torch.float32, torch.device("cpu"), pack_linear=pack_linear
+    )
     assert config.architecture == type(hf_model).__name__
+    # The path under test is the one asked for (oneDNN packs float32 on every x86 CPU).
+    assert model.model.layers[0].self_attn.qkv_proj.weight.is_mkldnn == pack_linear
+    assert model.lm_head.weight.is_mkldnn == pack_linear
 
     gen = torch.Generator().manual_seed(2)
     total_lens = [p + 1 + c for p, c in zip(PROMPT_LENS, CHUNK_LENS, strict=True)]
@@ -176,8 +182,11 @@ def test_sharded_checkpoint_loads_the_same(tmp_path):
     make_hf_model("qwen3", tmp_path / "one")
     hf_model = make_hf_model("qwen3", tmp_path / "sharded", max_shard_size="20KB")
     assert (tmp_path / "sharded" / "model.safetensors.index.json").is_file()
-    one, _ = load_model(tmp_path / "one", torch.float32, torch.device("cpu"))
-    sharded, _ = load_model(tmp_path / "sharded", torch.float32, torch.device("cpu"))
+    # Unpacked (pack_linear=False): packed weights cannot be read back to compare.
+    one, _ = load_model(tmp_path / "one", torch.float32, torch.device("cpu"), pack_linear=False)
+    sharded, _ = load_model(
+        tmp_path / "sharded", torch.float32, torch.device("cpu"), pack_linear=False
+    )
     for (name, a), (_, b) in zip(one.named_parameters(), sharded.named_parameters(), strict=True):
         assert torch.equal(a, b), name
     # Fused packing really placed q/k/v and gate/up where HF keeps them.
@@ -189,6 +198,21 @@ def test_sharded_checkpoint_loads_the_same(tmp_path):
     gate, up = sharded.model.layers[1].mlp.gate_up_proj.weight.chunk(2)
     assert torch.equal(gate, hf_model.model.layers[1].mlp.gate_proj.weight)
     assert torch.equal(up, hf_model.model.layers[1].mlp.up_proj.weight)
+
+
+def test_packing_leaves_the_tied_embedding_plain(tmp_path):
+    make_hf_model("qwen2", tmp_path)  # tied embeddings
+    model, config = load_model(tmp_path, torch.float32, torch.device("cpu"))
+    embed, head = model.model.embed_tokens, model.lm_head
+    assert config.tie_word_embeddings and head.weight.is_mkldnn and not embed.weight.is_mkldnn
+    plain, _ = load_model(tmp_path, torch.float32, torch.device("cpu"), pack_linear=False)
+    hidden = torch.randn(3, config.hidden_size)
+    with torch.inference_mode():
+        torch.testing.assert_close(
+            head.compute_logits(hidden), plain.lm_head.compute_logits(hidden)
+        )
+        ids = torch.tensor([0, 5, config.vocab_size - 1])
+        torch.testing.assert_close(embed(ids), plain.model.embed_tokens(ids), rtol=0, atol=0)
 
 
 def test_bfloat16_load_converts(tmp_path):
@@ -228,7 +252,7 @@ def test_missing_unexpected_and_misshapen_tensors_are_named(tmp_path):
 def test_tied_checkpoint_with_lm_head_present_ignores_it(tmp_path):
     hf_model = make_hf_model("qwen2", tmp_path)
     _rewrite_weights(tmp_path, lambda t: t.update({"lm_head.weight": torch.zeros(101, 64)}))
-    model, config = load_model(tmp_path, torch.float32, torch.device("cpu"))
+    model, config = load_model(tmp_path, torch.float32, torch.device("cpu"), pack_linear=False)
     assert config.tie_word_embeddings
     assert model.lm_head.weight is model.model.embed_tokens.weight
     assert torch.equal(model.lm_head.weight, hf_model.model.embed_tokens.weight)

@@ -9,17 +9,20 @@ that the checkpoint loader can pass a lazy ``CheckpointTensor`` and each rank re
 its shard from the file. Fused parameters
 take a ``shard_id`` naming the piece: "q"/"k"/"v" for ``qkv_proj``, 0/1 (gate/up) for
 ``gate_up_proj``. Collectives sit in ``forward`` where they happen; at tp_size 1 they are no-ops.
+
+The linear layers and the LM head multiply through ``self.matmul``: ``F.linear``, or on CPU,
+once the weights are loaded, oneDNN over a packed weight (``pack_linear_weights``).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kernels import KernelOps
+from kernels import KernelOps, cpu_linear
 from kernels.rotary import compute_cos_sin_cache
 from workers.models.parallel import ParallelContext, divide
 
@@ -35,6 +38,9 @@ def default_weight_loader(
     """Copy a replicated (unsharded) parameter whole."""
     _check_shape(loaded_weight, param.shape)
     param.data.copy_(loaded_weight[:])
+
+
+LinearFn = Callable[..., torch.Tensor]  # F.linear's signature: (x, weight, bias=None)
 
 
 def new_param(shape: Sequence[int], weight_loader) -> nn.Parameter:
@@ -64,6 +70,7 @@ class ColumnParallelLinear(nn.Module):
         shape = (self.output_size_per_partition, input_size)
         self.weight = new_param(shape, self.weight_loader)
         self.bias = new_param(shape[:1], self.weight_loader) if bias else None
+        self.matmul: LinearFn = F.linear
 
     def weight_loader(
         self, param: torch.Tensor, loaded_weight: torch.Tensor, shard_id: object = None
@@ -73,7 +80,7 @@ class ColumnParallelLinear(nn.Module):
         param.data.copy_(loaded_weight.narrow(0, self.parallel.tp_rank * size, size))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = F.linear(x, self.weight, self.bias)  # [num_tokens, output_size / tp]
+        out = self.matmul(x, self.weight, self.bias)  # [num_tokens, output_size / tp]
         if self.gather_output:
             out = self.parallel.all_gather(out, dim=-1)
         return out
@@ -161,6 +168,7 @@ class RowParallelLinear(nn.Module):
         self.input_size_per_partition = divide(input_size, parallel.tp_size, "input size")
         self.weight = new_param((output_size, self.input_size_per_partition), self.weight_loader)
         self.bias = new_param((output_size,), default_weight_loader) if bias else None
+        self.matmul: LinearFn = F.linear
 
     def weight_loader(
         self, param: torch.Tensor, loaded_weight: torch.Tensor, shard_id: object = None
@@ -170,7 +178,7 @@ class RowParallelLinear(nn.Module):
         param.data.copy_(loaded_weight.narrow(1, self.parallel.tp_rank * size, size))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = F.linear(x, self.weight)  # [num_tokens, output_size], partial sum
+        out = self.matmul(x, self.weight)  # [num_tokens, output_size], partial sum
         out = self.parallel.all_reduce(out)
         if self.bias is not None:
             out = out + self.bias  # once, after the reduction
@@ -215,14 +223,39 @@ class VocabParallelEmbedding(nn.Module):
 class ParallelLMHead(VocabParallelEmbedding):
     """The output projection, split by vocabulary rows like the embedding (and tieable to it)."""
 
+    def __init__(self, num_embeddings: int, embedding_dim: int, parallel: ParallelContext) -> None:
+        super().__init__(num_embeddings, embedding_dim, parallel)
+        self.matmul: LinearFn = F.linear
+
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """[num_seqs, hidden_size] -> [num_seqs, vocab_size] float32 (all ranks get all)."""
-        logits = F.linear(hidden_states, self.weight)  # [N, vocab_size / tp (padded)]
+        logits = self.matmul(hidden_states, self.weight)  # [N, vocab_size / tp (padded)]
         logits = self.parallel.all_gather(logits, dim=-1)
         return logits[:, : self.num_embeddings].float()
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         return self.compute_logits(hidden_states)
+
+
+def pack_linear_weights(model: nn.Module) -> int:
+    """Move every linear layer and LM head of ``model`` onto oneDNN with a packed weight.
+
+    CPU only, after the weights are loaded (see ``kernels/cpu_linear.py``): each weight
+    parameter is replaced by its packed form, which only the layer's ``matmul`` can read,
+    so this costs no memory, except for an LM head tied to the embedding, which gets a
+    packed copy (the embedding keeps the plain weight to look rows up in). Mutates the
+    model; returns how many weights were packed.
+    """
+    layers = [
+        m
+        for m in model.modules()
+        if isinstance(m, ColumnParallelLinear | RowParallelLinear | ParallelLMHead)
+    ]
+    for layer in layers:
+        packed = cpu_linear.pack(layer.weight.detach())
+        layer.weight = nn.Parameter(packed, requires_grad=False)
+        layer.matmul = cpu_linear.linear
+    return len(layers)
 
 
 class RMSNorm(nn.Module):

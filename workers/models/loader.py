@@ -18,9 +18,10 @@ from safetensors import safe_open
 from torch import nn
 from tqdm import tqdm
 
-from kernels import KernelOps, get_kernel_ops
+from kernels import KernelOps, cpu_linear, get_kernel_ops
 from workers.models.arch_config import ArchConfig
 from workers.models.base import CausalLM
+from workers.models.layers import pack_linear_weights
 from workers.models.parallel import ParallelContext
 from workers.models.registry import get_model_class
 
@@ -34,10 +35,14 @@ def load_model(
     device: torch.device,
     parallel: ParallelContext | None = None,
     ops: KernelOps | None = None,
+    pack_linear: bool = True,
 ) -> tuple[CausalLM, ArchConfig]:
     """Build the model for ``model_dir`` on ``device`` in ``dtype`` and load its weights.
 
-    ``parallel`` defaults to a single rank, ``ops`` to ``get_kernel_ops(device)``.
+    ``parallel`` defaults to a single rank, ``ops`` to ``get_kernel_ops(device)``. On CPU,
+    the linear weights are then packed for oneDNN where it takes ``dtype`` (see
+    ``kernels/cpu_linear.py``; chosen here, once), unless ``pack_linear`` is False:
+    packed weights can only be multiplied, not read back.
     Raises ValueError for an unsupported architecture, a directory without weights, and
     missing, unexpected or wrongly shaped tensors (named in the message).
     """
@@ -51,6 +56,8 @@ def load_model(
         model = model_cls(config, parallel, ops)
     with torch.no_grad():
         load_weights(model, _iter_tensors(files), config)
+        if pack_linear and device.type == "cpu" and cpu_linear.packing_supported(dtype):
+            pack_linear_weights(model)
     model.eval()
     return model, config  # type: ignore[return-value]
 

@@ -1,0 +1,60 @@
+"""Linear layers on CPU through oneDNN, with each weight packed once at load.
+
+Why: torch's float32 ``F.linear`` on CPU calls MKL's sgemm, which on the development VM
+(AMD EPYC, AVX-512, 2 threads) runs the model's shapes at 10-175 GFLOP/s, with odd dips
+at 2-3 rows. oneDNN's inner product over a weight reordered once into its blocked layout
+runs the same shapes 2.5-6x faster (`bench/linear.py`), and a decode step is mostly
+these matmuls. The reorder is done once per weight, so no call pays for it.
+
+Layout: ``weight`` is [out_features, in_features], as ``F.linear`` takes it. ``pack``
+returns an opaque oneDNN tensor of the same shape and dtype (``is_mkldnn``) that only
+``linear`` here reads; the plain weight can be dropped afterwards. ``x`` is
+[..., in_features] (any strides); the result is [..., out_features], strided.
+
+The ops are torch's own (``torch.ops.mkldnn``, what TorchInductor emits for frozen CPU
+linears). ``packing_supported`` checks once per dtype that they exist and agree with
+``F.linear`` here; where they do not (no oneDNN, or float16 without AVX512-FP16), the
+caller keeps ``F.linear``.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import torch.nn.functional as F
+
+
+def pack(weight: torch.Tensor) -> torch.Tensor:
+    """Return ``weight`` [out, in] reordered into oneDNN's layout (a new tensor)."""
+    if weight.dim() != 2 or weight.device.type != "cpu":
+        raise ValueError(
+            f"pack expects a 2-D CPU weight, got shape {tuple(weight.shape)} on {weight.device}"
+        )
+    return torch.ops.mkldnn._reorder_linear_weight(weight.contiguous())
+
+
+def linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``F.linear(x, weight, bias)`` with ``packed = pack(weight)``."""
+    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+
+
+@functools.cache
+def packing_supported(dtype: torch.dtype) -> bool:
+    """Whether ``pack``/``linear`` work for ``dtype`` on this CPU and match ``F.linear``."""
+    if not torch.backends.mkldnn.is_available() or not hasattr(
+        torch.ops.mkldnn, "_linear_pointwise"
+    ):
+        return False
+    gen = torch.Generator().manual_seed(0)
+    weight = torch.randn(48, 40, generator=gen).to(dtype)
+    bias = torch.randn(48, generator=gen).to(dtype)
+    x = torch.randn(5, 40, generator=gen).to(dtype)
+    try:
+        with torch.inference_mode():
+            got = linear(x, pack(weight), bias)
+    except RuntimeError:  # the op exists but has no kernel for this dtype on this CPU
+        return False
+    want = F.linear(x, weight, bias)
+    tol = 1e-4 if dtype == torch.float32 else 2e-2
+    return got.shape == want.shape and torch.allclose(got.float(), want.float(), rtol=tol, atol=tol)

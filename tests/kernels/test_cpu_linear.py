@@ -1,0 +1,54 @@
+"""oneDNN linear over a packed weight (kernels/cpu_linear.py) against ``F.linear``."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from kernels import cpu_linear
+
+pytestmark = pytest.mark.skipif(
+    not cpu_linear.packing_supported(torch.float32), reason="this torch has no oneDNN linear"
+)
+
+
+@pytest.mark.parametrize("num_rows", [0, 1, 2, 3, 7, 33, 300])
+@pytest.mark.parametrize("has_bias", [True, False])
+def test_matches_f_linear(num_rows, has_bias):
+    gen = torch.Generator().manual_seed(num_rows)
+    weight = torch.randn(96, 72, generator=gen)
+    bias = torch.randn(96, generator=gen) if has_bias else None
+    x = torch.randn(num_rows, 72, generator=gen)
+    packed = cpu_linear.pack(weight)
+    assert packed.is_mkldnn and packed.shape == weight.shape
+    with torch.inference_mode():
+        got = cpu_linear.linear(x, packed, bias)
+    assert got.shape == (num_rows, 96) and got.dtype == torch.float32
+    torch.testing.assert_close(got, F.linear(x, weight, bias), rtol=1e-5, atol=1e-5)
+
+
+def test_strided_and_batched_inputs():
+    gen = torch.Generator().manual_seed(1)
+    weight = torch.randn(40, 24, generator=gen)
+    packed = cpu_linear.pack(weight.t().contiguous().t())  # a transposed view packs the same
+    x = torch.randn(24, 10, generator=gen).t()  # [10, 24], column-major
+    torch.testing.assert_close(cpu_linear.linear(x, packed), F.linear(x, weight))
+    x3 = torch.randn(2, 5, 24, generator=gen)
+    torch.testing.assert_close(cpu_linear.linear(x3, packed), F.linear(x3, weight))
+
+
+def test_bfloat16_matches_when_supported():
+    if not cpu_linear.packing_supported(torch.bfloat16):
+        pytest.skip("no bfloat16 oneDNN linear on this CPU")
+    gen = torch.Generator().manual_seed(2)
+    weight = torch.randn(64, 48, generator=gen).bfloat16()
+    x = torch.randn(9, 48, generator=gen).bfloat16()
+    got = cpu_linear.linear(x, cpu_linear.pack(weight))
+    assert got.dtype == torch.bfloat16
+    torch.testing.assert_close(got.float(), F.linear(x, weight).float(), rtol=2e-2, atol=2e-2)
+
+
+def test_pack_refuses_what_it_cannot_pack():
+    with pytest.raises(ValueError, match="2-D CPU weight"):
+        cpu_linear.pack(torch.randn(8))
