@@ -1,10 +1,10 @@
 """Linear layers on CPU through oneDNN, with each weight packed once at load.
 
 Why: torch's float32 ``F.linear`` on CPU calls MKL's sgemm, which on the development VM
-(AMD EPYC, AVX-512, 2 threads) runs the model's shapes at 10-175 GFLOP/s, with odd dips
-at 2-3 rows. oneDNN's inner product over a weight reordered once into its blocked layout
-runs the same shapes 2.5-6x faster (`bench/linear.py`), and a decode step is mostly
-these matmuls. The reorder is done once per weight, so no call pays for it.
+(AMD EPYC, AVX-512, 2 threads) runs the model's shapes at 8-186 GFLOP/s, slowest at 2-3
+rows. oneDNN's inner product over a weight reordered once into its blocked layout runs the
+same shapes 2.3-8.9x faster, up to 436 GFLOP/s (`bench/linear.py`, bench/RESULTS.md), and
+a step of the engine is mostly these matmuls. The reorder is done once per weight, so no call pays for it.
 
 Layout: ``weight`` is [out_features, in_features], as ``F.linear`` takes it. ``pack``
 returns an opaque oneDNN tensor of the same shape and dtype (``is_mkldnn``) that only
