@@ -8,6 +8,9 @@ Workload: N requests, prompt lengths uniform in [16, 512], output lengths unifor
 - transformers: ``generate`` in padded static batches of B requests in arrival order
   (left padding, each batch runs until its longest output); only each request's own
   output tokens count as useful.
+- With ``--transformers-onednn``, also transformers with every ``nn.Linear`` sent through
+  oneDNN over a packed weight, as Baton does on CPU (``kernels/cpu_linear.py``): not the
+  reference, but it shows what Baton gains apart from its matmul library.
 - Overhead: B requests decoding together; mean time per stage of steps at batch B, and
   the share of the step that is not the model (schedule + input prep + sample + update).
 
@@ -17,6 +20,7 @@ Workload: N requests, prompt lengths uniform in [16, 512], output lengths unifor
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import platform
 import random
@@ -32,6 +36,7 @@ if sys.path and Path(sys.path[0]).resolve() == Path(__file__).resolve().parent:
 
 import torch
 
+from kernels import cpu_linear
 from workers import LLM, SamplingParams
 from workers.make_model import make_model
 
@@ -85,6 +90,16 @@ def run_transformers(model, work: list[tuple[list[int], int]], batch: int, pad_i
     return time.perf_counter() - start, useful
 
 
+def pack_hf_linears(model) -> int:
+    """Send every ``nn.Linear`` of a transformers model through oneDNN over a packed weight
+    (mutates the model; returns how many)."""
+    linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
+    for m in linears:
+        packed = cpu_linear.pack(m.weight.detach())
+        m.forward = functools.partial(cpu_linear.linear, packed=packed, bias=m.bias)
+    return len(linears)
+
+
 def measure_overhead(llm: LLM, batch: int, vocab: int, seed: int) -> dict[str, float]:
     rng = random.Random(seed)
     prompts = [[rng.randrange(10, vocab) for _ in range(64)] for _ in range(batch)]
@@ -104,6 +119,11 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--skip-transformers", action="store_true")
+    ap.add_argument(
+        "--transformers-onednn",
+        action="store_true",
+        help="also time transformers with its linears through oneDNN (not the reference)",
+    )
     ap.add_argument("--json", type=Path, help="write the results here")
     args = ap.parse_args()
 
@@ -129,8 +149,22 @@ def main() -> None:
         hf_model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
         hf_model.generation_config.eos_token_id = None
         run_transformers(hf_model, [([11, 12, 13], 4)], 1, 0)  # warm-up
+    hf_onednn = None
+    if args.transformers_onednn:
+        from transformers import AutoModelForCausalLM
 
-    baton_tps, hf_tps, ratios = [], [], []
+        hf_onednn = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+        hf_onednn.generation_config.eos_token_id = None
+        pack_hf_linears(hf_onednn)
+        if hf_model is not None:  # the same model, through another matmul
+            ids = torch.tensor([work[0][0]])
+            with torch.inference_mode():
+                torch.testing.assert_close(
+                    hf_onednn(ids).logits, hf_model(ids).logits, rtol=1e-3, atol=1e-3
+                )
+        run_transformers(hf_onednn, [([11, 12, 13], 4)], 1, 0)  # warm-up
+
+    baton_tps, hf_tps, ratios, onednn_tps = [], [], [], []
     for r in range(args.repeats):
         seconds, produced = run_baton(llm, work)
         baton_tps.append(produced / seconds)
@@ -141,6 +175,11 @@ def main() -> None:
             ratios.append(baton_tps[-1] / hf_tps[-1])
             line += f" | transformers {hf_tps[-1]:8.1f} tok/s ({hf_seconds:.1f} s)"
             line += f" | ratio {ratios[-1]:.2f}x"
+        if hf_onednn is not None:
+            hf_seconds, useful = run_transformers(hf_onednn, work, args.max_num_seqs, 0)
+            onednn_tps.append(useful / hf_seconds)
+            line += f" | transformers+oneDNN {onednn_tps[-1]:8.1f} tok/s"
+            line += f" ({baton_tps[-1] / onednn_tps[-1]:.2f}x)"
         print(line, flush=True)
 
     overhead = measure_overhead(llm, args.max_num_seqs, vocab, args.seed)
@@ -160,6 +199,12 @@ def main() -> None:
         "median_baton_tok_s": statistics.median(baton_tps),
         "median_transformers_tok_s": statistics.median(hf_tps) if hf_tps else None,
         "median_ratio": statistics.median(ratios) if ratios else None,
+        "transformers_onednn_tok_s": onednn_tps,
+        "median_ratio_to_transformers_onednn": (
+            statistics.median(b / o for b, o in zip(baton_tps, onednn_tps, strict=True))
+            if onednn_tps
+            else None
+        ),
         "overhead_at_batch": {"batch": args.max_num_seqs, **overhead},
     }
     print(json.dumps(result, indent=2))
