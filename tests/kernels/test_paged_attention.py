@@ -193,6 +193,21 @@ def test_extends_only_ragged_prompts():
     )
 
 
+def test_extends_run_through_the_fused_cpu_kernel():
+    """Both extend cases (a whole prompt; a chunk on a cached prefix, GQA) reach torch's
+    fused CPU attention: its unfused math path is 3x slower on long prompts."""
+    query_lens, seq_lens = [40, 24], [40, 64]
+    query, cache, tables, metadata = make_case(query_lens, seq_lens, 0, 8, 2, 64, 16, seed=4)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        out = paged_attention(query, cache, metadata, 0.125)
+    calls = {e.key: e.count for e in prof.key_averages()}
+    assert calls.get("aten::_scaled_dot_product_flash_attention_for_cpu") == 2, calls
+    assert "aten::_scaled_dot_product_attention_math" not in calls
+    torch.testing.assert_close(
+        out, dense_reference(query, cache, tables, query_lens, seq_lens, 0.125)
+    )
+
+
 def test_bfloat16():
     query_lens, seq_lens = [1, 1, 20, 7], [30, 5, 20, 40]
     query, cache, tables, metadata = make_case(
