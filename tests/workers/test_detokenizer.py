@@ -269,7 +269,9 @@ def _run(tok, prompt_ids, output_ids, chunks, skip, stop=()):
     texts, start = [], 0
     for size in chunks:
         delta = detok.step(output_ids[start : start + size])
-        assert REPLACEMENT_CHAR not in delta.text or REPLACEMENT_CHAR in tok.decode(output_ids)
+        # Shown special tokens can split a character, and decode shows that too.
+        whole = tok.decode(output_ids, skip_special_tokens=skip)
+        assert REPLACEMENT_CHAR not in delta.text or REPLACEMENT_CHAR in whole
         texts.append(delta.text)
         start += size
     texts.append(detok.step(output_ids[start:]).text)
@@ -288,6 +290,8 @@ _prompts = st.text(alphabet=st.sampled_from("abc xyz,.!é😀今天\n"), min_siz
     chunks=st.lists(st.integers(1, 4), max_size=30),
     skip=st.booleans(),
 )
+# Found in CI: BOS shown between the two bytes of "¡" leaves both halves broken.
+@example(prompt=[0], output_ids=[0, 129, 0, 97], chunks=[3], skip=False)
 def test_deltas_concatenate_to_decode_byte_level(byte_level, prompt, output_ids, chunks, skip):
     prompt_ids = byte_level.encode(prompt) if isinstance(prompt, str) else prompt
     text, detok = _run(byte_level, prompt_ids, output_ids, chunks, skip)
