@@ -140,6 +140,9 @@ def main() -> None:
     vocab = llm.engine.vocab_size
     work = make_workload(args.num_requests, vocab, args.seed)
     num_params = sum(p.numel() for p in llm.engine.model.parameters())
+    head, embed = llm.engine.model.lm_head, llm.engine.model.model.embed_tokens
+    if llm.engine.arch.tie_word_embeddings and head.weight is not embed.weight:
+        num_params -= head.weight.numel()  # a tied head's packed copy is no parameter
     llm.generate([[11, 12, 13]], SamplingParams(max_tokens=4))  # warm-up
 
     hf_model = None

@@ -3,8 +3,9 @@
 The engine packs every linear weight for oneDNN at load on CPU (``kernels/cpu_linear.py``).
 This times one decoder layer's linears plus the LM head of the ``small`` Llama
 (qkv 1280x768, o 768x768, gate_up 4096x768, down 768x2048, lm_head 8192x768; float32)
-at each number of rows (tokens in the step), both ways, the two taking turns call by
-call so that drift of the machine hits both alike. Medians of ``--repeats`` rounds;
+at each number of rows (tokens in the step), both ways, the two taking turns round by
+round (a round: each weight ``max(1, 64 // rows)`` times), so that drift of the machine
+hits both alike. Medians of ``--repeats`` rounds;
 GFLOP/s counts ``2 * rows * weight elements``.
 
     python bench/linear.py --json bench/linear.json

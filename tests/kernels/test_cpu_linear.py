@@ -8,11 +8,12 @@ import torch.nn.functional as F
 
 from kernels import cpu_linear
 
-pytestmark = pytest.mark.skipif(
+needs_onednn = pytest.mark.skipif(
     not cpu_linear.packing_supported(torch.float32), reason="this torch has no oneDNN linear"
 )
 
 
+@needs_onednn
 @pytest.mark.parametrize("num_rows", [0, 1, 2, 3, 7, 33, 300])
 @pytest.mark.parametrize("has_bias", [True, False])
 def test_matches_f_linear(num_rows, has_bias):
@@ -28,6 +29,7 @@ def test_matches_f_linear(num_rows, has_bias):
     torch.testing.assert_close(got, F.linear(x, weight, bias), rtol=1e-5, atol=1e-5)
 
 
+@needs_onednn
 def test_strided_and_batched_inputs():
     gen = torch.Generator().manual_seed(1)
     weight = torch.randn(40, 24, generator=gen)

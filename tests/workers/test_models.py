@@ -110,6 +110,7 @@ class PagedRunner:
                 config.head_dim,
             ),
             1e6,
+            dtype=model.model.norm.weight.dtype,  # the model's dtype (norms are never packed)
         )
 
     def step(self, seqs: list[int], new_ids: list[torch.Tensor], seq_lens: list[int]):
@@ -213,6 +214,22 @@ def test_packing_leaves_the_tied_embedding_plain(tmp_path):
         )
         ids = torch.tensor([0, 5, config.vocab_size - 1])
         torch.testing.assert_close(embed(ids), plain.model.embed_tokens(ids), rtol=0, atol=0)
+
+
+def test_packed_bfloat16_matches_unpacked(tmp_path):
+    # bfloat16 packs where the CPU has a oneDNN kernel for it (the engine's default for
+    # `small` models and configs/example.yaml); its logits must not drift from F.linear's.
+    make_hf_model("qwen3", tmp_path)
+    packed, config = load_model(tmp_path, torch.bfloat16, torch.device("cpu"))
+    plain, _ = load_model(tmp_path, torch.bfloat16, torch.device("cpu"), pack_linear=False)
+    if not packed.lm_head.weight.is_mkldnn:
+        pytest.skip("no bfloat16 oneDNN linear on this CPU")
+    tokens = [torch.arange(1, 12), torch.arange(20, 27)]
+    lens = [len(t) for t in tokens]
+    got = PagedRunner(packed, config, lens).step([0, 1], tokens, lens)
+    want = PagedRunner(plain, config, lens).step([0, 1], tokens, lens)
+    for g, w in zip(got, want, strict=True):
+        torch.testing.assert_close(g, w, rtol=2e-2, atol=2e-2)
 
 
 def test_bfloat16_load_converts(tmp_path):

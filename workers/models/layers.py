@@ -1,7 +1,8 @@
 """The layers the model files are built from: tensor-parallel linear and embedding layers
 (Megatron-style sharding), and the replicated RMSNorm and rotary embedding.
 
-Every parameter carries ``weight_loader(param, loaded_weight, shard_id=None)``, which takes
+Every parameter (until ``pack_linear_weights`` replaces it) carries
+``weight_loader(param, loaded_weight, shard_id=None)``, which takes
 the *full* checkpoint tensor, checks its shape (ValueError "expected ..., found ...") and
 copies this rank's shard (converting dtype/device) into the parameter. The loaders touch
 ``loaded_weight`` only through ``shape``, ``narrow``, first-dimension slices and ``[:]``, so

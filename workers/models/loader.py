@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -24,6 +25,8 @@ from workers.models.base import CausalLM
 from workers.models.layers import pack_linear_weights
 from workers.models.parallel import ParallelContext
 from workers.models.registry import get_model_class
+
+logger = logging.getLogger(__name__)
 
 # Buffers some old checkpoints saved; recomputed here.
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
@@ -41,8 +44,8 @@ def load_model(
 
     ``parallel`` defaults to a single rank, ``ops`` to ``get_kernel_ops(device)``. On CPU,
     the linear weights are then packed for oneDNN where it takes ``dtype`` (see
-    ``kernels/cpu_linear.py``; chosen here, once), unless ``pack_linear`` is False:
-    packed weights can only be multiplied, not read back.
+    ``kernels/cpu_linear.py``; chosen here, once), unless ``pack_linear`` is False: a
+    packed weight is an opaque oneDNN tensor, which indexing and comparisons refuse.
     Raises ValueError for an unsupported architecture, a directory without weights, and
     missing, unexpected or wrongly shaped tensors (named in the message).
     """
@@ -57,7 +60,8 @@ def load_model(
     with torch.no_grad():
         load_weights(model, _iter_tensors(files), config)
         if pack_linear and device.type == "cpu" and cpu_linear.packing_supported(dtype):
-            pack_linear_weights(model)
+            num_packed = pack_linear_weights(model)
+            logger.info("%d linear weights packed for oneDNN (%s)", num_packed, dtype)
     model.eval()
     return model, config  # type: ignore[return-value]
 
