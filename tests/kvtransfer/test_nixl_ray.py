@@ -34,15 +34,24 @@ def block_tensor(data: bytes, num_blocks: int, heads_local: int) -> torch.Tensor
 def ray_session():
     # Ray 2.5x/2.60: token authentication is on by default for local clusters started
     # by ray.init(); we never turn it off. Workers find the tests package via PYTHONPATH.
-    ray.init(
-        num_cpus=2,
-        include_dashboard=False,
-        logging_level="ERROR",
-        log_to_driver=False,
-        runtime_env={
-            "env_vars": {"PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")}
-        },
-    )
+    # One retry: Ray gives its raylet a fixed 30 s to register, which a loaded 2-core CI
+    # machine once missed (every test of this module then errored).
+    for attempt in range(2):
+        try:
+            ray.init(
+                num_cpus=2,
+                include_dashboard=False,
+                logging_level="ERROR",
+                log_to_driver=False,
+                runtime_env={
+                    "env_vars": {"PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")}
+                },
+            )
+            break
+        except Exception as exc:  # Ray raises a bare Exception for this timeout
+            ray.shutdown()
+            if attempt or "timed out during startup" not in str(exc):
+                raise
     yield
     ray.shutdown()
 
