@@ -8,9 +8,22 @@ import torch.nn.functional as F
 
 from kernels import cpu_linear
 
+# Skips follow torch's own checks, never the probe under test: a probe broken into saying
+# "not supported" must fail here, not skip.
 needs_onednn = pytest.mark.skipif(
-    not cpu_linear.packing_supported(torch.float32), reason="this torch has no oneDNN linear"
+    not torch.backends.mkldnn.is_available(), reason="this torch build has no oneDNN"
 )
+
+
+@needs_onednn
+def test_probe_agrees_with_torchs_own_checks():
+    assert cpu_linear.packing_supported(torch.float32)
+    bf16, fp16 = (
+        torch.ops.mkldnn._is_mkldnn_bf16_supported(),
+        torch.ops.mkldnn._is_mkldnn_fp16_supported(),
+    )
+    assert cpu_linear.packing_supported(torch.bfloat16) == bf16
+    assert cpu_linear.packing_supported(torch.float16) == fp16
 
 
 @needs_onednn
@@ -40,9 +53,10 @@ def test_strided_and_batched_inputs():
     torch.testing.assert_close(cpu_linear.linear(x3, packed), F.linear(x3, weight))
 
 
+@needs_onednn
 def test_bfloat16_matches_when_supported():
-    if not cpu_linear.packing_supported(torch.bfloat16):
-        pytest.skip("no bfloat16 oneDNN linear on this CPU")
+    if not torch.ops.mkldnn._is_mkldnn_bf16_supported():
+        pytest.skip("torch: no bfloat16 oneDNN on this CPU")
     gen = torch.Generator().manual_seed(2)
     weight = torch.randn(64, 48, generator=gen).bfloat16()
     x = torch.randn(9, 48, generator=gen).bfloat16()
