@@ -53,12 +53,23 @@ def test_random_workload_at_two_rates(cluster, tmp_path):
         )
         assert run["num_good"] == 12  # the SLOs are a minute
         assert run["request_throughput"] == pytest.approx(12 / run["duration_s"])
-        # Goodput counts exactly the records within an SLO that splits them: the median.
+        # Goodput counts exactly the records within SLOs that split them (the medians):
+        # each objective alone, and both at once (a request must meet every one).
         recs = [RequestRecord(**r) for r in records]
-        cut = float(np.median(ttft))
-        split = summarize(recs, run["duration_s"], Slo(ttft_ms=cut))
-        assert split["num_good"] == sum(t <= cut for t in ttft)
-        assert 6 <= split["num_good"] < 12 or len(set(ttft)) < 12
+        ttft_cut, tpot_cut = float(np.median(ttft)), float(np.median(tpot))
+        cases = (
+            (Slo(ttft_ms=ttft_cut), [t <= ttft_cut for t in ttft]),
+            (Slo(tpot_ms=tpot_cut), [t <= tpot_cut for t in tpot]),
+            (
+                Slo(ttft_ms=ttft_cut, tpot_ms=tpot_cut),
+                [a <= ttft_cut and b <= tpot_cut for a, b in zip(ttft, tpot, strict=True)],
+            ),
+        )
+        for slo, within in cases:
+            split = summarize(recs, run["duration_s"], slo)
+            assert split["num_good"] == sum(within), slo
+            assert split["goodput"] == pytest.approx(sum(within) / run["duration_s"])
+        assert 6 <= sum(cases[0][1]) < 12 or len(set(ttft)) < 12
     # Each rate had prompts of its own: none was served from the earlier rate's cache.
     assert [run["cached_prompt_tokens"] for run in result["runs"]] == [0, 0]
     # At 8 req/s the sends are spread out; at inf they all go at once.
