@@ -11,7 +11,7 @@ cluster`` as a user would, and loaded by ``baton bench --dataset trace --rates .
 (Poisson arrivals; each rate with fresh prompts, so no prefix-cache hits); the
 configurations alternate in every repeat, and each figure is the median over repeats.
 
-    python bench/distserve.py --rates 0.4,0.7,1.0 --repeats 3 \\
+    python bench/distserve.py --rates 1.0,1.5,2.0,2.5,3.0 --repeats 3 \\
         --json bench/distserve.json --plot bench/distserve.png
 """
 
@@ -50,6 +50,7 @@ FIGURES = (  # (key in a baton bench run, percentile key, label)
     ("goodput", None, "goodput (req/s)"),
     ("request_throughput", None, "requests/s"),
     ("output_throughput", None, "output tok/s"),
+    ("drain_s", None, "drain after last arrival (s)"),
 )
 
 
@@ -111,11 +112,18 @@ def run_mode(mode: str, model_dir: str, trace: Path, args, host: Host, workdir: 
     finally:
         cluster.stop()
     for run in runs:
-        run.pop("requests")  # per-request records: large, and not needed here
-        run["foreign_core_s"] = foreign
         if run["failed"]:
             raise RuntimeError(f"{mode} at {run['request_rate']}: {run['errors']}")
+        records = run.pop("requests")  # per-request records: large; kept as two figures
+        run.update(drain_s=drain_s(records, run["duration_s"]), foreign_core_s=foreign)
     return runs
+
+
+def drain_s(records: list[dict], duration_s: float) -> float:
+    """How long the server took to finish after the last request was sent. One that keeps
+    up with its arrivals ends about one request's latency after the last one; one that
+    falls behind has a queue left, and this grows with the rate and the run's length."""
+    return duration_s - max(r["send_s"] for r in records)
 
 
 def figure(run: dict, key: str, pct: str | None) -> float:
@@ -147,6 +155,27 @@ def table(medians: dict, rates: list[float]) -> str:
     return "\n".join(lines)
 
 
+def verdict(medians: dict, rates: list[float], slack: float) -> dict:
+    """The rates each configuration sustains, and the TPOT p99 ratio at the highest rate
+    both sustain. The lowest rate is the baseline where no queue forms: a configuration
+    sustains a rate when its drain there is at most ``slack`` times its baseline drain (the
+    last request is the same trace row at every rate, so the drains are comparable)."""
+    label = "drain after last arrival (s)"
+    kept: dict[str, list[float]] = {}
+    for mode, by in medians.items():
+        kept[mode] = []
+        for rate in rates:  # up to the first rate it does not sustain
+            if by[str(rate)][label] > slack * by[str(rates[0])][label]:
+                break
+            kept[mode].append(rate)
+    both = [r for r in rates if all(r in k for k in kept.values())]
+    out: dict = {"sustained": kept, "highest_both_sustain": max(both) if both else None}
+    if both:
+        d, a = (medians[m][str(max(both))]["TPOT p99 (ms)"] for m in MODES)
+        out["tpot_p99_aggregated_over_disaggregated"] = a / d
+    return out
+
+
 def plot(medians: dict, rates: list[float], path: Path) -> None:
     import matplotlib
 
@@ -169,7 +198,7 @@ def plot(medians: dict, rates: list[float], path: Path) -> None:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--rates", default="0.4,0.7,1.0")
+    parser.add_argument("--rates", default="1.0,1.5,2.0,2.5,3.0")
     parser.add_argument("--num-prompts", type=int, default=40)
     parser.add_argument("--document-share", type=float, default=0.4)
     parser.add_argument("--repeats", type=int, default=3)
@@ -178,6 +207,12 @@ def main() -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--model", help="model directory (default: a small random Llama)")
     parser.add_argument("--quiet-wait", type=float, default=30.0)
+    parser.add_argument(
+        "--drain-slack",
+        type=float,
+        default=2.0,
+        help="sustained: drain <= this x the lowest rate's",
+    )
     parser.add_argument("--json", type=Path)
     parser.add_argument("--plot", type=Path)
     args = parser.parse_args()
@@ -204,6 +239,8 @@ def main() -> int:
                 print(f"repeat {repeat} {mode}: done", flush=True)
     medians = summarize(all_runs, rates)
     print(table(medians, rates))
+    decided = verdict(medians, rates, args.drain_slack)
+    print(f"\n{decided}")
     if args.plot:
         plot(medians, rates, args.plot)
     if args.json:
@@ -214,6 +251,7 @@ def main() -> int:
             "arguments": {k: str(v) for k, v in vars(args).items()},
             "wall_s": time.monotonic() - started,
             "medians": medians,
+            "verdict": decided,
             "runs": all_runs,
         }
         args.json.write_text(json.dumps(document, indent=1))
