@@ -63,8 +63,9 @@ def plot_rate_sweep(results: list[dict], path: Path) -> None:
     rates = [r["request_rate"] for r in results]
     fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4))
     left.plot(rates, [r["request_throughput"] for r in results], "o-", label="throughput")
-    left.plot(rates, [r["goodput"] for r in results], "s-", label="goodput")
-    left.plot(rates, rates, ":", color="gray", label="offered")
+    # Hollow, dashed: goodput often equals throughput, and must not hide it.
+    left.plot(rates, [r["goodput"] for r in results], "s--", mfc="none", ms=9, label="goodput")
+    left.plot(rates, rates, "x:", color="gray", label="offered")  # a mark even for one rate
     left.set_xlabel("request rate (req/s)")
     left.set_ylabel("req/s")
     left.legend()
