@@ -18,9 +18,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import functools
 import importlib
-import importlib.util
 import json
 import random
 import statistics
@@ -30,8 +28,10 @@ from pathlib import Path
 
 import torch
 
-# Run as a script, this directory would shadow the top-level packages (kernels, ...).
-sys.path[:] = [p for p in sys.path if Path(p).resolve() != Path(__file__).resolve().parent]
+# Run as a script, this directory would shadow the top-level packages (kernels, ...); the
+# repository goes first instead, so that the sibling scripts import as ``bench.<name>``.
+ROOT = Path(__file__).resolve().parents[1]
+sys.path[:] = [str(ROOT)] + [p for p in sys.path if Path(p).resolve() != ROOT / "bench"]
 
 from workers.cpu_memory import keep_freed_memory_mapped  # noqa: E402
 
@@ -43,21 +43,10 @@ CASES = [(32, 16, 768), (32, 400, 500), (8, 16, 768), (128, 16, 1024), (64, 100,
 SWEEP = [(c, m) for c in (512, 1024, 2048, 4096) for m in (2048, 4096, 8192, 1 << 40)]
 
 
-@functools.cache
-def _bench_kernels():
-    """bench/kernels.py, loaded by path (this folder is off sys.path, see above)."""
-    path = Path(__file__).resolve().with_name("kernels.py")
-    spec = importlib.util.spec_from_file_location("bench_kernels", path)
-    assert spec is not None and spec.loader is not None
-    module = sys.modules["bench_kernels"] = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)  # registered first: its dataclasses look it up
-    return module
-
-
 def _batch(num: int, shortest: int, longest: int, rng: random.Random):
     """(query, layer view, metadata) of ``num`` decodes with scattered blocks."""
     lens = [rng.randint(shortest, longest) for _ in range(num)]
-    return _bench_kernels().paged_batch(
+    return importlib.import_module("bench.kernels").paged_batch(
         [1] * num, lens, BLOCK, torch.float32, "cpu", num, HEADS, KV_HEADS, HEAD_DIM
     )
 

@@ -16,15 +16,16 @@ import argparse
 import collections
 import dataclasses
 import importlib
-import importlib.util
 import json
 import statistics
 import sys
 import time
 from pathlib import Path
 
-# Run as a script, this directory would shadow the top-level packages (kernels, ...).
-sys.path[:] = [p for p in sys.path if Path(p).resolve() != Path(__file__).resolve().parent]
+# Run as a script, this directory would shadow the top-level packages (kernels, ...); the
+# repository goes first instead, so that the sibling scripts import as ``bench.<name>``.
+ROOT = Path(__file__).resolve().parents[1]
+sys.path[:] = [str(ROOT)] + [p for p in sys.path if Path(p).resolve() != ROOT / "bench"]
 
 import kernels  # noqa: E402
 from workers import LLM, SamplingParams  # noqa: E402
@@ -45,16 +46,6 @@ def timed(fn, name: str):
     return call
 
 
-def _bench_engine():
-    """bench/engine.py, loaded by path (this folder is off sys.path, see above)."""
-    path = Path(__file__).resolve().with_name("engine.py")
-    spec = importlib.util.spec_from_file_location("bench_engine", path)
-    assert spec is not None and spec.loader is not None
-    module = sys.modules["bench_engine"] = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", required=True, help="HF model directory (e.g. a small llama)")
@@ -62,7 +53,7 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--json", type=Path, help="write the results here")
     args = ap.parse_args()
-    engine_bench = _bench_engine()
+    engine_bench = importlib.import_module("bench.engine")
 
     ref = kernels.REFERENCE_OPS
     ops = {f.name: timed(getattr(ref, f.name), f.name) for f in dataclasses.fields(ref)}
