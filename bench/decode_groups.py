@@ -33,7 +33,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:] = [str(ROOT)] + [p for p in sys.path if Path(p).resolve() != ROOT / "bench"]
 
-from workers.cpu_memory import keep_freed_memory_mapped  # noqa: E402
+from workers.engine.cpu_memory import keep_freed_memory_mapped  # noqa: E402
 
 op = importlib.import_module("kernels.paged_attention")  # the module, not the function
 HEADS, KV_HEADS, HEAD_DIM, BLOCK = 12, 4, 64, 16

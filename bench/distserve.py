@@ -38,7 +38,7 @@ sys.path.append(str(ROOT / "bench"))
 
 from serving_cluster import Cluster, Host  # noqa: E402
 
-from workers.replica import free_port  # noqa: E402
+from workers.parallel.replica import free_port  # noqa: E402
 
 MODES = ("disaggregated", "aggregated")
 FIGURES = (  # (key in a baton bench run, percentile key, label)
@@ -219,7 +219,7 @@ def main() -> int:
     rates = [float(r) for r in args.rates.split(",")]
     model_dir = Path(args.model) if args.model else ROOT / ".models/bench-small-llama"
     if not (model_dir / "config.json").exists():
-        from workers.make_model import make_model
+        from cluster.tools.make_model import make_model
 
         make_model(model_dir, "llama", "small", seed=0)
     host = Host()

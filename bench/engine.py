@@ -36,9 +36,9 @@ if sys.path and Path(sys.path[0]).resolve() == Path(__file__).resolve().parent:
 
 import torch
 
+from cluster.tools.make_model import make_model
 from kernels import cpu_linear
 from workers import LLM, SamplingParams
-from workers.make_model import make_model
 
 
 def make_workload(num: int, vocab: int, seed: int) -> list[tuple[list[int], int]]:

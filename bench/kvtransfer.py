@@ -44,7 +44,7 @@ import torch
 
 from kvtransfer import KVLayout, KVTransferConfig, create_connector
 from kvtransfer.messages import KVHandle, decode_as, encode
-from workers.kv_cache import allocate_kv_cache
+from workers.engine.kv_cache import allocate_kv_cache
 
 LAYERS, KV_HEADS, HEAD_DIM, BLOCK_SIZE = 32, 8, 128, 16
 DTYPE = torch.bfloat16

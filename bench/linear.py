@@ -27,9 +27,9 @@ import torch.nn.functional as F
 # Run as a script, this directory would shadow the top-level packages (kernels, ...).
 sys.path[:] = [p for p in sys.path if Path(p).resolve() != Path(__file__).resolve().parent]
 
+from cluster.tools.make_model import make_config  # noqa: E402
 from kernels import cpu_linear  # noqa: E402
-from workers.cpu_memory import keep_freed_memory_mapped  # noqa: E402
-from workers.make_model import make_config  # noqa: E402
+from workers.engine.cpu_memory import keep_freed_memory_mapped  # noqa: E402
 
 ROWS = [1, 2, 3, 4, 8, 16, 32, 64, 256, 2048]
 

@@ -48,11 +48,11 @@ import torch.multiprocessing as mp
 # Run as a script, this directory would shadow the top-level packages (kernels, ...).
 sys.path[:] = [p for p in sys.path if Path(p).resolve() != Path(__file__).resolve().parent]
 
-from workers.replica import agree_min, free_port, join_replica, leave_replica  # noqa: E402
+from workers.parallel.replica import agree_min, free_port, join_replica, leave_replica  # noqa: E402
 
 
 def _config(args: argparse.Namespace):
-    from workers.config import EngineConfig
+    from workers.engine.config import EngineConfig
 
     prefill = args.workload == "prefill"
     return EngineConfig(
@@ -147,9 +147,9 @@ def _decode(engine, batch: int, steps: int, each_step=None) -> float:
 
 
 def _rank_main(rank: int, setup: str, port: int, args: argparse.Namespace, out: str) -> None:
-    from workers.engine import LLMEngine
-    from workers.replica_follower import RankFollower
-    from workers.replica_kv import ReplicaKV
+    from workers.engine.llm_engine import LLMEngine
+    from workers.parallel.replica_follower import RankFollower
+    from workers.parallel.replica_kv import ReplicaKV
 
     torch.set_num_threads(1)
     parallel, link = join_replica(rank, 2, "127.0.0.1", port, "cpu", pp_size=2)
@@ -181,7 +181,7 @@ def _rank_main(rank: int, setup: str, port: int, args: argparse.Namespace, out: 
 
 
 def _single_main(_: int, args: argparse.Namespace, out: str) -> None:
-    from workers.engine import LLMEngine
+    from workers.engine.llm_engine import LLMEngine
 
     torch.set_num_threads(1)
     Path(out, "rate.json").write_text(json.dumps(_workload(LLMEngine(_config(args)), args)))

@@ -1,7 +1,7 @@
 """Cost of rank 0 driving a parallel replica: the step command, on CPU (gloo).
 
 ``--tp`` x ``--pp`` ranks (default 2 x 1) in as many processes on this machine, joined
-like a cluster replica (``workers/replica.py``). Two measurements:
+like a cluster replica (``workers/parallel/replica.py``). Two measurements:
 
 1. **The command alone**: rank 0 encodes a step's :class:`StepInputs` into a
    :class:`RankCommand`, sends it and waits until every rank has it (``send`` +
@@ -40,9 +40,9 @@ import numpy as np
 import torch
 import torch.multiprocessing as mp
 
-from workers.replica import agree_min, free_port, join_replica, leave_replica
-from workers.replica_messages import RankCommand, decode_command, encode_command
-from workers.step_inputs import StepInputs
+from workers.engine.step_inputs import StepInputs
+from workers.parallel.replica import agree_min, free_port, join_replica, leave_replica
+from workers.parallel.replica_messages import RankCommand, decode_command, encode_command
 
 BLOCK_SIZE = 16
 SHAPES = [(b, ctx, 1) for ctx in (1024, 4096) for b in (1, 8, 32, 64)] + [(1, 2048, 2048)]
@@ -105,10 +105,10 @@ def _engine_main(
     rank: int, tp: int, pp: int, port: int, model: str, batch: int, steps: int, out: str
 ) -> None:
     from workers import SamplingParams
-    from workers.config import EngineConfig
-    from workers.engine import LLMEngine
-    from workers.replica_follower import RankFollower
-    from workers.replica_kv import ReplicaKV
+    from workers.engine.config import EngineConfig
+    from workers.engine.llm_engine import LLMEngine
+    from workers.parallel.replica_follower import RankFollower
+    from workers.parallel.replica_kv import ReplicaKV
 
     torch.set_num_threads(1)  # one core per rank
     parallel, link = join_replica(rank, tp * pp, "127.0.0.1", port, "cpu", pp)

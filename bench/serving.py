@@ -184,7 +184,7 @@ async def run_overhead(address: str, work: list[Item], engine: DirectEngine, tag
 
 # ---- the cluster -----------------------------------------------------------------------
 def cluster_config(model_dir: str, mode: str, args: argparse.Namespace) -> dict:
-    from workers.replica import free_port
+    from workers.parallel.replica import free_port
 
     port = free_port("127.0.0.1")  # serving_cluster.Cluster needs it up front
     pool = {
@@ -362,7 +362,7 @@ def main() -> None:
 
     model_dir = Path(args.model) if args.model else ROOT / ".models/bench-small-llama"
     if not args.model and not (model_dir / "config.json").exists():
-        from workers.make_model import make_model
+        from cluster.tools.make_model import make_model
 
         make_model(model_dir, "llama", "small", seed=args.seed)
     vocab = json.loads((model_dir / "config.json").read_text())["vocab_size"]

@@ -39,8 +39,8 @@ class DirectEngine:
     def __init__(self, model_dir: str, args: argparse.Namespace, num_threads: int):
         import torch
 
-        from workers.config import EngineConfig
-        from workers.engine import LLMEngine
+        from workers.engine.config import EngineConfig
+        from workers.engine.llm_engine import LLMEngine
 
         torch.set_num_threads(num_threads)
         self.engine = LLMEngine(

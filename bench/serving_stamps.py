@@ -1,7 +1,7 @@
 """Stamps inside a served cluster's processes, for bench/serving.py's latency split.
 
 A ``sitecustomize`` (written by the benchmark, put first on the cluster's ``PYTHONPATH``)
-patches ``workers.service.EngineService`` and ``router.stream.RequestStream`` as they are
+patches ``workers.serving.service.EngineService`` and ``router.stream.RequestStream`` as they are
 imported, so every process of the cluster records when a request reached a worker, when
 a worker's engine loop published tokens and when the router handled them, all on the one
 ``time.monotonic`` clock of the host. No project file changes for it.
@@ -20,12 +20,12 @@ from typing import Any
 STAMPS_ENV = "BATON_BENCH_STAMPS"
 
 # Imported first by every Python process of the cluster (PYTHONPATH); once
-# workers.service or router.stream is imported, this script's install_stamps patches it.
+# workers.serving.service or router.stream is imported, this script's install_stamps patches it.
 _SITECUSTOMIZE = """\
 import importlib.abc, importlib.util, os, sys
 
 class _StampHook(importlib.abc.MetaPathFinder):
-    names = {{"workers.service", "router.stream"}}
+    names = {{"workers.serving.service", "router.stream"}}
 
     def find_spec(self, name, path=None, target=None):
         if name not in self.names:
@@ -89,9 +89,9 @@ class _Recorder:
 
 def install_stamps(module, out_dir: str) -> None:
     """In a cluster process: stamp requests and token events as they pass
-    ``workers.service.EngineService`` (worker) or ``router.stream.RequestStream`` (router)."""
+    ``workers.serving.service.EngineService`` (worker) or ``router.stream.RequestStream`` (router)."""
     rec = _Recorder(Path(out_dir) / f"{module.__name__}-{os.getpid()}.jsonl")
-    if module.__name__ == "workers.service":
+    if module.__name__ == "workers.serving.service":
         cls = module.EngineService
         submit, publish = cls.submit, cls._publish
 

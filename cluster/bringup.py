@@ -7,7 +7,7 @@ per pipeline stage (a stage's ``tensor_parallel`` ranks on one node, the stages 
 node or several), one actor per rank, and every rank of every decode worker is
 introduced to every rank of every prefill worker before the router starts
 (``cluster/replicas.py``). Workers push their token events to the router over an event
-channel (``workers/channel.py``) whose listener binds to loopback when the whole Ray
+channel (``workers/serving/channel.py``) whose listener binds to loopback when the whole Ray
 cluster is this node, else to this node's Ray address; connections must present the
 listener's random token. The router restarts a replica that dies through
 ``cluster/restart.py``. Tear-down stops the actors (their leases released), removes the
@@ -41,12 +41,12 @@ from cluster.restart import RayRestarter
 from router.config import RouterConfig
 from router.recovery import RestartPolicy
 from router.router import Router
-from workers.channel import ChannelListener
-from workers.metrics_node import default_root, node_directory, record_into
 from workers.models.arch_config import ArchConfig
-from workers.ray_worker import RayWorkerClient
-from workers.tokenizer import Tokenizer
-from workers.worker_spec import WorkerSpec
+from workers.serving.channel import ChannelListener
+from workers.serving.metrics_node import default_root, node_directory, record_into
+from workers.serving.ray_worker import RayWorkerClient
+from workers.serving.worker_spec import WorkerSpec
+from workers.text.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
 

@@ -64,7 +64,7 @@ def _add_make_model_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _run_make_model(args: argparse.Namespace) -> int:
-    from workers.make_model import make_config, make_model, num_parameters
+    from cluster.tools.make_model import make_config, make_model, num_parameters
 
     config = make_config(args.arch, args.size, dtype=args.dtype)
     out = make_model(

@@ -1,7 +1,7 @@
 """One Prometheus scrape endpoint (``/metrics``) per Ray node that runs Baton processes.
 
 Each endpoint is a small Ray actor pinned to its node (no CPU reserved) that serves the
-node's metrics directory (``workers/metrics_node.py``): the router's series on the node
+node's metrics directory (``workers/serving/metrics_node.py``): the router's series on the node
 where it runs, each worker replica's on the node that holds it. Bring-up starts one for
 every node it placed something on, a restart for a node new to the run.
 
@@ -21,7 +21,7 @@ import threading
 import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-from workers.metrics_node import NodeCollector, node_directory
+from workers.serving.metrics_node import NodeCollector, node_directory
 
 logger = logging.getLogger(__name__)
 

@@ -32,7 +32,7 @@ def resolve_model_dir(path: str | None) -> Path:
     with open(model_dir.parent / f".{DEFAULT_MODEL_NAME}.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         if not (model_dir / "model.safetensors").is_file():
-            from workers.make_model import make_model
+            from cluster.tools.make_model import make_model
 
             # model.safetensors is written last: its presence means the model is complete.
             make_model(model_dir, "llama", "small", overwrite=True)

@@ -29,10 +29,10 @@ from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from workers.models.parallel import stage_and_tp_rank
-from workers.ray_rank import RankActor
-from workers.ray_worker import ACTOR_CONCURRENCY, WorkerActor
-from workers.wire import WorkerInfo, decode_as
-from workers.worker_spec import WorkerSpec
+from workers.protocol.wire import WorkerInfo, decode_as
+from workers.serving.ray_rank import RankActor
+from workers.serving.ray_worker import ACTOR_CONCURRENCY, WorkerActor
+from workers.serving.worker_spec import WorkerSpec
 
 logger = logging.getLogger(__name__)
 

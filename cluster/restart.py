@@ -37,9 +37,9 @@ from cluster.replicas import (
     start_replicas,
     wait_ready,
 )
-from workers.channel import ChannelListener
-from workers.ray_worker import RayWorkerClient
-from workers.wire import WorkerInfo
+from workers.protocol.wire import WorkerInfo
+from workers.serving.channel import ChannelListener
+from workers.serving.ray_worker import RayWorkerClient
 
 logger = logging.getLogger(__name__)
 

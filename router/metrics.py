@@ -3,7 +3,7 @@
 Measured at the gRPC edge, around ``Router.generate``: what a client of ``Generate``
 experiences, queueing in the router included. Series carry ``role="router"``, ``model``
 and ``instance="router"``. The node's exporter serves them with the workers' series
-(``workers/metrics_node.py``).
+(``workers/serving/metrics_node.py``).
 
 Outcomes, one per call:
 - ``baton_requests_rejected_total{code}``: refused before any output (INVALID_ARGUMENT,
@@ -22,7 +22,7 @@ import time
 from prometheus_client import Counter, Histogram
 
 from proto.baton.v1 import inference_pb2 as pb
-from workers.metrics import LABELS, RUNNING
+from workers.serving.metrics import LABELS, RUNNING
 
 # Seconds: 1 ms to 80 s (TTFT under load, long generations end to end).
 _LATENCY = (

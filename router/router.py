@@ -33,9 +33,9 @@ from router.recovery import Recovery, Restarter, RestartPolicy
 from router.stream import RequestStream
 from router.validation import InvalidRequest, ValidRequest, prompt_token_ids, validate
 from router.workers import WorkerClient, WorkerView, abort_on, decline
-from workers.block_manager import hash_prompt_blocks
-from workers.tokenizer import Tokenizer
-from workers.wire import OutputBatch, TokenEvent, WorkItem
+from workers.protocol.block_hashes import hash_prompt_blocks
+from workers.protocol.wire import OutputBatch, TokenEvent, WorkItem
+from workers.text.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
 

@@ -13,11 +13,11 @@ import time
 from dataclasses import dataclass, field
 
 from proto.baton.v1 import inference_pb2 as pb
-from workers.detokenizer import IncrementalDetokenizer
-from workers.sampler import TokenLogprobs
-from workers.sampling_params import SamplingParams
-from workers.tokenizer import Tokenizer
-from workers.wire import TokenEvent
+from workers.protocol.logprobs import TokenLogprobs
+from workers.protocol.sampling_params import SamplingParams
+from workers.protocol.wire import TokenEvent
+from workers.text.detokenizer import IncrementalDetokenizer
+from workers.text.tokenizer import Tokenizer
 
 _FINISH = {
     "stop": pb.FINISH_REASON_STOP,

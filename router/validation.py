@@ -11,8 +11,8 @@ import re
 from dataclasses import dataclass
 
 from proto.baton.v1 import inference_pb2 as pb
-from workers.sampling_params import SamplingParams
-from workers.tokenizer import Tokenizer
+from workers.protocol.sampling_params import SamplingParams
+from workers.text.tokenizer import Tokenizer
 
 # SamplingParams field -> the proto field path a client sees.
 _FIELD_PATHS = {

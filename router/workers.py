@@ -1,8 +1,8 @@
 """The router's side of its workers: the client Protocol and what it last heard from each.
 
 The router never calls Ray itself: ``cluster/`` hands it one :class:`WorkerClient` per
-worker (``workers.ray_worker.RayWorkerClient`` in production, in-process services in
-tests). Each worker pushes its token events and :class:`~workers.wire.WorkerReport` to the
+worker (``workers.serving.ray_worker.RayWorkerClient`` in production, in-process services in
+tests). Each worker pushes its token events and :class:`~workers.protocol.wire.WorkerReport` to the
 router, which dispatches them as they arrive (``Router._on_batch``);
 :class:`WorkerView` keeps the latest report and the worker's cached block hashes for the
 routing policy. ``abort_on`` and ``decline`` are the two calls the router makes to end a
@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from router.policy import WorkerState
-from workers.wire import OutputBatch, WorkerReport, WorkItem
+from workers.protocol.wire import OutputBatch, WorkerReport, WorkItem
 
 logger = logging.getLogger(__name__)
 

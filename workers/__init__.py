@@ -8,12 +8,12 @@ model code.
 from importlib import import_module
 
 _EXPORTS = {
-    "LLM": "workers.llm",
-    "LLMEngine": "workers.engine",
-    "EngineConfig": "workers.config",
-    "SamplingParams": "workers.sampling_params",
-    "CompletionOutput": "workers.outputs",
-    "StreamDelta": "workers.outputs",
+    "LLM": "workers.engine.llm",
+    "LLMEngine": "workers.engine.llm_engine",
+    "EngineConfig": "workers.engine.config",
+    "SamplingParams": "workers.protocol.sampling_params",
+    "CompletionOutput": "workers.engine.outputs",
+    "StreamDelta": "workers.engine.outputs",
 }
 
 

@@ -5,7 +5,7 @@ import sys
 import pytest
 
 from cluster import cli
-from workers import make_model as make_model_module
+from cluster.tools import make_model as make_model_module
 
 
 @pytest.fixture(scope="module")

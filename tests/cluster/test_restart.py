@@ -18,8 +18,8 @@ pytest.importorskip("ray")
 
 from cluster import restart
 from cluster.replicas import Cancelled, Replica
-from workers.wire import WorkerInfo
-from workers.worker_spec import WorkerSpec
+from workers.protocol.wire import WorkerInfo
+from workers.serving.worker_spec import WorkerSpec
 
 INFO = WorkerInfo("prefill-0", "LlamaForCausalLM", "float32", 256, 1000, 8, 64, "cpu")
 

@@ -92,7 +92,7 @@ def stop_cluster(cluster: ServedCluster, timeout_s: float = 90.0) -> int:
 
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory) -> Path:
-    from workers.make_model import make_model
+    from cluster.tools.make_model import make_model
 
     return make_model(tmp_path_factory.mktemp("e2e") / "tiny-llama", "llama", "tiny")
 

@@ -24,7 +24,7 @@ import yaml
 from cluster.client import wait_ready
 from proto.baton.v1 import inference_pb2 as pb
 from proto.baton.v1 import inference_pb2_grpc as pb_grpc
-from workers.replica import free_port as _free_port
+from workers.parallel.replica import free_port as _free_port
 
 from .conftest import ROOT
 

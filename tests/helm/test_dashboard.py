@@ -9,7 +9,7 @@ import re
 from prometheus_client.metrics import MetricWrapperBase
 
 import router.metrics
-import workers.metrics
+import workers.serving.metrics
 
 from .chart import CHART
 
@@ -19,7 +19,7 @@ DASHBOARD = json.loads((CHART / "dashboards" / "baton.json").read_text())
 def recorded_series() -> dict[str, str]:
     """Every sample name Baton exposes -> its metric's name."""
     series = {}
-    for module in (workers.metrics, router.metrics):
+    for module in (workers.serving.metrics, router.metrics):
         for metric in vars(module).values():
             if not isinstance(metric, MetricWrapperBase):
                 continue

@@ -17,11 +17,11 @@ from tests.kernels.triton_testing import IS_INTERPRETED, require_triton, require
 
 require_triton()
 
+from cluster.tools.make_model import make_model  # noqa: E402
 from kernels import REFERENCE_OPS, get_kernel_ops, triton_kernel_ops  # noqa: E402
 from kernels.triton_attention import paged_attention  # noqa: E402
 from kernels.triton_rotary import apply_rotary  # noqa: E402
 from workers import LLM, SamplingParams  # noqa: E402
-from workers.make_model import make_model  # noqa: E402
 from workers.models import loader  # noqa: E402
 
 

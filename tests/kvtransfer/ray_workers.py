@@ -20,7 +20,7 @@ import torch
 from kvtransfer import KVTransferConfig, KVTransferError, create_connector
 from kvtransfer.layout import KVLayout
 from kvtransfer.messages import KVHandle, decode_as, encode
-from workers.block_manager import BlockManager
+from workers.engine.block_manager import BlockManager
 
 from .helpers import MODEL, empty_cache, full_kv, rank_cache
 

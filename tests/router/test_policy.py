@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from router.policy import NoHealthyWorker, RouteRequest, WorkerState, pick, route
-from workers.block_manager import hash_prompt_blocks
+from workers.protocol.block_hashes import hash_prompt_blocks
 
 BS = 4
 PROMPT = list(range(40))  # 10 full blocks

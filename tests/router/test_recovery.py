@@ -18,7 +18,7 @@ from router.config import RouterConfig
 from router.recovery import RestartPolicy
 from router.router import Router
 from router.status import cluster_status
-from workers.wire import OutputBatch, WorkerReport
+from workers.protocol.wire import OutputBatch, WorkerReport
 
 FAST = RestartPolicy(max_attempts=3, backoff_s=0.01, max_backoff_s=0.02)
 

@@ -1,6 +1,6 @@
 """The router's request flow over real engines in one process (no Ray, no gRPC).
 
-Each worker is a real :class:`~workers.service.EngineService` (engine thread, KV
+Each worker is a real :class:`~workers.serving.service.EngineService` (engine thread, KV
 connector) on the in-process KV backend, pushing its events to the router over the real
 event channel (loopback TCP); only the Ray control calls are replaced by direct calls. This is where the policies and the awkward moments of the hand-off (abort while
 the KV is in flight, a lost transfer) are pinned down quickly; tests/e2e repeats the
@@ -14,19 +14,19 @@ import asyncio
 import pytest
 from prometheus_client import REGISTRY
 
+from cluster.tools.make_model import make_model
 from kvtransfer import KVLayout, KVTransferConfig, create_connector
 from kvtransfer.local_backend import LocalFabric
 from proto.baton.v1 import inference_pb2 as pb
 from router.config import RouterConfig, RouterError
 from router.router import Router
 from workers import LLM, SamplingParams
-from workers.channel import ChannelListener, ChannelReader, ChannelSender
-from workers.config import EngineConfig
-from workers.engine import LLMEngine
-from workers.make_model import make_model
-from workers.metrics import WorkerMetrics
-from workers.service import EngineService
-from workers.tokenizer import Tokenizer
+from workers.engine.config import EngineConfig
+from workers.engine.llm_engine import LLMEngine
+from workers.serving.channel import ChannelListener, ChannelReader, ChannelSender
+from workers.serving.metrics import WorkerMetrics
+from workers.serving.service import EngineService
+from workers.text.tokenizer import Tokenizer
 
 LONG_PREFIX = "Once upon a time in a land far away there lived a curious engineer who " * 2
 

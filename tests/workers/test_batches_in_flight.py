@@ -1,6 +1,6 @@
 """Batches in flight (the pipeline-parallel schedule), in one process.
 
-Rank 0 of a pipeline keeps one batch per stage in flight (workers/batches.py). The same
+Rank 0 of a pipeline keeps one batch per stage in flight (workers/engine/batches.py). The same
 engine code runs here with ``batches_in_flight`` > 1 and no stages: each batch is
 scheduled, then sampled a step later, so everything but the overlap is exercised. The
 pipeline itself is tested across processes in test_pipeline_parallel.py.
@@ -10,11 +10,11 @@ from __future__ import annotations
 
 import pytest
 
-from workers.config import EngineConfig
-from workers.engine import LLMEngine
-from workers.make_model import make_model
-from workers.request import FinishReason
-from workers.sampling_params import SamplingParams
+from cluster.tools.make_model import make_model
+from workers.engine.config import EngineConfig
+from workers.engine.llm_engine import LLMEngine
+from workers.engine.request import FinishReason
+from workers.protocol.sampling_params import SamplingParams
 
 
 @pytest.fixture(scope="module")

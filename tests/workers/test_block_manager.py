@@ -12,7 +12,8 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from workers.block_manager import BlockManager, hash_prompt_blocks
+from workers.engine.block_manager import BlockManager
+from workers.protocol.block_hashes import hash_prompt_blocks
 
 BS = 4
 

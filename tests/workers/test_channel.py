@@ -19,13 +19,13 @@ import time
 import msgpack
 import pytest
 
+from cluster.tools.make_model import make_model
 from workers import SamplingParams
-from workers.channel import ChannelListener, ChannelSender
-from workers.config import EngineConfig
-from workers.engine import LLMEngine
-from workers.make_model import make_model
-from workers.service import EngineService
-from workers.wire import WIRE_VERSION, OutputBatch, TokenEvent, WorkerReport, WorkItem
+from workers.engine.config import EngineConfig
+from workers.engine.llm_engine import LLMEngine
+from workers.protocol.wire import WIRE_VERSION, OutputBatch, TokenEvent, WorkerReport, WorkItem
+from workers.serving.channel import ChannelListener, ChannelSender
+from workers.serving.service import EngineService
 
 
 def _report(version: int = 3, hashes: tuple[int, ...] | None = (7, 8)) -> WorkerReport:

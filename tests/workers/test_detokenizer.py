@@ -6,10 +6,10 @@ from hypothesis import example, given, settings
 from hypothesis import strategies as st
 from tokenizers import decoders, models, normalizers, pre_tokenizers, processors, trainers
 
-from workers.corpus import PROSE
-from workers.detokenizer import DetokenizerDelta, IncrementalDetokenizer
-from workers.make_model import build_tokenizer
-from workers.tokenizer import Tokenizer
+from cluster.tools.corpus import PROSE
+from cluster.tools.make_model import build_tokenizer
+from workers.text.detokenizer import DetokenizerDelta, IncrementalDetokenizer
+from workers.text.tokenizer import Tokenizer
 
 REPLACEMENT_CHAR = "\ufffd"
 

@@ -13,9 +13,9 @@ import pytest
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
+from cluster.tools.make_model import make_model
 from workers import LLM, SamplingParams
-from workers.make_model import make_model
-from workers.request import FinishReason
+from workers.engine.request import FinishReason
 
 ARCHS = ["llama", "qwen2", "qwen3", "mistral"]
 NUM_NEW = 32

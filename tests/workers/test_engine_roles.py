@@ -13,12 +13,12 @@ from collections import defaultdict
 
 import pytest
 
-from workers.config import EngineConfig
-from workers.engine import LLMEngine
-from workers.make_model import make_model
-from workers.outputs import StreamDelta
-from workers.request import FinishReason
-from workers.sampling_params import SamplingParams
+from cluster.tools.make_model import make_model
+from workers.engine.config import EngineConfig
+from workers.engine.llm_engine import LLMEngine
+from workers.engine.outputs import StreamDelta
+from workers.engine.request import FinishReason
+from workers.protocol.sampling_params import SamplingParams
 
 BS = 8
 GREEDY = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)

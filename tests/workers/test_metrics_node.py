@@ -12,18 +12,18 @@ import textwrap
 
 import pytest
 
-from workers.metrics_node import NodeCollector
+from workers.serving.metrics_node import NodeCollector
 
 WRITER = textwrap.dedent(
     """
     import sys
-    from workers.metrics_node import record_into
+    from workers.serving.metrics_node import record_into
     record_into(sys.argv[1])
-    from workers.metrics import WorkerMetrics
-    from workers.wire import WorkerReport
+    from workers.serving.metrics import WorkerMetrics
+    from workers.protocol.wire import WorkerReport
     m = WorkerMetrics("decode", "tiny", sys.argv[2])
-    from workers.request import Request
-    from workers.sampling_params import SamplingParams
+    from workers.engine.request import Request
+    from workers.protocol.sampling_params import SamplingParams
     req = Request("r", list(range(10)), SamplingParams(), max_tokens=4, eos_token_ids=frozenset())
     req.first_scheduled_time = req.arrival_time + 0.02
     req.num_cached_tokens = 8
@@ -90,7 +90,7 @@ def test_processes_merge_and_a_dead_one_keeps_counters_but_not_gauges(tmp_path):
 def test_a_process_records_into_one_directory_only(tmp_path):
     code = textwrap.dedent(
         f"""
-        from workers.metrics_node import record_into
+        from workers.serving.metrics_node import record_into
         record_into({str(tmp_path / "a")!r})
         record_into({str(tmp_path / "a")!r})  # again: nothing changes
         try:

@@ -24,6 +24,7 @@ from pathlib import Path
 import torch
 import torch.multiprocessing as mp
 
+from cluster.tools.make_model import make_model
 from kvtransfer import KVHandle
 from kvtransfer.messages import decode_as as decode_kv
 from tests.workers.test_tensor_parallel import (
@@ -34,11 +35,10 @@ from tests.workers.test_tensor_parallel import (
     rank0_engine,
 )
 from workers import SamplingParams
-from workers.engine import LLMEngine
-from workers.make_model import make_model
-from workers.replica import agree_min, free_port, join_replica, leave_replica
-from workers.replica_follower import RankFollower
-from workers.replica_kv import ReplicaKV
+from workers.engine.llm_engine import LLMEngine
+from workers.parallel.replica import agree_min, free_port, join_replica, leave_replica
+from workers.parallel.replica_follower import RankFollower
+from workers.parallel.replica_kv import ReplicaKV
 
 NEWS_TIMEOUT_S = 30.0
 

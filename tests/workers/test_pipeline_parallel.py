@@ -28,6 +28,7 @@ import torch
 import torch.multiprocessing as mp
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
+from cluster.tools.make_model import make_model
 from tests.workers.test_batches_in_flight import watch_overlaps
 from tests.workers.test_tensor_parallel import (
     MAX_TOKENS,
@@ -37,11 +38,10 @@ from tests.workers.test_tensor_parallel import (
     _generate,
     rank0_engine,
 )
-from workers.engine import LLMEngine
-from workers.make_model import make_model
+from workers.engine.llm_engine import LLMEngine
 from workers.models import loader
 from workers.models.parallel import ParallelContext
-from workers.replica import free_port, join_replica, leave_replica
+from workers.parallel.replica import free_port, join_replica, leave_replica
 
 VOCAB = 1024  # the tiny tokenizer's (copied from a make_model directory)
 COMMON = dict(

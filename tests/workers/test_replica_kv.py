@@ -1,4 +1,4 @@
-"""Rank 0's bookkeeping of a multi-rank receive (``workers/replica_kv.py``), links faked.
+"""Rank 0's bookkeeping of a multi-rank receive (``workers/parallel/replica_kv.py``), links faked.
 
 A decode replica of several ranks (TP and/or pipeline stages) admits a request only when
 every rank's part of its KV has arrived, and fails the whole receive when any rank's
@@ -17,8 +17,14 @@ from kvtransfer import KVHandle, TransferResult
 from kvtransfer.errors import TransferFailedError
 from kvtransfer.messages import decode_as as decode_kv
 from kvtransfer.messages import encode as encode_kv
-from workers.replica_kv import ReplicaKV
-from workers.replica_messages import Offered, RankReply, Received, decode_command, encode_reply
+from workers.parallel.replica_kv import ReplicaKV
+from workers.parallel.replica_messages import (
+    Offered,
+    RankReply,
+    Received,
+    decode_command,
+    encode_reply,
+)
 
 
 class FakeLink:

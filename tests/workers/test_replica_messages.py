@@ -11,9 +11,10 @@ import numpy as np
 import pytest
 import torch.multiprocessing as mp
 
-from workers.rank_link import COMMAND_INLINE_BYTES, REPLY_INLINE_BYTES
-from workers.replica import free_port, join_replica, leave_replica
-from workers.replica_messages import (
+from workers.engine.step_inputs import StepInputs
+from workers.parallel.rank_link import COMMAND_INLINE_BYTES, REPLY_INLINE_BYTES
+from workers.parallel.replica import free_port, join_replica, leave_replica
+from workers.parallel.replica_messages import (
     Offered,
     OfferOp,
     RankCommand,
@@ -25,7 +26,6 @@ from workers.replica_messages import (
     encode_command,
     encode_reply,
 )
-from workers.step_inputs import StepInputs
 
 
 def _inputs(num_tokens: int = 5) -> StepInputs:

@@ -2,8 +2,8 @@ import numpy as np
 import pytest
 import torch
 
-from workers.sampler import Sampler, SamplingRow, make_generator
-from workers.sampling_params import SamplingParams
+from workers.engine.sampler import Sampler, SamplingRow, make_generator
+from workers.protocol.sampling_params import SamplingParams
 
 
 def row(

@@ -7,9 +7,9 @@ import pytest
 import torch
 
 from tests.workers.test_sampler import row
-from workers.sampler import Sampler
-from workers.sampling.penalties import apply_penalties, suppress_stop_tokens
-from workers.sampling_params import SamplingParams
+from workers.engine.penalties import apply_penalties, suppress_stop_tokens
+from workers.engine.sampler import Sampler
+from workers.protocol.sampling_params import SamplingParams
 
 # --- penalties ---------------------------------------------------------------------------
 

@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from workers.sampling_params import SamplingParams
+from workers.protocol.sampling_params import SamplingParams
 
 
 def test_defaults_follow_vllm():

@@ -8,10 +8,10 @@ from __future__ import annotations
 
 import random
 
-from workers.block_manager import BlockManager
-from workers.request import FinishReason, Request, RequestStatus
-from workers.sampling_params import SamplingParams
-from workers.scheduler import Scheduler, SchedulerOutput
+from workers.engine.block_manager import BlockManager
+from workers.engine.request import FinishReason, Request, RequestStatus
+from workers.engine.scheduler import Scheduler, SchedulerOutput
+from workers.protocol.sampling_params import SamplingParams
 
 BS = 4
 

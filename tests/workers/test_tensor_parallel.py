@@ -21,16 +21,16 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
+from cluster.tools.make_model import make_model
 from workers import SamplingParams
-from workers.config import EngineConfig
-from workers.engine import LLMEngine
-from workers.make_model import make_model
+from workers.engine.config import EngineConfig
+from workers.engine.llm_engine import LLMEngine
+from workers.engine.step_inputs import StepInputs
 from workers.models import loader
 from workers.models.parallel import ParallelContext
-from workers.replica import agree_min, free_port, join_replica, leave_replica
-from workers.replica_follower import RankFollower
-from workers.replica_kv import ReplicaKV
-from workers.step_inputs import StepInputs
+from workers.parallel.replica import agree_min, free_port, join_replica, leave_replica
+from workers.parallel.replica_follower import RankFollower
+from workers.parallel.replica_kv import ReplicaKV
 
 # Lengths around the 32-token step budget and the 8-token blocks: chunked prefill, a
 # prompt ending mid-block, and one exactly on a block boundary.

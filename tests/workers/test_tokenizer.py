@@ -3,8 +3,8 @@ from pathlib import Path
 
 import pytest
 
-from workers.make_model import make_model
-from workers.tokenizer import Tokenizer
+from cluster.tools.make_model import make_model
+from workers.text.tokenizer import Tokenizer
 
 
 @pytest.fixture(scope="module")

@@ -1,0 +1,384 @@
+"""``baton make-model``: write a random-weight Hugging Face model directory, offline.
+
+The directory is what ``transformers`` would save for the architecture — config.json,
+generation_config.json, model.safetensors, tokenizer.json, tokenizer_config.json —
+so both ``AutoModelForCausalLM.from_pretrained`` and Baton's loader read it. The
+tokenizer is a byte-level BPE trained on the spot on ``cluster.tools.corpus`` (deterministic),
+and the model's vocab_size is exactly the tokenizer's, so every sampled id decodes.
+
+Weights are random but deterministic from the seed, and scaled (not the 0.02 training
+init) so that activations keep unit size through the layers and logits spread over a few
+units: greedy generations wander over many tokens instead of repeating one.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import save_file
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+from tqdm import tqdm
+
+from cluster.tools.corpus import corpus_lines
+
+ARCHS = ("llama", "qwen2", "qwen3", "mistral")
+SIZES = ("tiny", "small")
+DTYPES = ("float32", "bfloat16", "float16")
+
+_MODEL_FILES = (
+    "config.json",
+    "generation_config.json",
+    "model.safetensors",
+    "model.safetensors.index.json",
+    "tokenizer.json",
+    "tokenizer_config.json",
+)
+
+
+@dataclass(frozen=True)
+class _Shape:
+    hidden_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    intermediate_size: int
+    vocab_size: int
+    max_position_embeddings: int
+    qwen3_head_dim: int  # qwen3 sets head_dim explicitly, unlike hidden_size / heads
+    dtype: str  # default dtype of the written weights
+
+
+_SHAPES = {
+    "tiny": _Shape(64, 2, 4, 2, 128, 1024, 2048, qwen3_head_dim=32, dtype="float32"),
+    "small": _Shape(768, 10, 12, 4, 2048, 8192, 4096, qwen3_head_dim=128, dtype="bfloat16"),
+}
+
+
+@dataclass(frozen=True)
+class _Family:
+    """Special tokens of an architecture's tokenizer, as its real checkpoints have them."""
+
+    special_tokens: tuple[str, ...]  # ids 0.. in this order
+    bos: str
+    eos: tuple[str, ...]  # generation_config eos_token_id (the first is config.json's)
+    tokenizer_bos: str | None  # tokenizer_config bos_token; None: the tokenizer adds no BOS
+    tokenizer_eos: str
+
+
+_LLAMA3 = _Family(
+    special_tokens=("<|begin_of_text|>", "<|end_of_text|>", "<|eot_id|>"),
+    bos="<|begin_of_text|>",
+    eos=("<|end_of_text|>", "<|eot_id|>"),
+    tokenizer_bos="<|begin_of_text|>",
+    tokenizer_eos="<|end_of_text|>",
+)
+_QWEN = _Family(
+    special_tokens=("<|endoftext|>", "<|im_start|>", "<|im_end|>"),
+    bos="<|endoftext|>",
+    eos=("<|im_end|>", "<|endoftext|>"),
+    tokenizer_bos=None,
+    tokenizer_eos="<|im_end|>",
+)
+_MISTRAL = _Family(
+    special_tokens=("<unk>", "<s>", "</s>"),
+    bos="<s>",
+    eos=("</s>",),
+    tokenizer_bos="<s>",
+    tokenizer_eos="</s>",
+)
+_FAMILIES = {"llama": _LLAMA3, "qwen2": _QWEN, "qwen3": _QWEN, "mistral": _MISTRAL}
+
+# Init scales (see the module docstring). Input projections: std = 1/sqrt(fan_in), which
+# keeps unit-variance activations; norms: 1 + noise, so a loader that skips one is caught.
+_EMBED_STD = 1.0
+_LOGIT_STD = 4.0  # lm_head std * sqrt(hidden_size): spread of the logits
+_NORM_NOISE_STD = 0.1
+_BIAS_STD = 0.1  # larger q/k/v biases make every position's value alike: repetitive output
+# Tied models: the MLP writes this many times its unit scale into the residual stream so
+# that it, not the current token's embedding, dominates what lm_head (= the embedding) sees.
+_TIED_MLP_GAIN = 16.0
+
+
+def make_model(
+    out_dir: str | Path,
+    arch: str,
+    size: str,
+    seed: int = 0,
+    *,
+    overwrite: bool = False,
+    dtype: str | None = None,
+    progress: bool = False,
+) -> Path:
+    """Write a random-weight model of ``arch`` ("llama", "qwen2", "qwen3", "mistral") and
+    ``size`` ("tiny": hidden 64, 2 layers; "small": about 80M parameters) to ``out_dir``.
+
+    The same arguments always give byte-identical files. ``dtype`` of the weights defaults
+    to float32 for tiny and bfloat16 for small. An existing non-empty ``out_dir`` is
+    refused unless ``overwrite``, which replaces only the model files in it.
+    Returns the directory.
+    """
+    config = make_config(arch, size, dtype=dtype)
+    out = Path(out_dir)
+    if out.exists() and not out.is_dir():
+        raise ValueError(f"{out} exists and is not a directory")
+    if out.is_dir() and any(out.iterdir()):
+        if not overwrite:
+            raise ValueError(f"{out} exists and is not empty (use overwrite to replace the model)")
+        for path in [*out.glob("*.safetensors"), *(out / name for name in _MODEL_FILES)]:
+            path.unlink(missing_ok=True)
+    out.mkdir(parents=True, exist_ok=True)
+
+    family = _FAMILIES[arch]
+    tokenizer = build_tokenizer(arch, config["vocab_size"])
+    tokenizer.save(str(out / "tokenizer.json"))
+    _write_json(out / "tokenizer_config.json", _tokenizer_config(tokenizer, family, config))
+    _write_json(out / "config.json", config)
+    _write_json(out / "generation_config.json", _generation_config(config))
+    tensors = _random_weights(config, seed, progress)
+    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+    return out
+
+
+def make_config(arch: str, size: str, dtype: str | None = None) -> dict[str, Any]:
+    """config.json of ``arch``/``size``, key for key as transformers 5 saves it.
+
+    RoPE is in ``rope_parameters`` (transformers 5); llama uses the ``llama3`` rope type.
+    """
+    if arch not in ARCHS:
+        raise ValueError(f"unknown arch {arch!r}; choose one of {', '.join(ARCHS)}")
+    if size not in SIZES:
+        raise ValueError(f"unknown size {size!r}; choose one of {', '.join(SIZES)}")
+    shape = _SHAPES[size]
+    dtype = dtype or shape.dtype
+    if dtype not in DTYPES:
+        raise ValueError(f"unknown dtype {dtype!r}; choose one of {', '.join(DTYPES)}")
+    family = _FAMILIES[arch]
+    eos_ids = [family.special_tokens.index(token) for token in family.eos]
+    config: dict[str, Any] = {
+        "architectures": [_ARCHITECTURES[arch]],
+        "attention_dropout": 0.0,
+        "bos_token_id": family.special_tokens.index(family.bos),
+        "dtype": dtype,
+        "eos_token_id": eos_ids if arch == "llama" else eos_ids[0],
+        "hidden_act": "silu",
+        "hidden_size": shape.hidden_size,
+        "initializer_range": 0.02,
+        "intermediate_size": shape.intermediate_size,
+        "max_position_embeddings": shape.max_position_embeddings,
+        "model_type": arch,
+        "num_attention_heads": shape.num_attention_heads,
+        "num_hidden_layers": shape.num_hidden_layers,
+        "num_key_value_heads": shape.num_key_value_heads,
+        "pad_token_id": None,
+        "rms_norm_eps": 1e-6,
+        "rope_parameters": {"rope_theta": 1_000_000.0, "rope_type": "default"},
+        "tie_word_embeddings": False,
+        "use_cache": True,
+        "vocab_size": shape.vocab_size,
+    }
+    default_head_dim = shape.hidden_size // shape.num_attention_heads
+    if arch == "llama":
+        original_len = shape.max_position_embeddings // 4
+        config |= {
+            "attention_bias": False,
+            "head_dim": default_head_dim,
+            "mlp_bias": False,
+            "pretraining_tp": 1,
+            "rms_norm_eps": 1e-5,
+            "rope_parameters": {
+                "factor": 4.0,
+                "high_freq_factor": 4.0,
+                "low_freq_factor": 1.0,
+                "original_max_position_embeddings": original_len,
+                "rope_theta": 500_000.0,
+                "rope_type": "llama3",
+            },
+        }
+    elif arch in ("qwen2", "qwen3"):
+        config |= {
+            "layer_types": ["full_attention"] * shape.num_hidden_layers,
+            "max_window_layers": shape.num_hidden_layers,
+            "sliding_window": None,
+            "tie_word_embeddings": True,
+            "use_sliding_window": False,
+        }
+        if arch == "qwen3":
+            config |= {"attention_bias": False, "head_dim": shape.qwen3_head_dim}
+    else:  # mistral: plain; no sliding window
+        config |= {"head_dim": default_head_dim, "rms_norm_eps": 1e-5, "sliding_window": None}
+    return dict(sorted(config.items()))
+
+
+_ARCHITECTURES = {
+    "llama": "LlamaForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+    "mistral": "MistralForCausalLM",
+}
+
+
+def build_tokenizer(arch: str, vocab_size: int) -> Tokenizer:
+    """Train the byte-level BPE tokenizer of ``arch`` with exactly ``vocab_size`` ids.
+
+    Special tokens take ids 0..; llama and mistral add BOS in the post-processor, qwen
+    adds nothing (as their real tokenizers do).
+    """
+    family = _FAMILIES[arch]
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=list(family.special_tokens),
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tokenizer.train_from_iterator(corpus_lines(), trainer)
+    if tokenizer.get_vocab_size() != vocab_size:
+        raise RuntimeError(
+            f"the corpus yields {tokenizer.get_vocab_size()} tokens, fewer than {vocab_size}"
+        )
+    byte_level = processors.ByteLevel(trim_offsets=False)
+    if family.tokenizer_bos is None:
+        tokenizer.post_processor = byte_level
+    else:
+        bos = family.tokenizer_bos
+        bos_id = family.special_tokens.index(bos)
+        template = processors.TemplateProcessing(
+            single=f"{bos}:0 $A:0",
+            pair=f"{bos}:0 $A:0 {bos}:1 $B:1",
+            special_tokens=[(bos, bos_id)],
+        )
+        tokenizer.post_processor = processors.Sequence([byte_level, template])
+    return tokenizer
+
+
+def num_parameters(config: Mapping[str, Any]) -> int:
+    """Parameter count of a llama/qwen2/qwen3/mistral config.json (as loaded, tied once)."""
+    return sum(math.prod(shape) for _, shape, _ in _param_specs(config))
+
+
+def _param_specs(config: Mapping[str, Any]) -> list[tuple[str, tuple[int, ...], str]]:
+    """(HF name, shape, init kind) of every tensor in the checkpoint."""
+    hidden = config["hidden_size"]
+    num_heads = config["num_attention_heads"]
+    num_kv_heads = config["num_key_value_heads"]
+    head_dim = config.get("head_dim") or hidden // num_heads
+    inter = config["intermediate_size"]
+    vocab = config["vocab_size"]
+    arch = config["model_type"]
+    q_size, kv_size = num_heads * head_dim, num_kv_heads * head_dim
+
+    specs = [("model.embed_tokens.weight", (vocab, hidden), "embed")]
+    for i in range(config["num_hidden_layers"]):
+        p = f"model.layers.{i}."
+        specs += [
+            (p + "input_layernorm.weight", (hidden,), "norm"),
+            (p + "self_attn.q_proj.weight", (q_size, hidden), "linear"),
+            (p + "self_attn.k_proj.weight", (kv_size, hidden), "linear"),
+            (p + "self_attn.v_proj.weight", (kv_size, hidden), "linear"),
+            (p + "self_attn.o_proj.weight", (hidden, q_size), "attn_out"),
+            (p + "post_attention_layernorm.weight", (hidden,), "norm"),
+            (p + "mlp.gate_proj.weight", (inter, hidden), "linear"),
+            (p + "mlp.up_proj.weight", (inter, hidden), "linear"),
+            (p + "mlp.down_proj.weight", (hidden, inter), "mlp_out"),
+        ]
+        if arch == "qwen2":
+            specs += [
+                (p + "self_attn.q_proj.bias", (q_size,), "bias"),
+                (p + "self_attn.k_proj.bias", (kv_size,), "bias"),
+                (p + "self_attn.v_proj.bias", (kv_size,), "bias"),
+            ]
+        if arch == "qwen3":
+            specs += [
+                (p + "self_attn.q_norm.weight", (head_dim,), "norm"),
+                (p + "self_attn.k_norm.weight", (head_dim,), "norm"),
+            ]
+    specs.append(("model.norm.weight", (hidden,), "norm"))
+    if not config["tie_word_embeddings"]:
+        specs.append(("lm_head.weight", (vocab, hidden), "lm_head"))
+    return specs
+
+
+def _random_weights(
+    config: Mapping[str, Any], seed: int, progress: bool
+) -> dict[str, torch.Tensor]:
+    dtype = getattr(torch, config["dtype"])
+    hidden = config["hidden_size"]
+    # Tied: the embedding doubles as lm_head and so takes lm_head's scale; a token's own
+    # logit then gets a boost of |embedding|^2 / rms(residual), which the larger MLP output
+    # (_TIED_MLP_GAIN) makes small, else greedy decoding repeats one token.
+    is_tied = config["tie_word_embeddings"]
+    embed_std = _LOGIT_STD / math.sqrt(hidden) if is_tied else _EMBED_STD
+    mlp_gain = _TIED_MLP_GAIN if is_tied else 1.0
+    generator = torch.Generator().manual_seed(seed)
+    specs = _param_specs(config)
+    tensors: dict[str, torch.Tensor] = {}
+    with tqdm(
+        total=sum(math.prod(shape) for _, shape, _ in specs),
+        desc="random weights",
+        unit="param",
+        unit_scale=True,
+        disable=not progress,
+    ) as bar:
+        for name, shape, kind in specs:
+            weight = torch.randn(shape, generator=generator)
+            if kind == "embed":
+                weight *= embed_std
+            elif kind == "linear":
+                weight *= 1.0 / math.sqrt(shape[1])
+            elif kind == "attn_out":  # attention adds about as much as the embedding
+                weight *= embed_std / math.sqrt(shape[1])
+            elif kind == "mlp_out":
+                weight *= mlp_gain / math.sqrt(shape[1])
+            elif kind == "lm_head":
+                weight *= _LOGIT_STD / math.sqrt(hidden)
+            elif kind == "norm":
+                weight = 1.0 + _NORM_NOISE_STD * weight
+            else:  # bias
+                weight *= _BIAS_STD
+            tensors[name] = weight.to(dtype).contiguous()
+            bar.update(weight.numel())
+    return tensors
+
+
+def _tokenizer_config(tokenizer: Tokenizer, family: _Family, config: Mapping[str, Any]) -> dict:
+    added = {
+        str(token_id): {
+            "content": token.content,
+            "lstrip": False,
+            "normalized": False,
+            "rstrip": False,
+            "single_word": False,
+            "special": True,
+        }
+        for token_id, token in sorted(tokenizer.get_added_tokens_decoder().items())
+    }
+    return {
+        "added_tokens_decoder": added,
+        "bos_token": family.tokenizer_bos,
+        "clean_up_tokenization_spaces": False,
+        "eos_token": family.tokenizer_eos,
+        "model_max_length": config["max_position_embeddings"],
+        "pad_token": None,
+        "tokenizer_class": "PreTrainedTokenizerFast",
+    }
+
+
+def _generation_config(config: Mapping[str, Any]) -> dict[str, Any]:
+    family = _FAMILIES[config["model_type"]]
+    eos_ids = [family.special_tokens.index(token) for token in family.eos]
+    return {
+        "bos_token_id": config["bos_token_id"],
+        "eos_token_id": eos_ids if len(eos_ids) > 1 else eos_ids[0],
+    }
+
+
+def _write_json(path: Path, data: Mapping[str, Any]) -> None:
+    path.write_text(json.dumps(data, indent=2, sort_keys=True, ensure_ascii=False) + "\n")

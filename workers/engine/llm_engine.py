@@ -1,0 +1,398 @@
+"""The engine loop every worker runs: schedule -> execute -> sample -> update.
+
+Single-threaded and synchronous: callers add and abort requests between steps and read
+each step's ``StreamDelta``s. Prefill and decode workers run this same loop; their
+requests differ only at the ends (see ``add_request``):
+
+- prefill role (``prefill_only``): after the first token the request leaves the
+  scheduler, its blocks *held* with the prompt's KV; the worker calls
+  ``release_held`` once the decode worker has pulled them.
+- decode role (``remote_first_token``): the request is admitted into RECEIVING with
+  fresh blocks for its prompt; the worker takes them from ``take_kv_receives``,
+  transfers the KV into them and calls ``kv_received``; then it decodes.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import Callable, Sequence
+
+from workers.engine.batches import BatchesInFlight
+from workers.engine.block_manager import BlockManager
+from workers.engine.cache_sizing import resolve_max_model_len, resolve_num_blocks
+from workers.engine.config import EngineConfig
+from workers.engine.cpu_memory import keep_freed_memory_mapped
+from workers.engine.kv_cache import allocate_kv_cache
+from workers.engine.model_runner import ModelRunner
+from workers.engine.outputs import StreamDelta
+from workers.engine.request import Request, check_stop
+from workers.engine.sampler import Sampler, SamplerOutput, SamplingRow, make_generator
+from workers.engine.scheduler import ScheduledChunk, Scheduler
+from workers.engine.step_inputs import StepInputs
+from workers.engine.step_times import StepTimes
+from workers.models.loader import load_model
+from workers.models.parallel import ParallelContext
+from workers.protocol.logprobs import TokenLogprobs
+from workers.protocol.sampling_params import SamplingParams
+from workers.text.detokenizer import IncrementalDetokenizer
+from workers.text.tokenizer import Tokenizer, encode_prompt
+
+
+class LLMEngine:
+    def __init__(
+        self,
+        config: EngineConfig,
+        tokenizer: Tokenizer | None = None,
+        parallel: ParallelContext | None = None,
+        *,
+        before_forward: Callable[[StepInputs], None] | None = None,
+        agree_num_blocks: Callable[[int], int] | None = None,
+        batches_in_flight: int | None = None,
+    ):
+        """``parallel``: one rank of a replica (a TP rank of a pipeline stage, caching its
+        layers' KV only). Rank 0 (the last stage: it samples) sends each step's inputs
+        with ``before_forward`` to the others, which run ``runner.run``
+        (``workers/replica_*.py``); ``agree_num_blocks`` agrees the KV-cache size.
+        ``batches_in_flight``: at most this many batches in the pipeline at once
+        (default: one per pipeline stage; 1 runs the stages one batch at a time)."""
+        self.config = config
+        self.parallel = parallel or ParallelContext()
+        self.device = config.resolve_device()
+        self.dtype = config.resolve_dtype(self.device)
+        if self.device.type == "cpu":
+            keep_freed_memory_mapped()
+        self.model, self.arch = load_model(
+            config.model, dtype=self.dtype, device=self.device, parallel=self.parallel
+        )
+        self.tokenizer = tokenizer if tokenizer is not None else Tokenizer.from_dir(config.model)
+        self.max_model_len = resolve_max_model_len(config, self.arch)
+        self.vocab_size = self.arch.vocab_size
+        self.num_kv_heads, _ = self.parallel.kv_heads(self.arch.num_key_value_heads)
+        self.layer_range = self.parallel.layer_range(self.arch.num_hidden_layers)
+        num_layers = self.layer_range[1] - self.layer_range[0]
+        num_blocks = resolve_num_blocks(
+            config, self.arch, self.dtype, self.device, self.max_model_len, self.num_kv_heads,
+            num_layers,
+        )  # fmt: skip
+        if agree_num_blocks is not None:
+            num_blocks = agree_num_blocks(num_blocks)
+        self.kv_cache = allocate_kv_cache(
+            num_blocks,
+            num_layers,
+            self.num_kv_heads,
+            config.block_size,
+            self.arch.head_dim,
+            self.dtype,
+            self.device,
+        )
+        self.block_manager = BlockManager(
+            num_blocks, config.block_size, config.enable_prefix_caching
+        )
+        # One slot per pipeline stage: that many batches in flight keep every stage busy.
+        self.scheduler = Scheduler(
+            self.block_manager,
+            config.max_num_seqs,
+            config.max_num_batched_tokens,
+            num_slots=self.parallel.pp_size if batches_in_flight is None else batches_in_flight,
+        )
+        self._in_flight = BatchesInFlight()
+        self.runner = ModelRunner(
+            self.model, self.kv_cache, config.block_size, self.device, before_forward
+        )
+        self.sampler = Sampler(self.vocab_size, seed=config.seed)
+        # Empty when config.detokenize is False (the router detokenizes at the edge).
+        self._detokenizers: dict[str, IncrementalDetokenizer] = {}
+        # Prefill role: ids whose blocks keep the prompt's KV for a decode worker. Out of
+        # the scheduler; only release_held (or abort_request) frees their blocks.
+        self._held: set[str] = set()
+        self._pending: list[StreamDelta] = []  # finals of aborted requests, sent next step
+        self.step_times = StepTimes()
+
+    # ---- requests --------------------------------------------------------------------
+    def add_request(
+        self,
+        prompt: str | Sequence[int],
+        params: SamplingParams,
+        request_id: str | None = None,
+        *,
+        prefill_only: bool = False,
+        remote_first_token: int | None = None,
+    ) -> str:
+        """Validate and queue a request; returns its id. Raises ValueError naming the problem.
+
+        ``prefill_only`` (prefill worker): compute the prompt and sample the first token.
+        Unless that token ends the request (then it finishes as usual), its final delta has
+        ``finish_reason=None`` and ``held_block_ids``: blocks kept with the prompt's KV
+        until ``release_held``. The text released with the first token is in that delta;
+        text withheld (a possible stop-string start, an incomplete character) is not
+        flushed: the decode side emits it.
+
+        ``remote_first_token`` (decode worker): the first output token, sampled by the
+        prefill worker; the prompt's KV arrives via ``take_kv_receives``/``kv_received``.
+        The token is not emitted again; the seeded stream continues after it. Raises
+        ValueError if that token already ends the request (the prefill worker finishes
+        such requests itself).
+        """
+        request_id = request_id or uuid.uuid4().hex
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"params must be SamplingParams, got {type(params).__name__}")
+        if prefill_only and remote_first_token is not None:
+            raise ValueError("prefill_only and remote_first_token exclude each other")
+        if request_id in self._held:
+            raise ValueError(f"request_id {request_id!r} is already in use (held)")
+        params.validate_for_model(self.vocab_size)
+        token_ids = encode_prompt(self.tokenizer, prompt, self.vocab_size)
+        room = self.max_model_len - len(token_ids)
+        if room < 1:
+            raise ValueError(
+                f"prompt: {len(token_ids)} tokens leave no room to generate within "
+                f"max_model_len={self.max_model_len}"
+            )
+        max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
+        req = Request(
+            request_id=request_id,
+            prompt_token_ids=token_ids,
+            params=params,
+            max_tokens=max_tokens,
+            eos_token_ids=frozenset() if params.ignore_eos else self.tokenizer.eos_token_ids,
+            generator=make_generator(
+                params, self.device, num_sampled_steps=int(remote_first_token is not None)
+            ),
+            is_prefill_only=prefill_only,
+        )
+        detok = None
+        if self.config.detokenize:
+            detok = IncrementalDetokenizer(
+                self.tokenizer, token_ids, params.stop, params.skip_special_tokens
+            )
+        if remote_first_token is not None:
+            self._add_remote_first_token(req, remote_first_token, detok)
+        self.scheduler.add(req)
+        if detok is not None:
+            self._detokenizers[request_id] = detok
+        return request_id
+
+    def _add_remote_first_token(
+        self, req: Request, token_id: int, detok: IncrementalDetokenizer | None
+    ) -> None:
+        if isinstance(token_id, bool) or not isinstance(token_id, int):
+            raise ValueError(f"remote_first_token must be an int, got {token_id!r}")
+        if not 0 <= token_id < self.vocab_size:
+            raise ValueError(
+                f"remote_first_token {token_id} out of vocabulary [0, {self.vocab_size})"
+            )
+        req.append_token(token_id)
+        stop_matched = None
+        if detok is not None:
+            # Its text was the prefill side's to emit; the detokenizer only needs the
+            # state after it (a stop string or a character may continue past it).
+            may_stop = req.num_output_tokens >= req.params.min_tokens
+            stop_matched = detok.step([token_id], check_stop=may_stop).stop_matched
+        reason, _ = check_stop(req, token_id, stop_matched, self.max_model_len)
+        if reason is not None:
+            raise ValueError(
+                f"remote_first_token {token_id} already ends the request ({reason.value}); "
+                "the prefill worker finishes such a request itself"
+            )
+        req.is_remote_prefill = True
+
+    def abort_request(self, request_ids: str | Sequence[str]) -> None:
+        """Abort at any moment between steps; the final delta comes with the next ``step``.
+
+        A held id (prefill role) is released, with no delta: its stream already ended. A
+        RECEIVING request (decode role) keeps its blocks until ``kv_received``, since the
+        transfer may still be writing into them; its final delta comes after that.
+        """
+        ids = [request_ids] if isinstance(request_ids, str) else list(request_ids)
+        not_held = [request_id for request_id in ids if not self.release_held(request_id)]
+        for req in self.scheduler.abort(not_held):
+            self._pending.append(self._final_delta(req, (), "", None))
+
+    def has_unfinished_requests(self) -> bool:
+        """True while anything is waiting, running or RECEIVING, or a final is unsent.
+        Held requests do not count: they need no more steps."""
+        return self.scheduler.num_unfinished > 0 or bool(self._pending or self._in_flight)
+
+    # ---- KV hand-off -----------------------------------------------------------------
+    def release_held(self, request_id: str) -> bool:
+        """Prefill role: free a held request's blocks, once the decode worker has pulled
+        its KV or will not (failed, aborted). False for an unknown or released id."""
+        if request_id not in self._held:
+            return False
+        self._held.remove(request_id)
+        # Full prompt blocks stay in the prefix cache (hashed) for later requests.
+        self.block_manager.free(request_id)
+        return True
+
+    @property
+    def num_held(self) -> int:
+        return len(self._held)
+
+    def is_held(self, request_id: str) -> bool:
+        """Prefill role: the request's KV blocks are held for a decode worker."""
+        return request_id in self._held
+
+    def take_kv_receives(self) -> list[tuple[str, tuple[int, ...]]]:
+        """Decode role: (request_id, block_ids) of the requests admitted into RECEIVING
+        since the last call (by ``step``; also in a step that computed nothing). The
+        worker transfers each prompt's KV into exactly those blocks, in order, and then
+        calls ``kv_received`` for it."""
+        return self.scheduler.take_receives()
+
+    def kv_received(self, request_id: str, ok: bool) -> None:
+        """Decode role: the transfer into a RECEIVING request's blocks has ended.
+
+        ``ok``: the next step decodes from the received KV; else the prompt is recomputed
+        here. One aborted while receiving is finished now (blocks freed); its final delta
+        comes with the next ``step``. ValueError for a request not RECEIVING."""
+        req = self.scheduler.finish_receiving(request_id, ok)
+        if req.is_finished:
+            self._pending.append(self._final_delta(req, (), "", None))
+
+    @property
+    def num_receiving(self) -> int:
+        return len(self.scheduler.receiving)
+
+    # ---- the step --------------------------------------------------------------------
+    @property
+    def num_in_flight(self) -> int:
+        """Batches sent down the pipeline and not yet sampled (0 without stages)."""
+        return len(self._in_flight)
+
+    def step(self) -> list[StreamDelta]:
+        """One engine step: fill the free slots with batches, then sample the oldest.
+
+        Without pipeline stages that is one batch, scheduled and sampled here. If the
+        model or sampler raises, no request of a batch in flight advances (their blocks
+        stay allocated for a retry) and the finals of aborted requests are kept."""
+        self._in_flight.launch(self.scheduler, self.runner)
+        if not self._in_flight:
+            deltas, self._pending = self._pending, []
+            return deltas
+        deltas = self._complete()
+        deltas, self._pending = self._pending + deltas, []
+        return deltas
+
+    def drain(self) -> None:
+        """Sample every batch in flight; their deltas come with the next ``step``.
+        (Rank 0 does this before it waits for the other ranks: ``ReplicaKV``.)"""
+        while self._in_flight:
+            self._pending.extend(self._complete())
+
+    def _complete(self) -> list[StreamDelta]:
+        """Run rank 0's part of the oldest batch in flight (all of it without stages),
+        sample, update. If the model or sampler raises, no request of any batch in flight
+        advances (their blocks stay allocated for a retry)."""
+        batch = self._in_flight.popleft()
+        t0 = time.perf_counter()
+        try:
+            logits = self.runner.run(batch.inputs)
+            if logits is None:
+                raise RuntimeError("the rank that schedules must run the last pipeline stage")
+            t1 = time.perf_counter()
+            live, logits = batch.live(self.scheduler.requests, logits)
+            sampled = self.sampler(logits, [SamplingRow.of(r) for c, r in live if c.needs_sample])
+        except BaseException:
+            self._in_flight.cancel(batch, self.scheduler)
+            raise
+        t2 = time.perf_counter()
+        deltas = self._update(live, sampled)
+        stages = (batch.schedule_s, batch.prepare_s, batch.prepare_s + t1 - t0, t2 - t1)
+        stages += (time.perf_counter() - t2,)
+        self.step_times.add(len(batch.sched.chunks), batch.sched.num_batched_tokens, stages)
+        return deltas
+
+    def _update(
+        self, live: list[tuple[ScheduledChunk, Request]], sampled: SamplerOutput
+    ) -> list[StreamDelta]:
+        deltas = []
+        row = 0
+        for chunk, _ in live:
+            req = self.scheduler.update_computed(chunk)
+            if not chunk.needs_sample:
+                continue
+            token_id = sampled.token_ids[row]
+            logprobs = sampled.logprobs[row]
+            row += 1
+            req.append_token(token_id)
+            deltas.append(self._after_token(req, token_id, logprobs))
+        return deltas
+
+    def _after_token(
+        self, req: Request, token_id: int, logprobs: TokenLogprobs | None
+    ) -> StreamDelta:
+        """Detokenize and apply the stop conditions to a request's new token."""
+        text, stop_matched = "", None
+        detok = self._detokenizers.get(req.request_id)
+        if detok is not None:
+            may_stop = req.num_output_tokens >= req.params.min_tokens
+            step = detok.step([token_id], check_stop=may_stop)
+            text, stop_matched = step.text, step.stop_matched
+        reason, stop_reason = check_stop(req, token_id, stop_matched, self.max_model_len)
+        new_logprobs = (logprobs,) if logprobs is not None else None
+        if reason is None and req.is_prefill_only:
+            return self._hold(req, token_id, text, new_logprobs)
+        if reason is None:
+            return StreamDelta(
+                req.request_id,
+                (token_id,),
+                text,
+                new_logprobs,
+                finished=False,
+                num_prompt_tokens=req.num_prompt_tokens,
+                num_cached_tokens=req.num_cached_tokens,
+            )
+        req.stop_reason = stop_reason
+        self.scheduler.finish(req, reason)
+        return self._final_delta(req, (token_id,), text, new_logprobs)
+
+    def _hold(
+        self,
+        req: Request,
+        token_id: int,
+        text: str,
+        logprobs: tuple[TokenLogprobs, ...] | None,
+    ) -> StreamDelta:
+        """Prefill role: end the stream here but keep the blocks with the prompt's KV.
+
+        The worker must call ``release_held`` (or ``abort_request``) for every held id,
+        or its blocks stay in use for good.
+        """
+        self.scheduler.hold(req)
+        self._held.add(req.request_id)
+        # Not flushed: held-back text is emitted by the decode side, which continues the
+        # same detokenizer state.
+        self._detokenizers.pop(req.request_id, None)
+        return StreamDelta(
+            req.request_id,
+            (token_id,),
+            text,
+            logprobs,
+            finished=True,
+            num_prompt_tokens=req.num_prompt_tokens,
+            num_cached_tokens=req.num_cached_tokens,
+            held_block_ids=tuple(self.block_manager.block_table(req.request_id)),
+        )
+
+    def _final_delta(
+        self,
+        req: Request,
+        token_ids: tuple[int, ...],
+        text: str,
+        logprobs: tuple[TokenLogprobs, ...] | None,
+    ) -> StreamDelta:
+        detok = self._detokenizers.pop(req.request_id, None)
+        if detok is not None and (req.stop_reason is None or isinstance(req.stop_reason, int)):
+            text += detok.flush()  # held back for a stop string that never came
+        return StreamDelta(
+            req.request_id,
+            token_ids,
+            text,
+            logprobs,
+            finished=True,
+            finish_reason=req.finish_reason,
+            stop_reason=req.stop_reason,
+            num_prompt_tokens=req.num_prompt_tokens,
+            num_cached_tokens=req.num_cached_tokens,
+        )

@@ -1,0 +1,141 @@
+"""Turns a scheduled step into one flat, unpadded forward pass and returns logits.
+
+Input preparation: the step's chunks (decodes first) become one run of token ids
+with their positions, the KV slot of every new token (``slot_mapping``), padded
+block tables, context lengths and ``cu_seqlens_q`` (a :class:`StepInputs`). Logits are
+computed only for the last token of chunks that sample (a prefill chunk that does not
+reach the end of its prompt produces none). No policy decisions here.
+
+In a replica of several ranks, rank 0 hands each step's inputs to ``before_forward``
+(which sends them to the other ranks) and every rank then runs ``run`` on the same
+inputs: the collectives inside the model pair up, and so do the sends and receives
+between pipeline stages. Only the last stage (rank 0's) returns logits.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+
+import numpy as np
+import torch
+
+from kernels.attention_metadata import AttentionMetadata
+from workers.engine.kv_cache import copy_blocks
+from workers.engine.request import Request
+from workers.engine.scheduler import SchedulerOutput
+from workers.engine.step_inputs import StepInputs
+from workers.models.base import CausalLM
+
+
+class ModelRunner:
+    def __init__(
+        self,
+        model: CausalLM,
+        kv_cache: torch.Tensor,
+        block_size: int,
+        device: torch.device,
+        before_forward: Callable[[StepInputs], None] | None = None,
+    ):
+        self.model = model
+        self.kv_cache = kv_cache
+        self.block_size = block_size
+        self.device = device
+        self.before_forward = before_forward
+
+    def prepare_inputs(self, sched: SchedulerOutput, requests: Mapping[str, Request]) -> StepInputs:
+        """The step's flat batch as host arrays."""
+        bs = self.block_size
+        chunks = sched.chunks
+        num_seqs = len(chunks)
+        num_tokens = sched.num_batched_tokens
+        input_ids = np.empty(num_tokens, dtype=np.int64)
+        positions = np.empty(num_tokens, dtype=np.int64)
+        slot_mapping = np.empty(num_tokens, dtype=np.int64)
+        max_blocks = max(len(c.block_ids) for c in chunks)
+        block_tables = np.zeros((num_seqs, max_blocks), dtype=np.int32)
+        seq_lens: list[int] = []
+        query_start_loc = [0]
+        sample_indices: list[int] = []
+        num_decodes = 0
+        offset = 0
+        for i, chunk in enumerate(chunks):
+            start, n = chunk.start_pos, chunk.num_tokens
+            end = start + n
+            req = requests[chunk.request_id]
+            table = np.asarray(chunk.block_ids, dtype=np.int64)
+            block_tables[i, : len(table)] = table
+            if n == 1:
+                num_decodes += 1
+                input_ids[offset] = req.token_ids[start]
+                positions[offset] = start
+                slot_mapping[offset] = table[start // bs] * bs + start % bs
+            else:
+                pos = np.arange(start, end, dtype=np.int64)
+                input_ids[offset : offset + n] = req.token_ids[start:end]
+                positions[offset : offset + n] = pos
+                slot_mapping[offset : offset + n] = table[pos // bs] * bs + pos % bs
+            offset += n
+            seq_lens.append(end)
+            query_start_loc.append(offset)
+            if chunk.needs_sample:
+                sample_indices.append(offset - 1)
+        return StepInputs(
+            input_ids=input_ids,
+            positions=positions,
+            slot_mapping=slot_mapping,
+            block_tables=block_tables,
+            seq_lens=tuple(seq_lens),
+            query_start_loc=tuple(query_start_loc),
+            num_decodes=num_decodes,
+            sample_indices=tuple(sample_indices),
+            block_copies=tuple(sched.block_copies),
+        )
+
+    def to_device(
+        self, inputs: StepInputs
+    ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor]:
+        """(input_ids, positions, metadata, sample_indices) as tensors on the device."""
+
+        def to_dev(array: np.ndarray | tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+            tensor = torch.as_tensor(array, dtype=dtype)
+            return (
+                tensor.to(self.device, non_blocking=True) if self.device.type != "cpu" else tensor
+            )
+
+        query_lens = inputs.query_lens
+        metadata = AttentionMetadata(
+            slot_mapping=to_dev(inputs.slot_mapping, torch.int64),
+            block_tables=to_dev(inputs.block_tables, torch.int32),
+            seq_lens=to_dev(inputs.seq_lens, torch.int32),
+            query_start_loc=to_dev(inputs.query_start_loc, torch.int32),
+            num_decodes=inputs.num_decodes,
+            max_query_len=max(query_lens),
+            max_seq_len=max(inputs.seq_lens),
+            seq_lens_cpu=inputs.seq_lens,
+            query_lens_cpu=query_lens,
+        )
+        return (
+            to_dev(inputs.input_ids, torch.int64),
+            to_dev(inputs.positions, torch.int64),
+            metadata,
+            to_dev(inputs.sample_indices, torch.int64),
+        )
+
+    def launch(self, sched: SchedulerOutput, requests: Mapping[str, Request]) -> StepInputs:
+        """Prepare the step's inputs and send them to the other ranks (``before_forward``);
+        ``run`` computes them, now or, with pipeline stages, once earlier batches are done."""
+        inputs = self.prepare_inputs(sched, requests)
+        if self.before_forward is not None:
+            self.before_forward(inputs)
+        return inputs
+
+    @torch.inference_mode()
+    def run(self, inputs: StepInputs) -> torch.Tensor | None:
+        """The forward pass of prepared inputs (every rank of a replica runs this); None on
+        a pipeline stage before the last, whose activations went to the next stage."""
+        copy_blocks(self.kv_cache, inputs.block_copies)
+        input_ids, positions, metadata, sample_indices = self.to_device(inputs)
+        hidden = self.model.forward(input_ids, positions, self.kv_cache, metadata)
+        if hidden is None:
+            return None
+        return self.model.compute_logits(hidden[sample_indices])

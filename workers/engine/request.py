@@ -1,0 +1,118 @@
+"""A request as the engine tracks it: tokens so far and how many are computed."""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from workers.protocol.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    # Decode role: blocks allocated for the prompt, its KV on the way from a prefill worker.
+    RECEIVING = "receiving"
+    FINISHED = "finished"
+
+
+class FinishReason(str, enum.Enum):
+    STOP = "stop"  # EOS, a stop token id or a stop string
+    LENGTH = "length"  # max_tokens or max_model_len
+    ABORT = "abort"  # aborted by the caller (or failed)
+
+
+@dataclass(eq=False)
+class Request:
+    """Mutable engine-side state of one request; owned by the scheduler.
+
+    ``token_ids`` is prompt + output. Prefix-cache hits, prefill chunks and KV
+    received from another worker all just advance ``num_computed_tokens``.
+    """
+
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    max_tokens: int  # resolved: params.max_tokens capped by max_model_len
+    eos_token_ids: frozenset[int]
+    generator: torch.Generator | None = None
+    token_ids: list[int] = field(init=False)
+    num_computed_tokens: int = 0
+    # In batches still in the pipeline (scheduled, not yet computed): a prompt's next
+    # chunk may be scheduled while the previous one is in flight (workers/engine/scheduler.py).
+    num_in_flight_tokens: int = 0
+    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache on first admission
+    num_preemptions: int = 0
+    status: RequestStatus = RequestStatus.WAITING
+    finish_reason: FinishReason | None = None
+    stop_reason: str | int | None = None  # the stop string or stop token that ended it
+    arrival_time: float = field(default_factory=time.monotonic)  # added to the engine
+    first_scheduled_time: float | None = None
+    # Prefill role: once the prompt is computed and the first token sampled, the request
+    # leaves the scheduler with its blocks kept (held) for a decode worker to pull.
+    is_prefill_only: bool = False
+    # Decode role: the prompt's KV comes from a prefill worker instead of being computed.
+    # Cleared once the KV arrived (or failed and gets recomputed), so a later preemption
+    # recomputes everything locally like any request.
+    is_remote_prefill: bool = False
+    # Aborted while RECEIVING: its blocks stay until the transfer into them has ended.
+    is_abort_requested: bool = False
+    # The scheduler slot whose batches carry it (pipeline stages; 0 without); a prompt's
+    # chunks may also ride in other slots' batches.
+    slot: int = 0
+
+    def __post_init__(self) -> None:
+        self.token_ids = list(self.prompt_token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_scheduled_tokens(self) -> int:
+        """Computed or on their way through the pipeline."""
+        return self.num_computed_tokens + self.num_in_flight_tokens
+
+    @property
+    def num_unscheduled_tokens(self) -> int:
+        return len(self.token_ids) - self.num_scheduled_tokens
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens :]
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is RequestStatus.FINISHED
+
+    def append_token(self, token_id: int) -> None:
+        self.token_ids.append(token_id)
+
+
+def check_stop(
+    req: Request, token_id: int, stop_matched: str | None, max_model_len: int
+) -> tuple[FinishReason | None, str | int | None]:
+    """(finish reason, stop reason) after ``token_id`` was appended; (None, None) = go on."""
+    # EOS, stop ids and stop strings apply once min_tokens are out (stop_matched is
+    # None before that, and always when the router matches stop strings itself).
+    if req.num_output_tokens >= req.params.min_tokens:
+        if token_id in req.eos_token_ids:
+            return FinishReason.STOP, None
+        if token_id in req.params.stop_token_ids:
+            return FinishReason.STOP, token_id
+        if stop_matched is not None:
+            return FinishReason.STOP, stop_matched
+    if req.num_output_tokens >= req.max_tokens or req.num_tokens >= max_model_len:
+        return FinishReason.LENGTH, None
+    return None, None

@@ -1,0 +1,341 @@
+"""Continuous batching with a token budget: decodes and prefill chunks in one step.
+
+The scheduler decides which requests run this step and how many of their tokens
+(``num_tokens - num_computed_tokens``, capped by the budget) — it never touches
+tensors. Running requests go first, in arrival order; when blocks run out the
+most recently admitted running request is preempted (its blocks freed, its
+tokens recomputed later, usually mostly from the prefix cache). Waiting requests
+are admitted FCFS only in a step without preemption, so a request admitted this
+step is never preempted in the same step.
+
+Disaggregated roles differ only at the two ends of a request's life:
+
+- prefill: ``hold`` takes a request whose prompt is computed out of scheduling with its
+  blocks still allocated; the engine frees them once the decode worker has pulled them.
+- decode: a request whose prompt was prefilled elsewhere (``is_remote_prefill``) is
+  admitted like any other, but gets blocks for its prompt only and waits in RECEIVING
+  (counted against ``max_num_seqs``, never scheduled, never preempted) until
+  ``finish_receiving`` says the KV arrived; then it decodes like any running request.
+
+**Slots** (pipeline stages): with ``num_slots > 1`` every request belongs to one slot,
+chosen when it is added (the slot with the fewest unfinished requests), and
+``schedule(slot)`` considers that slot's requests: its running ones, and its waiting
+ones FCFS. The engine keeps one batch per slot in flight. ``max_num_seqs`` counts all
+slots together.
+
+**A prompt's chunks overlap in the pipeline**: a request whose prompt still has
+unscheduled tokens while one of its chunks is in flight is also drawn by the other
+slots (after their own running requests), so a long prompt's next chunk enters the
+first stage while the previous one is still in the later stages: its prefill takes
+``C + P - 1`` stage times instead of ``C * P`` for ``C`` chunks on ``P`` stages. That
+is sound because every stage runs batches in the order they were sent: a chunk's
+attention at a stage reads the earlier chunks' KV, which that stage has written by
+then. A chunk that samples ends this: the request's next token is not known until that
+batch comes back (``num_unscheduled_tokens`` is 0 meanwhile). Tokens in flight count in
+``num_scheduled_tokens``, not ``num_computed_tokens``, until their batch comes back
+(``update_computed``), and a request with tokens in flight is never preempted (the
+pipeline is still writing its KV).
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+
+from workers.engine.block_manager import BlockManager
+from workers.engine.request import FinishReason, Request, RequestStatus
+
+
+@dataclass(frozen=True)
+class ScheduledChunk:
+    """Tokens of one request computed this step."""
+
+    request_id: str
+    start_pos: int  # num_computed_tokens before the step
+    num_tokens: int  # query length this step
+    block_ids: tuple[int, ...]  # the request's block table
+    needs_sample: bool  # the chunk reaches the request's last known token: sample the next
+
+
+@dataclass(frozen=True)
+class SchedulerOutput:
+    chunks: tuple[ScheduledChunk, ...]  # decodes (one token) first, then longer chunks
+    block_copies: tuple[tuple[int, int], ...]  # (src, dst) copy-on-write pairs, before the step
+    preempted_ids: tuple[str, ...]
+
+    @property
+    def num_batched_tokens(self) -> int:
+        return sum(c.num_tokens for c in self.chunks)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.chunks
+
+
+class Scheduler:
+    def __init__(
+        self,
+        block_manager: BlockManager,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        num_slots: int = 1,
+    ):
+        if num_slots < 1:
+            raise ValueError(f"num_slots must be >= 1, got {num_slots}")
+        self.num_slots = num_slots
+        self.block_manager = block_manager
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.requests: dict[str, Request] = {}
+        self.receiving: dict[str, Request] = {}
+        # Admitted into RECEIVING since the last take_receives: (request_id, block_ids).
+        self._new_receives: list[tuple[str, tuple[int, ...]]] = []
+        self.num_preemptions = 0
+        # Told of each request's first scheduling (its queue time and prefix-cache hit are
+        # known then); the worker's metrics listen (workers/serving/service.py).
+        self.on_first_scheduled: Callable[[Request], None] | None = None
+
+    # ---- requests in and out -----------------------------------------------------
+    def add(self, req: Request) -> None:
+        if req.request_id in self.requests:
+            raise ValueError(f"request_id {req.request_id!r} is already in use")
+        if self.num_slots > 1:
+            load = [0] * self.num_slots
+            for other in self.requests.values():
+                load[other.slot] += 1
+            req.slot = load.index(min(load))
+        self.requests[req.request_id] = req
+        self.waiting.append(req)
+
+    def finish(self, req: Request, reason: FinishReason) -> None:
+        """End a request for any reason; frees its blocks. Idempotent.
+
+        Not for a RECEIVING request: a transfer may be writing into its blocks (``abort``
+        only marks it; ``finish_receiving`` ends it).
+        """
+        if req.is_finished:
+            return
+        assert req.status is not RequestStatus.RECEIVING, "use finish_receiving"
+        req.status = RequestStatus.FINISHED
+        req.finish_reason = reason
+        if req in self.running:
+            self.running.remove(req)
+        elif req in self.waiting:
+            self.waiting.remove(req)
+        self.block_manager.free(req.request_id)
+        del self.requests[req.request_id]
+
+    def abort(self, request_ids: Iterable[str]) -> list[Request]:
+        """Abort requests at any moment between steps; returns those that ended now.
+
+        Unknown ids are ignored. A RECEIVING request is only marked: its blocks are the
+        target of a transfer that may still be writing, so they are freed (and the request
+        returned) by ``finish_receiving`` once the transfer has ended.
+        """
+        aborted = []
+        for request_id in request_ids:
+            req = self.requests.get(request_id)
+            if req is None:
+                continue
+            if req.status is RequestStatus.RECEIVING:
+                req.is_abort_requested = True
+                continue
+            self.finish(req, FinishReason.ABORT)
+            aborted.append(req)
+        return aborted
+
+    def hold(self, req: Request) -> None:
+        """Prefill role: take a running request out of scheduling but keep its blocks.
+
+        They hold the prompt's KV for a decode worker to pull; from here on the engine owns
+        them and frees them (``BlockManager.free``) when the pull is done or abandoned.
+        """
+        req.status = RequestStatus.FINISHED  # finish_reason stays None: it goes on elsewhere
+        self.running.remove(req)
+        del self.requests[req.request_id]
+
+    def take_receives(self) -> list[tuple[str, tuple[int, ...]]]:
+        """Decode role: (request_id, block_ids) of requests admitted into RECEIVING since
+        the last call; the worker starts a transfer into exactly these blocks for each."""
+        receives, self._new_receives = self._new_receives, []
+        return receives
+
+    def finish_receiving(self, request_id: str, ok: bool) -> Request:
+        """Decode role: the transfer into a RECEIVING request's blocks has ended.
+
+        ``ok``: the prompt's KV is in place; it counts as computed and its full blocks go
+        into the prefix cache. Not ``ok``: the blocks are kept and the prompt is recomputed
+        into them from position 0. Either way the request joins ``running``. If it was
+        aborted meanwhile, it is finished (ABORT) now, its blocks freed. Raises ValueError
+        for a request that is not RECEIVING.
+        """
+        req = self.receiving.pop(request_id, None)
+        if req is None:
+            raise ValueError(f"request {request_id!r} is not receiving KV")
+        req.is_remote_prefill = False
+        req.status = RequestStatus.RUNNING  # nothing writes into its blocks any more
+        if req.is_abort_requested:
+            self.finish(req, FinishReason.ABORT)
+            return req
+        if ok:
+            req.num_computed_tokens = req.num_prompt_tokens
+            self.block_manager.commit_computed(
+                request_id, req.prompt_token_ids, req.num_prompt_tokens
+            )
+        self.running.append(req)
+        return req
+
+    @property
+    def num_unfinished(self) -> int:
+        return len(self.requests)
+
+    # ---- the step ----------------------------------------------------------------
+    def schedule(self, slot: int = 0) -> SchedulerOutput:
+        """The next batch of ``slot``'s requests (all requests with one slot)."""
+        budget = self.max_num_batched_tokens
+        chunks: list[ScheduledChunk] = []
+        preempted: list[str] = []
+        bm = self.block_manager
+        candidates = self._running_of(slot)
+
+        index = 0
+        while index < len(candidates) and budget > 0:
+            req = candidates[index]
+            num_new = min(req.num_unscheduled_tokens, budget)
+            if not self._make_room(req, num_new, candidates, index, preempted):
+                break  # req (and so every candidate after it) waits for blocks
+            chunks.append(self._chunk(req, num_new))
+            budget -= num_new
+            index += 1
+        starved = index < len(candidates)
+
+        while (
+            not preempted
+            and not starved
+            and budget > 0
+            and len(self.running) + len(self.receiving) < self.max_num_seqs
+        ):
+            req = self._head_of_queue(slot)
+            if req is None:
+                break
+            if req.is_remote_prefill:
+                if not self._admit_receiving(req):
+                    break
+                continue
+            prefix = bm.find_prefix(req.token_ids)
+            num_cached = prefix.num_blocks * bm.block_size
+            num_new = min(req.num_tokens - num_cached, budget)
+            if not bm.allocate_slots(req.request_id, num_cached, num_new, prefix):
+                break  # FCFS: no one overtakes the head of the queue
+            self.waiting.remove(req)
+            if req.first_scheduled_time is None:
+                req.num_cached_tokens = num_cached
+                self._first_scheduled(req)
+            req.num_computed_tokens = num_cached
+            req.status = RequestStatus.RUNNING
+            self.running.append(req)
+            chunks.append(self._chunk(req, num_new))
+            budget -= num_new
+
+        chunks.sort(key=lambda c: c.num_tokens != 1)  # stable: decodes first
+        return SchedulerOutput(tuple(chunks), tuple(bm.take_copies()), tuple(preempted))
+
+    def _running_of(self, slot: int) -> list[Request]:
+        """The running requests ``slot`` may schedule, in order: its own, then other
+        slots' requests whose prompt has a chunk in flight and more to schedule."""
+        own = [r for r in self.running if r.slot == slot and r.num_unscheduled_tokens > 0]
+        lent = [
+            r
+            for r in self.running
+            if r.slot != slot and r.num_in_flight_tokens > 0 and r.num_unscheduled_tokens > 0
+        ]
+        return own + lent
+
+    def _make_room(
+        self,
+        req: Request,
+        num_new: int,
+        candidates: list[Request],
+        index: int,
+        preempted: list[str],
+    ) -> bool:
+        """Allocate ``req``'s blocks for ``num_new`` more tokens, preempting the newest
+        candidates after it (then ``req`` itself) while blocks run short. Requests with
+        tokens in flight are never preempted. False: ``req`` got no blocks."""
+        while not self.block_manager.allocate_slots(
+            req.request_id, req.num_scheduled_tokens, num_new
+        ):
+            victim = next(
+                (r for r in reversed(candidates[index:]) if r.num_in_flight_tokens == 0), None
+            )
+            if victim is None:
+                return False
+            candidates.remove(victim)
+            self.running.remove(victim)
+            self._preempt(victim)
+            preempted.append(victim.request_id)
+            if victim is req:
+                return False
+        return True
+
+    def _admit_receiving(self, req: Request) -> bool:
+        """Admit the head of the queue (remote prefill) into RECEIVING, if blocks allow.
+
+        Fresh blocks for the prompt only, no prefix-cache sharing: the transfer overwrites
+        every block it is given, and a shared block would be overwritten under its other
+        owners. The first output token's slot is allocated by its first decode step.
+        """
+        if not self.block_manager.allocate_slots(req.request_id, 0, req.num_prompt_tokens):
+            return False
+        self.waiting.remove(req)
+        if req.first_scheduled_time is None:
+            self._first_scheduled(req)
+        req.num_computed_tokens = 0
+        req.status = RequestStatus.RECEIVING
+        self.receiving[req.request_id] = req
+        block_ids = tuple(self.block_manager.block_table(req.request_id))
+        self._new_receives.append((req.request_id, block_ids))
+        return True
+
+    def _head_of_queue(self, slot: int) -> Request | None:
+        """The first waiting request of ``slot`` (FCFS within the slot)."""
+        if self.num_slots == 1:
+            return self.waiting[0] if self.waiting else None
+        return next((r for r in self.waiting if r.slot == slot), None)
+
+    def _first_scheduled(self, req: Request) -> None:
+        req.first_scheduled_time = time.monotonic()
+        if self.on_first_scheduled is not None:
+            self.on_first_scheduled(req)
+
+    def _chunk(self, req: Request, num_new: int) -> ScheduledChunk:
+        start = req.num_scheduled_tokens
+        req.num_in_flight_tokens += num_new
+        return ScheduledChunk(
+            request_id=req.request_id,
+            start_pos=start,
+            num_tokens=num_new,
+            block_ids=tuple(self.block_manager.block_table(req.request_id)),
+            needs_sample=start + num_new == req.num_tokens,
+        )
+
+    def _preempt(self, req: Request) -> None:
+        """Recompute-style preemption: drop the KV, keep the tokens, requeue at the front."""
+        self.block_manager.free(req.request_id)
+        req.num_computed_tokens = 0
+        req.num_preemptions += 1
+        req.status = RequestStatus.WAITING
+        self.waiting.appendleft(req)
+        self.num_preemptions += 1
+
+    def update_computed(self, chunk: ScheduledChunk) -> Request:
+        """After the step ran: advance the request and publish its newly full blocks."""
+        req = self.requests[chunk.request_id]
+        req.num_in_flight_tokens -= chunk.num_tokens
+        req.num_computed_tokens += chunk.num_tokens
+        self.block_manager.commit_computed(req.request_id, req.token_ids, req.num_computed_tokens)
+        return req

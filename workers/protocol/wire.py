@@ -1,0 +1,183 @@
+"""Typed messages between the router and a worker, and their msgpack encoding (never pickle).
+
+- :class:`WorkItem` (router → worker): one request for one role. ``mode`` says what the
+  worker does with it: ``full`` (prefill and decode here), ``prefill`` (compute the prompt,
+  sample the first token, hold the KV under a lease and answer with a handle) or
+  ``decode`` (receive the KV through the handles, then continue from the first token).
+- :class:`TokenEvent` (worker → router): new tokens of one request, batched per engine
+  step in an :class:`OutputBatch` together with the worker's :class:`WorkerReport`, and
+  pushed over the worker's event channel (``workers/serving/channel.py``), not one call per token.
+
+Every message encodes as ``[kind, version, fields...]``; decoding checks the kind, the
+version and the field count, so a foreign or stale message raises ``ValueError``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any, ClassVar, TypeVar
+
+import msgpack
+
+from workers.protocol.logprobs import TokenLogprobs
+from workers.protocol.sampling_params import SamplingParams
+
+WIRE_VERSION = 2
+MODES = ("full", "prefill", "decode")
+T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class WorkItem:
+    request_id: str
+    prompt_token_ids: tuple[int, ...]
+    params: SamplingParams
+    mode: str  # one of MODES
+    kv_handles: tuple[bytes, ...] = ()  # decode: msgpack KVHandle per prefill rank
+    first_token_id: int | None = None  # decode: the token the prefill worker sampled
+    kind: ClassVar[str] = "work"
+
+    def __post_init__(self) -> None:
+        if self.mode not in MODES:
+            raise ValueError(f"mode must be one of {MODES}, got {self.mode!r}")
+        if self.mode == "decode" and (not self.kv_handles or self.first_token_id is None):
+            raise ValueError("decode work needs kv_handles and first_token_id")
+
+
+@dataclass(frozen=True)
+class TokenEvent:
+    """New output of one request since its previous event (possibly its end)."""
+
+    request_id: str
+    token_ids: tuple[int, ...]
+    finished: bool
+    finish_reason: str | None = None  # "stop" | "length" | "abort"; None while running
+    stop_token_id: int | None = None  # the stop token id that ended it (not EOS)
+    num_prompt_tokens: int = 0
+    num_cached_tokens: int = 0
+    logprobs: tuple[TokenLogprobs, ...] | None = None
+    kv_handles: tuple[bytes, ...] = ()  # prefill: the request's KV is held; one per rank
+    kv_transfer_seconds: float = 0.0  # decode: the hand-off of this request's KV
+    kv_transfer_bytes: int = 0
+    error: str = ""  # non-empty: the request failed on the worker (INTERNAL)
+    kind: ClassVar[str] = "event"
+
+
+@dataclass(frozen=True)
+class WorkerReport:
+    """A worker's state as the router's policy sees it."""
+
+    name: str
+    role: str  # prefill | decode
+    healthy: bool
+    num_running: int
+    num_waiting: int
+    kv_blocks_total: int
+    kv_blocks_used: int
+    kv_blocks_cached: int
+    num_held: int  # prefill: requests whose KV waits for a decode worker
+    hashes_version: int  # changes whenever the cached block hashes change
+    cached_hashes: tuple[int, ...] | None  # None: unchanged since the channel's last batch
+    error: str = ""  # the engine loop died of this: the worker is gone for good
+    kind: ClassVar[str] = "report"
+
+
+@dataclass(frozen=True)
+class WorkerInfo:
+    """What a worker resolved at start-up (the router checks the pools agree)."""
+
+    name: str
+    architecture: str
+    dtype: str
+    max_model_len: int
+    vocab_size: int
+    block_size: int
+    kv_blocks_total: int
+    device: str
+    kind: ClassVar[str] = "info"
+
+
+@dataclass(frozen=True)
+class OutputBatch:
+    events: tuple[TokenEvent, ...]
+    report: WorkerReport
+    kind: ClassVar[str] = "batch"
+
+
+# ---- encoding ---------------------------------------------------------------------------
+
+
+def _logprobs_out(lps: tuple[TokenLogprobs, ...] | None) -> list | None:
+    if lps is None:
+        return None
+    return [
+        [t.token_id, t.logprob, t.rank, list(t.top_token_ids), list(t.top_logprobs)] for t in lps
+    ]
+
+
+def _logprobs_in(raw: list | None) -> tuple[TokenLogprobs, ...] | None:
+    if raw is None:
+        return None
+    return tuple(
+        TokenLogprobs(int(a), float(b), int(c), tuple(d), tuple(e)) for a, b, c, d, e in raw
+    )
+
+
+def _fields(msg: Any) -> list:
+    out = []
+    for f in dataclasses.fields(msg):
+        value = getattr(msg, f.name)
+        if isinstance(value, SamplingParams):
+            value = dataclasses.asdict(value)
+        elif f.name == "logprobs":
+            value = _logprobs_out(value)
+        elif f.name == "events":
+            value = [_fields(e) for e in value]
+        elif f.name == "report":
+            value = _fields(value)
+        elif isinstance(value, tuple):
+            value = list(value)
+        out.append(value)
+    return out
+
+
+def encode(msg: WorkItem | TokenEvent | WorkerReport | WorkerInfo | OutputBatch) -> bytes:
+    return msgpack.packb([msg.kind, WIRE_VERSION, *_fields(msg)], use_bin_type=True)
+
+
+def _build(cls: type[T], values: list) -> T:
+    names = [f.name for f in dataclasses.fields(cls)]  # type: ignore[arg-type]
+    if len(values) != len(names):
+        raise ValueError(f"{cls.__name__}: expected {len(names)} fields, got {len(values)}")
+    kwargs: dict[str, Any] = {}
+    for name, value in zip(names, values, strict=True):
+        if name == "params":
+            value = SamplingParams(**value)
+        elif name == "logprobs":
+            value = _logprobs_in(value)
+        elif name == "events":
+            value = tuple(_build(TokenEvent, e) for e in value)
+        elif name == "report":
+            value = _build(WorkerReport, value)
+        elif isinstance(value, list):
+            value = tuple(value)
+        kwargs[name] = value
+    return cls(**kwargs)
+
+
+def decode_as(data: bytes, cls: type[T]) -> T:
+    """Decode ``data`` as message class ``cls``; ValueError when it is anything else."""
+    try:
+        raw = msgpack.unpackb(data, raw=False, strict_map_key=False)
+    except Exception as exc:  # msgpack raises several unrelated types
+        raise ValueError(f"malformed {cls.__name__}: {exc}") from None
+    kind: str = cls.kind  # type: ignore[attr-defined]
+    if not isinstance(raw, list) or len(raw) < 2 or raw[0] != kind:
+        raise ValueError(f"not a {cls.__name__} message")
+    if raw[1] != WIRE_VERSION:
+        raise ValueError(f"{cls.__name__}: wire version {raw[1]}, expected {WIRE_VERSION}")
+    try:
+        return _build(cls, raw[2:])
+    except TypeError as exc:
+        raise ValueError(f"malformed {cls.__name__}: {exc}") from None

@@ -1,1 +1,0 @@
-"""Helpers of the sampler (`workers/sampler.py`)."""

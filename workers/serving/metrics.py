@@ -1,0 +1,128 @@
+"""A worker's Prometheus metrics (docs/metrics.md): load, KV cache, queueing, KV hand-off.
+
+Recorded by rank 0 of a replica on its engine loop's thread (``workers/serving/service.py``);
+the node's exporter serves them (``workers/serving/metrics_node.py``). Every series carries
+``role`` (prefill | decode), ``model`` (the served name) and ``instance`` (the worker's
+name, e.g. ``decode-0``). Names follow Prometheus' conventions: a unit suffix, and
+``_total`` on counters.
+
+The families are module globals (prometheus-client registers a name once per process);
+a :class:`WorkerMetrics` binds their labels for one worker. Its values are created at
+construction, so a process records into its node directory only if ``record_into``
+ran before.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import Counter, Gauge, Histogram
+
+from workers.engine.request import Request
+from workers.protocol.wire import WorkerReport
+
+LABELS = ("role", "model", "instance")
+
+# Seconds: 1 ms to 40 s, about x2.5 apart (queueing and transfers span that range).
+_SECONDS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 40.0)
+# Bytes: 64 KiB to 4 GiB by x4 (one block of a tiny model to a 128k-token prompt).
+_BYTES = tuple(float(2**k) for k in range(16, 33, 2))
+
+RUNNING = Gauge(
+    "baton_num_requests_running",
+    "Requests being computed (or receiving their KV) on a worker",
+    LABELS,
+    multiprocess_mode="livesum",
+)
+WAITING = Gauge(
+    "baton_num_requests_waiting",
+    "Requests waiting for a worker's scheduler",
+    LABELS,
+    multiprocess_mode="livesum",
+)
+KV_USAGE = Gauge(
+    "baton_kv_cache_usage_ratio",
+    "Share of a worker's KV-cache blocks in use (0 to 1; cached free blocks excluded)",
+    LABELS,
+    multiprocess_mode="livesum",
+)
+QUEUE_TIME = Histogram(
+    "baton_request_queue_time_seconds",
+    "From a request's arrival on a worker to its first scheduling there",
+    LABELS,
+    buckets=_SECONDS,
+)
+PREFIX_QUERIED = Counter(
+    "baton_prefix_cache_queried_tokens",
+    "Prompt tokens looked up in the prefix cache (once per request, at first scheduling)",
+    LABELS,
+)
+PREFIX_HITS = Counter(
+    "baton_prefix_cache_hit_tokens",
+    "Prompt tokens served from the prefix cache instead of computed",
+    LABELS,
+)
+TRANSFER_TIME = Histogram(
+    "baton_kv_transfer_seconds",
+    "One request's KV hand-off on the decode worker, all ranks, until the last byte",
+    LABELS,
+    buckets=_SECONDS,
+)
+TRANSFER_BYTES = Histogram(
+    "baton_kv_transfer_bytes",
+    "KV bytes one request's hand-off moved (all ranks)",
+    LABELS,
+    buckets=_BYTES,
+)
+TRANSFER_FAILURES = Counter(
+    "baton_kv_transfer_failures",
+    "Failed KV hand-offs: stage=offer (prefill could not lease) or receive (decode)",
+    (*LABELS, "stage"),
+)
+LEASE_EXPIRIES = Counter(
+    "baton_kv_lease_expiries",
+    "Prefill KV leases that ended unread by their deadline (blocks freed then)",
+    LABELS,
+)
+
+
+class WorkerMetrics:
+    """One worker's series; call from its engine loop's thread (or any: values lock)."""
+
+    def __init__(self, role: str, model: str, instance: str):
+        labels = (role, model, instance)
+        self._running = RUNNING.labels(*labels)
+        self._waiting = WAITING.labels(*labels)
+        self._kv_usage = KV_USAGE.labels(*labels)
+        self._queue_time = QUEUE_TIME.labels(*labels)
+        self._queried = PREFIX_QUERIED.labels(*labels)
+        self._hits = PREFIX_HITS.labels(*labels)
+        self._transfer_time = TRANSFER_TIME.labels(*labels)
+        self._transfer_bytes = TRANSFER_BYTES.labels(*labels)
+        self._offer_failures = TRANSFER_FAILURES.labels(*labels, "offer")
+        self._receive_failures = TRANSFER_FAILURES.labels(*labels, "receive")
+        self._expiries = LEASE_EXPIRIES.labels(*labels)
+
+    def first_scheduled(self, req: Request) -> None:
+        """The scheduler's hook: ``req`` was scheduled for the first time. Its queue time,
+        and its prefix-cache lookup (none for a request whose KV comes from a prefill
+        worker: it never looks the cache up)."""
+        self._queue_time.observe(max(0.0, req.first_scheduled_time - req.arrival_time))
+        if not req.is_remote_prefill:
+            self._queried.inc(req.num_prompt_tokens)
+            self._hits.inc(req.num_cached_tokens)
+
+    def report(self, report: WorkerReport) -> None:
+        """The load a report carries (the router sees the same numbers)."""
+        self._running.set(report.num_running)
+        self._waiting.set(report.num_waiting)
+        total = report.kv_blocks_total
+        self._kv_usage.set(report.kv_blocks_used / total if total else 0.0)
+
+    def transferred(self, seconds: float, num_bytes: int) -> None:
+        self._transfer_time.observe(seconds)
+        self._transfer_bytes.observe(num_bytes)
+
+    def transfer_failed(self, stage: str) -> None:
+        (self._offer_failures if stage == "offer" else self._receive_failures).inc()
+
+    def lease_expired(self) -> None:
+        self._expiries.inc()

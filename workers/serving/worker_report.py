@@ -1,0 +1,66 @@
+"""What a worker tells the router about itself with every batch it pushes.
+
+The router's policies need each worker's load and its cached block hashes (``kv_aware``).
+Collecting the hashes walks the block manager, so it is done at most every
+``HASHES_EVERY_S``, and the set travels only when it changed since the last report sent:
+a hash set of thousands of blocks is not re-sent with every token.
+"""
+
+from __future__ import annotations
+
+import time
+
+from workers.engine.llm_engine import LLMEngine
+from workers.protocol.wire import WorkerReport
+
+HASHES_EVERY_S = 0.1
+
+
+class ReportBuilder:
+    """Builds a worker's reports; call from the engine loop's thread only."""
+
+    def __init__(self, engine: LLMEngine, name: str, role: str):
+        self.engine = engine
+        self.name = name
+        self.role = role
+        self._hashes: frozenset[int] = frozenset()
+        self._hashes_tuple: tuple[int, ...] = ()  # what reports carry; rebuilt on change only
+        self._version = 0
+        self._checked_at = -HASHES_EVERY_S
+        self._sent_version = -1  # the hashes version the last report carried
+
+    def refresh_hashes(self) -> None:
+        """Recompute the cached-hash set if ``HASHES_EVERY_S`` has passed (cheap otherwise)."""
+        now = time.monotonic()
+        if now - self._checked_at < HASHES_EVERY_S:
+            return
+        self._checked_at = now
+        hashes = frozenset(self.engine.block_manager.cached_block_hashes())
+        if hashes != self._hashes:
+            self._hashes = hashes
+            self._hashes_tuple = tuple(hashes)
+            self._version += 1
+
+    def resend_hashes(self) -> None:
+        """The next report carries the hashes whether or not they changed (a new receiver)."""
+        self._sent_version = -1
+
+    def next(self, healthy: bool, error: str = "") -> WorkerReport:
+        """The report to send now; it carries the hashes only if the last one did not."""
+        sched, bm = self.engine.scheduler, self.engine.block_manager
+        hashes = None if self._version == self._sent_version else self._hashes_tuple
+        self._sent_version = self._version
+        return WorkerReport(
+            name=self.name,
+            role=self.role,
+            healthy=healthy,
+            num_running=len(sched.running) + self.engine.num_receiving,
+            num_waiting=len(sched.waiting),
+            kv_blocks_total=bm.num_blocks,
+            kv_blocks_used=bm.num_used_blocks,
+            kv_blocks_cached=bm.num_cached_blocks,
+            num_held=self.engine.num_held,
+            hashes_version=self._version,
+            cached_hashes=hashes,
+            error=error,
+        )

@@ -1,0 +1,130 @@
+"""What a worker replica needs to start, and how each of its ranks builds its parts.
+
+:class:`WorkerSpec` is built by ``cluster/`` from the cluster config and sent to every
+rank's Ray actor as msgpack. :func:`build_engine` and :func:`connector_factory` are
+shared by rank 0 (``workers/serving/ray_worker.py``) and the other ranks
+(``workers/serving/ray_rank.py``), so that every rank's engine and KV connector agree.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import msgpack
+
+if TYPE_CHECKING:  # the driver imports this module without torch
+    from workers.engine.llm_engine import LLMEngine
+
+
+@dataclass(frozen=True)
+class WorkerSpec:
+    name: str
+    role: str  # prefill | decode
+    model: str  # Hugging Face directory
+    model_id: str  # served name: part of the KV layout fingerprint
+    dtype: str = "auto"
+    device: str = "auto"
+    max_model_len: int | None = None
+    block_size: int = 16
+    num_kv_blocks: int | None = None
+    kv_cache_memory_gib: float = 2.0
+    gpu_memory_fraction: float = 0.90
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    enable_prefix_caching: bool = True
+    kv_backend: str = "nixl"
+    kv_direction: str = "auto"
+    lease_seconds: float = 30.0
+    transfer_timeout_s: float = 10.0
+    on_failure: str = "recompute"
+    num_threads: int = 0  # torch intra-op threads on CPU; 0 = torch's default
+    tensor_parallel: int = 1  # tensor-parallel ranks of each pipeline stage
+    pipeline_parallel: int = 1  # pipeline stages of this replica
+    dst_tensor_parallel: int = 1  # prefill: the decode pool's TP size (how many read a rank)
+    dst_pipeline_parallel: int = 1  # prefill: the decode pool's stages (the same)
+    metrics_dir: str = (
+        ""  # this run's metrics root (workers/serving/metrics_node.py); "" = in memory
+    )
+
+    def to_bytes(self) -> bytes:
+        return msgpack.packb(dataclasses.asdict(self), use_bin_type=True)
+
+    @classmethod
+    def from_bytes(cls, data: bytes) -> WorkerSpec:
+        return cls(**msgpack.unpackb(data, raw=False))
+
+    @property
+    def num_ranks(self) -> int:
+        """Processes of this replica: every TP rank of every pipeline stage."""
+        return self.tensor_parallel * self.pipeline_parallel
+
+    def rank_name(self, rank: int) -> str:
+        """The KV agent's worker id of one rank (rank 0 keeps the replica's name)."""
+        return self.name if rank == 0 else f"{self.name}.rank{rank}"
+
+
+def build_engine(spec: WorkerSpec, parallel=None, before_forward=None, agree=None) -> LLMEngine:
+    """This rank's engine: its shard of the weights, its heads of a cache of agreed size."""
+    import torch
+
+    from workers.engine.config import EngineConfig
+    from workers.engine.llm_engine import LLMEngine
+
+    if spec.num_threads > 0:
+        torch.set_num_threads(spec.num_threads)
+    engine = LLMEngine(
+        EngineConfig(
+            model=spec.model,
+            dtype=spec.dtype,
+            device=spec.device,
+            max_model_len=spec.max_model_len,
+            block_size=spec.block_size,
+            num_kv_blocks=spec.num_kv_blocks,
+            kv_cache_memory_gib=spec.kv_cache_memory_gib,
+            gpu_memory_fraction=spec.gpu_memory_fraction,
+            max_num_seqs=spec.max_num_seqs,
+            max_num_batched_tokens=spec.max_num_batched_tokens,
+            enable_prefix_caching=spec.enable_prefix_caching,
+            detokenize=False,  # the router detokenizes at the edge
+        ),
+        parallel=parallel,
+        before_forward=before_forward,
+        agree_num_blocks=agree,
+    )
+    if engine.device.type == "cpu":
+        # The cache comes zeroed but unmapped (calloc): touch every page now, so the
+        # first requests' KV transfers do not pay the page faults (they measured ~8x
+        # slower on this machine's first run).
+        engine.kv_cache.zero_()
+    return engine
+
+
+def connector_factory(spec: WorkerSpec, rank: int) -> Callable:
+    """``(engine, on_release) -> KVConnector`` for one rank: its heads of its stage's
+    layers, its own agent."""
+    from kvtransfer import KVLayout, KVTransferConfig, create_connector
+
+    transfer = KVTransferConfig(
+        backend=spec.kv_backend,
+        direction=spec.kv_direction,
+        lease_seconds=spec.lease_seconds,
+        transfer_timeout_s=spec.transfer_timeout_s,
+    )
+
+    def make(engine: LLMEngine, on_release):
+        parallel = engine.parallel
+        layout = KVLayout.from_tensor(
+            engine.kv_cache,
+            model_id=spec.model_id,
+            num_kv_heads=engine.arch.num_key_value_heads,
+            tp_rank=parallel.tp_rank,
+            tp_size=parallel.tp_size,
+            first_layer=engine.layer_range[0],
+            total_num_layers=engine.arch.num_hidden_layers,
+        )
+        return create_connector(transfer, layout, engine.kv_cache, spec.rank_name(rank), on_release)
+
+    return make
