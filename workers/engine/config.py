@@ -1,50 +1,80 @@
-"""Engine configuration: one frozen dataclass, validated once, "auto" resolved at start-up."""
+"""Engine settings: one frozen dataclass, validated once, "auto" resolved at start-up.
+
+:class:`EngineConfig` is the single declaration of every engine setting: its type, its
+default, its one-line doc and its bounds. The cluster config's sections take the same
+field, default, doc and bounds from here (``cluster/config.py``: ``engine_option``), the
+worker spec carries an ``EngineConfig`` as it is, and docs/config.md and the Helm values
+schema are generated from both. Adding a setting: a field here, a line in the cluster
+section it belongs to (if the cluster config sets it), and the regenerated docs.
+
+This module is imported by the driver and the router: no torch at import.
+"""
 
 from __future__ import annotations
 
+import dataclasses
+import typing
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Literal
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
-_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+Dtype = Literal["auto", "float32", "float16", "bfloat16"]
+
+
+def setting(
+    default: Any,
+    doc: str,
+    *,
+    ge: float | None = None,
+    le: float | None = None,
+    gt: float | None = None,
+) -> Any:
+    """An engine setting: its default, its one-line doc and its numeric bounds.
+
+    The metadata keys are those of ``cluster.config_schema.option``, so the YAML edge
+    checks the same bounds and renders the same doc (workers/ may not import cluster/).
+    """
+    meta = {"doc": doc, "ge": ge, "le": le, "gt": gt, "lt": None}
+    return dataclasses.field(default=default, metadata=meta)
 
 
 @dataclass(frozen=True)
 class EngineConfig:
-    model: str
-    """Hugging Face model directory (config.json, *.safetensors, tokenizer.json)."""
-    dtype: str = "auto"
-    """float32 | float16 | bfloat16 | auto (bfloat16 on CUDA, float32 on CPU)."""
-    device: str = "auto"
-    """cpu | cuda | cuda:N | auto (CUDA when available)."""
-    max_model_len: int | None = None
-    """Longest prompt + output, in tokens; None = the model's max_position_embeddings."""
-    block_size: int = 16
-    """Tokens per KV-cache block."""
-    num_kv_blocks: int | None = None
-    """KV-cache blocks; None = sized from kv_cache_memory_gib (CPU) or gpu_memory_fraction (CUDA)."""
-    kv_cache_memory_gib: float = 2.0
-    """KV-cache size on CPU when num_kv_blocks is None."""
-    gpu_memory_fraction: float = 0.90
-    """Share of the GPU's memory the engine may use (weights + KV cache) on CUDA."""
-    max_num_seqs: int = 64
-    """Most requests in one batch (running at once)."""
-    max_num_batched_tokens: int = 2048
-    """Token budget of one step; longer prompts are prefilled in chunks of at most this."""
-    enable_prefix_caching: bool = True
-    """Reuse the KV blocks of identical prompt prefixes across requests."""
-    seed: int = 0
-    """Seed of the shared sampling generator (requests with their own seed use theirs)."""
-    detokenize: bool = True
-    """Detokenize and match stop strings here; False when the router does both at the edge."""
+    # The model directory is resolved per worker (cluster/model_source.py), not a setting.
+    model: str = dataclasses.field(
+        metadata={"doc": "Hugging Face model directory (config.json, *.safetensors, tokenizer)"}
+    )
+    dtype: Dtype = setting("auto", "Weights and KV dtype; auto = bfloat16 on GPU, float32 on CPU")
+    # cpu | cuda | cuda:N; the cluster config narrows it to auto | cpu | cuda (Ray picks the GPU).
+    device: str = setting("auto", "Where the engine runs; auto = CUDA when the node has a GPU")
+    max_model_len: int | None = setting(
+        None, "Longest prompt + output in tokens; unset = the model's own limit", ge=2
+    )
+    block_size: int = setting(16, "Tokens per KV-cache block", ge=1, le=1024)
+    # Sized from memory: at most what 2 * max_num_seqs full-length requests need.
+    num_kv_blocks: int | None = setting(
+        None, "KV-cache blocks per worker; unset = sized from memory", ge=1
+    )
+    kv_cache_memory_gib: float = setting(2.0, "KV-cache size per worker on CPU", gt=0.0)
+    gpu_memory_fraction: float = setting(
+        0.90, "Share of GPU memory for weights + KV cache", gt=0.0, le=1.0
+    )
+    max_num_seqs: int = setting(64, "Most requests running at once on a replica", ge=1)
+    # Longer prompts are prefilled in chunks of at most this many tokens.
+    max_num_batched_tokens: int = setting(2048, "Token budget of one engine step", ge=1)
+    enable_prefix_caching: bool = setting(True, "Reuse KV blocks of identical prompt prefixes")
+    seed: int = setting(
+        0, "Seed of the shared sampling generator (requests with their own seed use theirs)"
+    )
+    detokenize: bool = setting(
+        True, "Detokenize and match stop strings here; False when the router does both"
+    )
 
     def __post_init__(self) -> None:
-        if self.dtype != "auto" and self.dtype not in _DTYPES:
-            raise ValueError(f"dtype must be one of auto, {', '.join(_DTYPES)}; got {self.dtype!r}")
-        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or value <= 0:
-                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        for f in dataclasses.fields(self):
+            _check(f.name, getattr(self, f.name), _HINTS[f.name], f.metadata)
         if self.max_num_batched_tokens < self.max_num_seqs:
             # Every running request needs a token each step; a smaller budget would starve
             # the requests at the end of the running list.
@@ -52,20 +82,10 @@ class EngineConfig:
                 f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= "
                 f"max_num_seqs ({self.max_num_seqs})"
             )
-        if self.max_model_len is not None and self.max_model_len <= 1:
-            raise ValueError(f"max_model_len must be > 1, got {self.max_model_len}")
-        if self.num_kv_blocks is not None and self.num_kv_blocks <= 0:
-            raise ValueError(f"num_kv_blocks must be positive, got {self.num_kv_blocks}")
-        if self.kv_cache_memory_gib <= 0:
-            raise ValueError(
-                f"kv_cache_memory_gib must be positive, got {self.kv_cache_memory_gib}"
-            )
-        if not 0.0 < self.gpu_memory_fraction <= 1.0:
-            raise ValueError(
-                f"gpu_memory_fraction must be in (0, 1], got {self.gpu_memory_fraction}"
-            )
 
     def resolve_device(self) -> torch.device:
+        import torch
+
         if self.device == "auto":
             return torch.device("cuda" if torch.cuda.is_available() else "cpu")
         try:
@@ -74,6 +94,38 @@ class EngineConfig:
             raise ValueError(f"device: {exc}") from None
 
     def resolve_dtype(self, device: torch.device) -> torch.dtype:
+        import torch
+
         if self.dtype == "auto":
             return torch.bfloat16 if device.type == "cuda" else torch.float32
-        return _DTYPES[self.dtype]
+        return getattr(torch, self.dtype)
+
+
+_HINTS = typing.get_type_hints(EngineConfig)
+
+
+def _check(name: str, value: Any, tp: Any, meta: typing.Mapping[str, Any]) -> None:
+    """One field against its declared type and bounds; messages as the YAML edge words them."""
+    args = typing.get_args(tp)
+    if type(None) in args:  # X | None: None means "derive it"
+        if value is None:
+            return
+        tp = next(a for a in args if a is not type(None))
+    if typing.get_origin(tp) is Literal:
+        if value not in typing.get_args(tp):
+            choices = ", ".join(typing.get_args(tp))
+            raise ValueError(f"{name}: must be one of {choices}; got {value!r}")
+        return
+    is_number = isinstance(value, (int, float)) and not isinstance(value, bool)
+    if tp is int and (not is_number or not isinstance(value, int)):
+        raise ValueError(f"{name}: expected an integer, got {type(value).__name__} {value!r}")
+    if tp is float and not is_number:
+        raise ValueError(f"{name}: expected a number, got {type(value).__name__} {value!r}")
+    for key, ok, sign in (
+        ("ge", lambda b: value >= b, ">="),
+        ("gt", lambda b: value > b, ">"),
+        ("le", lambda b: value <= b, "<="),
+    ):
+        bound = meta.get(key)
+        if bound is not None and not ok(bound):
+            raise ValueError(f"{name}: must be {sign} {bound}, got {value}")
