@@ -3,10 +3,15 @@
 Every field has a default and a one-line doc; unknown keys and bad values are refused at
 load time with the key path in the message (``router.port: must be <= 65535, got 70000``).
 ``json_schema()`` renders the same definitions for the Helm chart's values schema.
+
+Engine settings are declared once, in ``workers/engine/config.py``: a section's field made
+with :func:`engine_option` takes its default, doc and bounds from that ``EngineConfig``
+field, and :func:`engine_config` gathers them back into an ``EngineConfig`` for a worker.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
@@ -14,6 +19,17 @@ from typing import Any, Literal
 import yaml
 
 from cluster.config_schema import ConfigError, json_schema, load_section, option, section
+from workers.engine.config import Dtype, EngineConfig
+
+_ENGINE_FIELDS = {f.name: f for f in dataclasses.fields(EngineConfig)}
+
+
+def engine_option(name: str) -> Any:
+    """A config field that sets the engine setting ``name``, with its default, doc and
+    bounds (the field's own name is its YAML key, which may differ from ``name``)."""
+    setting = _ENGINE_FIELDS[name]
+    meta = {**setting.metadata, "engine": name}
+    return dataclasses.field(default=setting.default, metadata=meta)
 
 
 @dataclass(frozen=True)
@@ -22,12 +38,8 @@ class ModelSection:
         None, "Hugging Face model directory; unset = a small random model made on first use"
     )
     name: str | None = option(None, "Served model name; unset = the directory's name")
-    dtype: Literal["auto", "float32", "float16", "bfloat16"] = option(
-        "auto", "Weights and KV dtype; auto = bfloat16 on GPU, float32 on CPU"
-    )
-    max_model_len: int | None = option(
-        None, "Longest prompt + output in tokens; unset = the model's own limit", ge=2
-    )
+    dtype: Dtype = engine_option("dtype")
+    max_model_len: int | None = engine_option("max_model_len")
 
 
 @dataclass(frozen=True)
@@ -43,11 +55,10 @@ class PoolSection:
         "when it has room, else they span nodes",
         ge=1,
     )
-    max_num_batched_tokens: int = option(2048, "Token budget of one engine step", ge=1)
-    max_num_seqs: int = option(64, "Most requests running at once on a replica", ge=1)
-    device: Literal["auto", "cpu", "cuda"] = option(
-        "auto", "Where the workers run; auto = CUDA when the node has a GPU"
-    )
+    max_num_batched_tokens: int = engine_option("max_num_batched_tokens")
+    max_num_seqs: int = engine_option("max_num_seqs")
+    # Narrower than the engine's (no cuda:N): Ray assigns each rank its GPU.
+    device: Literal["auto", "cpu", "cuda"] = engine_option("device")
     node_resource: str | None = option(
         None,
         "Ray resource each rank of this pool takes one unit of (pins the pool to the nodes "
@@ -57,15 +68,11 @@ class PoolSection:
 
 @dataclass(frozen=True)
 class KVCacheSection:
-    block_size: int = option(16, "Tokens per KV-cache block", ge=1, le=1024)
-    gpu_memory_fraction: float = option(
-        0.90, "Share of GPU memory for weights + KV cache", gt=0.0, le=1.0
-    )
-    num_blocks: int | None = option(
-        None, "KV-cache blocks per worker; unset = sized from memory", ge=1
-    )
-    cpu_memory_gib: float = option(2.0, "KV-cache size per worker on CPU", gt=0.0)
-    enable_prefix_caching: bool = option(True, "Reuse KV blocks of identical prompt prefixes")
+    block_size: int = engine_option("block_size")
+    gpu_memory_fraction: float = engine_option("gpu_memory_fraction")
+    num_blocks: int | None = engine_option("num_kv_blocks")
+    cpu_memory_gib: float = engine_option("kv_cache_memory_gib")
+    enable_prefix_caching: bool = engine_option("enable_prefix_caching")
 
 
 @dataclass(frozen=True)
@@ -152,6 +159,21 @@ class ClusterConfig:
                 f"router.restart_max_backoff_seconds ({router.restart_max_backoff_seconds}) "
                 f"is below router.restart_backoff_seconds ({router.restart_backoff_seconds})"
             )
+
+
+def engine_config(config: ClusterConfig, pool: PoolSection, **per_worker: Any) -> EngineConfig:
+    """The engine settings of a worker of ``pool``: every ``engine_option`` of the model and
+    KV-cache sections and of the pool, then ``per_worker`` (``model``, the resolved
+    ``device``) over them."""
+    values: dict[str, Any] = {}
+    for sec in (config.model, config.kv_cache, pool):
+        for f in dataclasses.fields(sec):
+            if "engine" in f.metadata:
+                values[f.metadata["engine"]] = getattr(sec, f.name)
+    # The config accepts a token budget below max_num_seqs and raises it to that (every
+    # running request needs a token each step), where the engine refuses one.
+    values["max_num_batched_tokens"] = max(values["max_num_batched_tokens"], values["max_num_seqs"])
+    return EngineConfig(**{**values, **per_worker})
 
 
 def parse_config(data: Any) -> ClusterConfig:

@@ -1,4 +1,5 @@
-"""Render docs/config.md from the config definitions (one source of truth).
+"""Render docs/config.md from the config definitions (one source of truth: the sections in
+cluster/config.py, whose engine settings come from workers/engine/config.py).
 
     python -m cluster.config_docs > docs/config.md
 
@@ -14,8 +15,9 @@ from cluster.config import ClusterConfig
 
 HEADER = """# Cluster config reference
 
-Generated from `cluster/config.py` by `python -m cluster.config_docs > docs/config.md`;
-a test fails when this file is stale. Every key is optional. Unknown keys and bad values are
+Generated from `cluster/config.py` (the engine settings' defaults, docs and bounds from
+`workers/engine/config.py`) by `python -m cluster.config_docs > docs/config.md`; a test
+fails when this file is stale. Every key is optional. Unknown keys and bad values are
 refused at load time with the key path in the message. Example: `configs/example.yaml`.
 """
 
