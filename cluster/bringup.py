@@ -22,7 +22,7 @@ from dataclasses import dataclass, field, replace
 
 import ray
 
-from cluster.config import ClusterConfig, PoolSection
+from cluster.config import ClusterConfig, PoolSection, engine_config
 from cluster.metrics_exporter import NodeExporters, replica_nodes
 from cluster.model_source import resolve_model_dir, served_name
 from cluster.parallel_check import check_pool_parallel
@@ -200,22 +200,11 @@ def _spec(
     device: str,
     threads: int,
 ) -> WorkerSpec:
-    kv = config.kv_cache
     return WorkerSpec(
         name=worker,
         role=role,
-        model=model_dir,
         model_id=name,
-        dtype=config.model.dtype,
-        device=device,
-        max_model_len=config.model.max_model_len,
-        block_size=kv.block_size,
-        num_kv_blocks=kv.num_blocks,
-        kv_cache_memory_gib=kv.cpu_memory_gib,
-        gpu_memory_fraction=kv.gpu_memory_fraction,
-        max_num_seqs=pool.max_num_seqs,
-        max_num_batched_tokens=max(pool.max_num_batched_tokens, pool.max_num_seqs),
-        enable_prefix_caching=kv.enable_prefix_caching,
+        engine=engine_config(config, pool, model=model_dir, device=device),
         kv_backend=config.kv_transfer.backend,
         kv_direction=config.kv_transfer.direction,
         lease_seconds=config.kv_transfer.lease_seconds,

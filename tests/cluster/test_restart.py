@@ -18,6 +18,7 @@ pytest.importorskip("ray")
 
 from cluster import restart
 from cluster.replicas import Cancelled, Replica
+from workers.engine.config import EngineConfig
 from workers.protocol.wire import WorkerInfo
 from workers.serving.worker_spec import WorkerSpec
 
@@ -60,7 +61,9 @@ class FakeRay:
 
 def registry() -> dict[str, Replica]:
     def replica(name: str) -> Replica:
-        spec = WorkerSpec(name=name, role=name.split("-")[0], model="m", model_id="tiny")
+        spec = WorkerSpec(
+            name=name, role=name.split("-")[0], model_id="tiny", engine=EngineConfig(model="m")
+        )
         return Replica(spec, {"CPU": 1.0}, [f"{name}-0-rank0"], object())
 
     return {n: replica(n) for n in ("prefill-0", "prefill-1", "decode-0")}

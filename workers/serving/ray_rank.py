@@ -44,7 +44,7 @@ class RankActor:
         from workers.parallel.replica_follower import RankFollower
 
         spec = self.spec
-        device_type = "cuda" if spec.device.startswith("cuda") else "cpu"
+        device_type = "cuda" if spec.engine.device.startswith("cuda") else "cpu"
         parallel, link = join_replica(
             self.rank, spec.num_ranks, address, port, device_type, spec.pipeline_parallel
         )

@@ -87,7 +87,7 @@ class WorkerActor:
         spec = self.spec
         parallel = link = agree = None
         if spec.num_ranks > 1:
-            device_type = "cuda" if spec.device.startswith("cuda") else "cpu"
+            device_type = "cuda" if spec.engine.device.startswith("cuda") else "cpu"
             parallel, link = join_replica(
                 0, spec.num_ranks, address, port, device_type, spec.pipeline_parallel
             )

@@ -15,26 +15,20 @@ from typing import TYPE_CHECKING
 
 import msgpack
 
+from workers.engine.config import EngineConfig  # torch-free
+
 if TYPE_CHECKING:  # the driver imports this module without torch
     from workers.engine.llm_engine import LLMEngine
 
 
 @dataclass(frozen=True)
 class WorkerSpec:
+    """One replica: its engine settings as they are, and what is its own in the cluster."""
+
     name: str
     role: str  # prefill | decode
-    model: str  # Hugging Face directory
     model_id: str  # served name: part of the KV layout fingerprint
-    dtype: str = "auto"
-    device: str = "auto"
-    max_model_len: int | None = None
-    block_size: int = 16
-    num_kv_blocks: int | None = None
-    kv_cache_memory_gib: float = 2.0
-    gpu_memory_fraction: float = 0.90
-    max_num_seqs: int = 64
-    max_num_batched_tokens: int = 2048
-    enable_prefix_caching: bool = True
+    engine: EngineConfig  # model = the resolved directory, device = cpu | cuda
     kv_backend: str = "nixl"
     kv_direction: str = "auto"
     lease_seconds: float = 30.0
@@ -54,7 +48,8 @@ class WorkerSpec:
 
     @classmethod
     def from_bytes(cls, data: bytes) -> WorkerSpec:
-        return cls(**msgpack.unpackb(data, raw=False))
+        fields = msgpack.unpackb(data, raw=False)
+        return cls(**{**fields, "engine": EngineConfig(**fields["engine"])})
 
     @property
     def num_ranks(self) -> int:
@@ -70,26 +65,13 @@ def build_engine(spec: WorkerSpec, parallel=None, before_forward=None, agree=Non
     """This rank's engine: its shard of the weights, its heads of a cache of agreed size."""
     import torch
 
-    from workers.engine.config import EngineConfig
     from workers.engine.llm_engine import LLMEngine
 
     if spec.num_threads > 0:
         torch.set_num_threads(spec.num_threads)
     engine = LLMEngine(
-        EngineConfig(
-            model=spec.model,
-            dtype=spec.dtype,
-            device=spec.device,
-            max_model_len=spec.max_model_len,
-            block_size=spec.block_size,
-            num_kv_blocks=spec.num_kv_blocks,
-            kv_cache_memory_gib=spec.kv_cache_memory_gib,
-            gpu_memory_fraction=spec.gpu_memory_fraction,
-            max_num_seqs=spec.max_num_seqs,
-            max_num_batched_tokens=spec.max_num_batched_tokens,
-            enable_prefix_caching=spec.enable_prefix_caching,
-            detokenize=False,  # the router detokenizes at the edge
-        ),
+        # A worker streams token ids whatever the spec says: the router detokenizes.
+        dataclasses.replace(spec.engine, detokenize=False),
         parallel=parallel,
         before_forward=before_forward,
         agree_num_blocks=agree,
