@@ -1,0 +1,132 @@
+"""Engine settings are declared once (workers/engine/config.py): the cluster config's fields,
+the worker spec and the engine all take them from ``EngineConfig``."""
+
+from __future__ import annotations
+
+import dataclasses
+import typing
+
+import pytest
+
+from cluster.config import (
+    ClusterConfig,
+    KVCacheSection,
+    ModelSection,
+    PoolSection,
+    engine_config,
+    parse_config,
+)
+from cluster.config_schema import ConfigError
+from workers.engine.config import EngineConfig
+from workers.serving.worker_spec import WorkerSpec
+
+# The engine's fields that the cluster config does not set, and why.
+NOT_IN_CLUSTER_CONFIG = {
+    "model": "the directory is resolved per worker (model.path, or a model made on first use)",
+    "seed": "workers keep the engine's default",
+    "detokenize": "workers never detokenize: the router does",
+}
+SECTIONS = {"model": ModelSection, "prefill": PoolSection, "kv_cache": KVCacheSection}
+ENGINE = {f.name: f for f in dataclasses.fields(EngineConfig)}
+
+
+def config_fields() -> dict[str, tuple[str, dataclasses.Field]]:
+    """engine setting -> (its YAML key, the section field that sets it)."""
+    found: dict[str, tuple[str, dataclasses.Field]] = {}
+    for top, cls in SECTIONS.items():
+        for f in dataclasses.fields(cls):
+            if "engine" in f.metadata:
+                assert f.metadata["engine"] not in found, f"{f.name} set in two places"
+                found[f.metadata["engine"]] = (f"{top}.{f.name}", f)
+    return found
+
+
+def test_every_engine_setting_is_in_the_cluster_config_or_said_why_not():
+    assert set(config_fields()) == set(ENGINE) - set(NOT_IN_CLUSTER_CONFIG)
+    # No other section sets an engine setting.
+    for top in dataclasses.fields(ClusterConfig):
+        if top.name not in (*SECTIONS, "decode"):
+            cls = typing.get_type_hints(ClusterConfig)[top.name]
+            assert not any("engine" in f.metadata for f in dataclasses.fields(cls)), top.name
+
+
+@pytest.mark.parametrize("name", sorted(set(ENGINE) - set(NOT_IN_CLUSTER_CONFIG)))
+def test_the_config_field_has_the_engines_default_doc_bounds_and_type(name):
+    key, field = config_fields()[name]
+    setting = ENGINE[name]
+    assert field.default == setting.default, key
+    assert {k: v for k, v in field.metadata.items() if k != "engine"} == dict(setting.metadata)
+    assert setting.metadata["doc"], name
+    section = SECTIONS[key.split(".")[0]]
+    config_type = typing.get_type_hints(section)[field.name]
+    engine_type = typing.get_type_hints(EngineConfig)[name]
+    if name == "device":  # narrowed at the cluster edge: Ray assigns each rank its GPU
+        assert engine_type is str and typing.get_args(config_type) == ("auto", "cpu", "cuda")
+    else:
+        assert config_type == engine_type, key
+
+
+def test_the_worker_spec_carries_the_engine_config_without_copies():
+    hints = typing.get_type_hints(WorkerSpec)
+    assert hints["engine"] is EngineConfig
+    assert not set(hints) & (set(ENGINE) - {"model"}), "an engine setting repeated in WorkerSpec"
+    assert "model" not in hints
+    spec = WorkerSpec("decode-0", "decode", "tiny", EngineConfig(model="/m", num_kv_blocks=7))
+    assert WorkerSpec.from_bytes(spec.to_bytes()) == spec
+
+
+def test_the_default_config_gives_the_engines_defaults():
+    config = ClusterConfig()
+    for pool in (config.prefill, config.decode):
+        assert engine_config(config, pool, model="/m") == EngineConfig(model="/m")
+
+
+def test_engine_config_maps_the_yaml_keys_and_takes_the_pools_own():
+    config = parse_config(
+        {
+            "model": {"dtype": "float16", "max_model_len": 512},
+            "kv_cache": {"block_size": 32, "num_blocks": 9, "cpu_memory_gib": 1.5},
+            "prefill": {"max_num_batched_tokens": 4096, "max_num_seqs": 8},
+            # Below max_num_seqs: the config raises the budget to it, where the engine refuses.
+            "decode": {"max_num_batched_tokens": 16, "max_num_seqs": 128},
+        }
+    )
+    prefill = engine_config(config, config.prefill, model="/m", device="cpu")
+    assert prefill == EngineConfig(
+        model="/m",
+        dtype="float16",
+        device="cpu",
+        max_model_len=512,
+        block_size=32,
+        num_kv_blocks=9,
+        kv_cache_memory_gib=1.5,
+        max_num_seqs=8,
+        max_num_batched_tokens=4096,
+    )
+    decode = engine_config(config, config.decode, model="/m", device="cuda")
+    assert (decode.max_num_seqs, decode.max_num_batched_tokens, decode.device) == (128, 128, "cuda")
+    with pytest.raises(ValueError, match="max_num_batched_tokens"):
+        EngineConfig(model="/m", max_num_batched_tokens=16, max_num_seqs=128)
+
+
+def _violations() -> list[tuple[str, str, object]]:
+    """(engine setting, its YAML key, a value beyond one of its declared bounds)."""
+    cases = []
+    for name, (key, field) in sorted(config_fields().items()):
+        meta = field.metadata
+        for bound, beyond in (("ge", -1), ("gt", 0), ("le", 1)):
+            if meta.get(bound) is not None:
+                cases.append((name, key, meta[bound] + beyond))
+    return [*cases, ("dtype", "model.dtype", "float8")]  # a Literal's choices too
+
+
+@pytest.mark.parametrize(("name", "key", "value"), _violations())
+def test_yaml_edge_and_engine_refuse_a_bound_alike(name, key, value):
+    """One declared bound, checked at both edges, worded alike (the YAML one names the key)."""
+    top, field = key.split(".")
+    with pytest.raises(ConfigError) as yaml_error:
+        parse_config({top: {field: value}})
+    with pytest.raises(ValueError) as engine_error:
+        EngineConfig(model="/m", **{name: value})
+    assert str(yaml_error.value).startswith(f"{key}: must be ")
+    assert str(yaml_error.value).removeprefix(key) == str(engine_error.value).removeprefix(name)
