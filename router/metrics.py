@@ -22,7 +22,7 @@ import time
 from prometheus_client import Counter, Histogram
 
 from proto.baton.v1 import inference_pb2 as pb
-from workers.serving.metrics import LABELS, RUNNING
+from workers.protocol.metrics import LABELS, RUNNING
 
 # Seconds: 1 ms to 80 s (TTFT under load, long generations end to end).
 _LATENCY = (

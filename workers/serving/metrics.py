@@ -17,21 +17,14 @@ from __future__ import annotations
 from prometheus_client import Counter, Gauge, Histogram
 
 from workers.engine.request import Request
+from workers.protocol.metrics import LABELS, RUNNING
 from workers.protocol.wire import WorkerReport
-
-LABELS = ("role", "model", "instance")
 
 # Seconds: 1 ms to 40 s, about x2.5 apart (queueing and transfers span that range).
 _SECONDS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 40.0)
 # Bytes: 64 KiB to 4 GiB by x4 (one block of a tiny model to a 128k-token prompt).
 _BYTES = tuple(float(2**k) for k in range(16, 33, 2))
 
-RUNNING = Gauge(
-    "baton_num_requests_running",
-    "Requests being computed (or receiving their KV) on a worker",
-    LABELS,
-    multiprocess_mode="livesum",
-)
 WAITING = Gauge(
     "baton_num_requests_waiting",
     "Requests waiting for a worker's scheduler",
