@@ -28,32 +28,17 @@ from functools import partial
 
 from proto.baton.v1 import inference_pb2 as pb
 from router.config import RouterConfig, RouterError
+from router.pending import SETTLE_TIMEOUT_S, Pending
 from router.policy import NoHealthyWorker, RouteRequest, route
 from router.recovery import Recovery, Restarter, RestartPolicy
 from router.stream import RequestStream
 from router.validation import InvalidRequest, ValidRequest, prompt_token_ids, validate
-from router.workers import WorkerClient, WorkerView, abort_on, decline
+from router.workers import WorkerClient, WorkerView, decline
 from workers.protocol.block_hashes import hash_prompt_blocks
-from workers.protocol.wire import OutputBatch, TokenEvent, WorkItem
+from workers.protocol.wire import OutputBatch, WorkItem
 from workers.text.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
-
-_SETTLE_TIMEOUT_S = 10.0  # how long an ended request waits for its worker's last event
-
-
-class _Pending:
-    """A request in flight: its event queue and who currently owns it."""
-
-    def __init__(self, stream: RequestStream):
-        self.stream = stream
-        self.events: asyncio.Queue[tuple[str, TokenEvent | None]] = asyncio.Queue()
-        self.owner: WorkerView | None = None  # the worker whose final event ends it there
-        self.decode: WorkerView | None = None
-        # A prefill worker's handle that no decode worker took: it must be declined.
-        self.unread_handles: tuple[bytes, ...] = ()  # one per prefill rank
-        self.submit: asyncio.Future | None = None  # the last submit call in flight
-        self.is_aborted = False
 
 
 class Router:
@@ -79,7 +64,7 @@ class Router:
             policy = restart_policy or RestartPolicy()
             self.recovery = Recovery(restarter, self.replace_worker, closed, policy)
         self._by_name = {v.name: v for v in [*self.prefill, *self.decode]}
-        self._requests: dict[str, _Pending] = {}
+        self._requests: dict[str, Pending] = {}
         self._cursor = 0
         self._background: set[asyncio.Task] = set()
 
@@ -140,7 +125,7 @@ class Router:
         left = list(self._requests)
         for request_id in left:
             await self.abort(request_id)
-        deadline = time.monotonic() + _SETTLE_TIMEOUT_S
+        deadline = time.monotonic() + SETTLE_TIMEOUT_S
         while self._requests and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
         return len(left)
@@ -168,7 +153,7 @@ class Router:
             return_text=valid.return_text,
             return_timing=valid.return_timing,
         )
-        pending = _Pending(stream)
+        pending = Pending(stream)
         self._requests[request_id] = pending
         settled = False
         try:
@@ -199,7 +184,7 @@ class Router:
         return valid, token_ids
 
     async def _run(
-        self, pending: _Pending, valid: ValidRequest, token_ids: list[int]
+        self, pending: Pending, valid: ValidRequest, token_ids: list[int]
     ) -> AsyncIterator[pb.GenerateResponse]:
         stream = pending.stream
         decision = self._route(valid, token_ids)
@@ -210,9 +195,7 @@ class Router:
             prefill = self._by_name[decision.prefill]
             stream.timing.prefill_worker = prefill.name
             handle_event = None
-            async for message, event in self._stream_from(
-                pending, prefill, replace(item, mode="prefill")
-            ):
+            async for message, event in pending.stream_from(prefill, replace(item, mode="prefill")):
                 if event is not None and event.kv_handles:
                     handle_event = event
                     break
@@ -237,65 +220,9 @@ class Router:
                 kv_handles=handle_event.kv_handles,
                 first_token_id=handle_event.token_ids[0],
             )
-        async for message, _event in self._stream_from(pending, decode, item):
+        async for message, _event in pending.stream_from(decode, item):
             if message is not None:
                 yield message
-
-    async def _stream_from(
-        self, pending: _Pending, worker: WorkerView, item: WorkItem
-    ) -> AsyncIterator[tuple[pb.GenerateResponse | None, TokenEvent | None]]:
-        """Submit ``item`` to ``worker`` and yield (client message, event) until the end."""
-        stream = pending.stream
-        if not worker.is_healthy:
-            raise RouterError("UNAVAILABLE", f"worker {worker.name} is not healthy")
-        pending.owner = worker
-        worker.active.add(stream.request_id)
-        if not stream.timing.submitted:
-            stream.timing.submitted = time.monotonic()
-        # Shielded: a cancel must not race its abort past the submit (a threaded actor
-        # does not keep call order); _settle waits for this before aborting.
-        pending.submit = asyncio.ensure_future(worker.client.submit(item))
-        if item.mode == "decode":
-            # Once D has the handle, D's notice (or expiry) ends the lease: never decline it
-            # then, even if this coroutine is cancelled while the submit is in flight.
-            def delivered(future: asyncio.Future) -> None:
-                if not future.cancelled() and future.exception() is None:
-                    pending.unread_handles = ()
-
-            pending.submit.add_done_callback(delivered)
-        try:
-            await asyncio.shield(pending.submit)
-        except asyncio.CancelledError:
-            raise
-        except Exception as exc:
-            worker.active.discard(stream.request_id)
-            pending.owner = None
-            raise RouterError("UNAVAILABLE", f"worker {worker.name}: {exc}") from None
-        while True:
-            source, event = await pending.events.get()
-            if event is None:
-                if source:  # the worker died
-                    raise RouterError("INTERNAL", f"worker {source} failed: {worker.error}")
-                if pending.is_aborted:  # Abort
-                    yield stream.abort_message(), None
-                    return
-                continue
-            if source != worker.name:
-                continue  # a late event from the previous owner
-            if event.finished:
-                # Its end on this worker (a handle event ends the prefill worker's part).
-                worker.active.discard(stream.request_id)
-                if not event.kv_handles:
-                    pending.owner = None
-                if event.error:
-                    raise RouterError("INTERNAL", f"worker {worker.name}: {event.error}")
-            if event.kv_handles:
-                yield None, event
-                continue
-            message = stream.on_event(event)
-            yield message, event
-            if stream.is_finished:
-                return
 
     def _route(self, valid: ValidRequest, token_ids: list[int]):
         cfg = self.config
@@ -321,38 +248,12 @@ class Router:
         self._cursor = decision.round_robin_cursor
         return decision
 
-    async def _settle(self, pending: _Pending) -> None:
-        """After the client's stream ended: make sure the worker side ended too."""
-        request_id = pending.stream.request_id
+    async def _settle(self, pending: Pending) -> None:
+        """After the client's stream ended: the worker side too; then the id is free."""
         try:
-            if pending.submit is not None:  # let a submit in flight land before its abort
-                await asyncio.wait([pending.submit], timeout=_SETTLE_TIMEOUT_S)
-            if pending.unread_handles:
-                await decline(pending.unread_handles, pending.decode, self.decode)
-            owner = pending.owner
-            if owner is None or (owner.client.role == "prefill" and pending.unread_handles):
-                return
-            if pending.is_aborted or pending.stream.is_finished:
-                await abort_on(owner, request_id)
-            deadline = time.monotonic() + _SETTLE_TIMEOUT_S
-            while request_id in owner.active and owner.is_alive:
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    logger.warning("%s: no final event from %s", request_id, owner.name)
-                    break
-                try:
-                    source, event = await asyncio.wait_for(pending.events.get(), left)
-                except asyncio.TimeoutError:
-                    continue
-                if source != owner.name or event is None or not event.finished:
-                    continue
-                owner.active.discard(request_id)
-                if event.kv_handles:  # prefill finished before the abort came
-                    await decline(event.kv_handles, pending.decode, self.decode)
+            await pending.settle(self.decode)
         finally:
-            if pending.owner is not None:
-                pending.owner.active.discard(request_id)
-            self._requests.pop(request_id, None)
+            self._requests.pop(pending.stream.request_id, None)
 
     def _spawn(self, coro) -> None:
         """A background task, referenced until done (asyncio keeps only weak references)."""

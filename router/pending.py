@@ -1,0 +1,133 @@
+"""One request in flight on its workers: submit it, receive its events, end it there.
+
+The :class:`~router.router.Router` decides where a request goes and hands the prefill
+worker's KV handle on to the decode worker; a :class:`Pending` carries the request's
+state between those steps: its event queue (filled by the router as worker batches
+arrive), the worker that currently owns it, and a prefill worker's handle that no decode
+worker has taken yet. :meth:`Pending.settle` runs after the client's stream ended,
+whatever ended it, and makes sure the worker side ended too.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncIterator, Sequence
+
+from proto.baton.v1 import inference_pb2 as pb
+from router.config import RouterError
+from router.stream import RequestStream
+from router.workers import WorkerView, abort_on, decline
+from workers.protocol.wire import TokenEvent, WorkItem
+
+logger = logging.getLogger(__name__)
+
+SETTLE_TIMEOUT_S = 10.0  # how long an ended request waits for its worker's last event
+
+
+class Pending:
+    """A request in flight: its event queue and who currently owns it."""
+
+    def __init__(self, stream: RequestStream):
+        self.stream = stream
+        self.events: asyncio.Queue[tuple[str, TokenEvent | None]] = asyncio.Queue()
+        self.owner: WorkerView | None = None  # the worker whose final event ends it there
+        self.decode: WorkerView | None = None
+        # A prefill worker's handle that no decode worker took: it must be declined.
+        self.unread_handles: tuple[bytes, ...] = ()  # one per prefill rank
+        self.submit: asyncio.Future | None = None  # the last submit call in flight
+        self.is_aborted = False
+
+    async def stream_from(
+        self, worker: WorkerView, item: WorkItem
+    ) -> AsyncIterator[tuple[pb.GenerateResponse | None, TokenEvent | None]]:
+        """Submit ``item`` to ``worker`` and yield (client message, event) until the end."""
+        stream = self.stream
+        if not worker.is_healthy:
+            raise RouterError("UNAVAILABLE", f"worker {worker.name} is not healthy")
+        self.owner = worker
+        worker.active.add(stream.request_id)
+        if not stream.timing.submitted:
+            stream.timing.submitted = time.monotonic()
+        # Shielded: a cancel must not race its abort past the submit (a threaded actor
+        # does not keep call order); settle waits for this before aborting.
+        self.submit = asyncio.ensure_future(worker.client.submit(item))
+        if item.mode == "decode":
+            # Once D has the handle, D's notice (or expiry) ends the lease: never decline it
+            # then, even if this coroutine is cancelled while the submit is in flight.
+            def delivered(future: asyncio.Future) -> None:
+                if not future.cancelled() and future.exception() is None:
+                    self.unread_handles = ()
+
+            self.submit.add_done_callback(delivered)
+        try:
+            await asyncio.shield(self.submit)
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:
+            worker.active.discard(stream.request_id)
+            self.owner = None
+            raise RouterError("UNAVAILABLE", f"worker {worker.name}: {exc}") from None
+        while True:
+            source, event = await self.events.get()
+            if event is None:
+                if source:  # the worker died
+                    raise RouterError("INTERNAL", f"worker {source} failed: {worker.error}")
+                if self.is_aborted:  # Abort
+                    yield stream.abort_message(), None
+                    return
+                continue
+            if source != worker.name:
+                continue  # a late event from the previous owner
+            if event.finished:
+                # Its end on this worker (a handle event ends the prefill worker's part).
+                worker.active.discard(stream.request_id)
+                if not event.kv_handles:
+                    self.owner = None
+                if event.error:
+                    raise RouterError("INTERNAL", f"worker {worker.name}: {event.error}")
+            if event.kv_handles:
+                yield None, event
+                continue
+            message = stream.on_event(event)
+            yield message, event
+            if stream.is_finished:
+                return
+
+    async def settle(self, decode: Sequence[WorkerView]) -> None:
+        """After the client's stream ended: make sure the worker side ended too.
+
+        Declines a handle no decode worker took (through ``decode``), aborts the request on
+        its owner unless it ended there, and waits (up to ``SETTLE_TIMEOUT_S``) for the
+        owner's final event, so that the id is not reused while a worker still runs it.
+        """
+        request_id = self.stream.request_id
+        try:
+            if self.submit is not None:  # let a submit in flight land before its abort
+                await asyncio.wait([self.submit], timeout=SETTLE_TIMEOUT_S)
+            if self.unread_handles:
+                await decline(self.unread_handles, self.decode, decode)
+            owner = self.owner
+            if owner is None or (owner.client.role == "prefill" and self.unread_handles):
+                return
+            if self.is_aborted or self.stream.is_finished:
+                await abort_on(owner, request_id)
+            deadline = time.monotonic() + SETTLE_TIMEOUT_S
+            while request_id in owner.active and owner.is_alive:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    logger.warning("%s: no final event from %s", request_id, owner.name)
+                    break
+                try:
+                    source, event = await asyncio.wait_for(self.events.get(), left)
+                except asyncio.TimeoutError:
+                    continue
+                if source != owner.name or event is None or not event.finished:
+                    continue
+                owner.active.discard(request_id)
+                if event.kv_handles:  # prefill finished before the abort came
+                    await decline(event.kv_handles, self.decode, decode)
+        finally:
+            if self.owner is not None:
+                self.owner.active.discard(request_id)
