@@ -1,17 +1,8 @@
-"""The router's settings (resolved by ``cluster/`` at bring-up) and the error it answers with."""
+"""The router's settings (resolved by ``cluster/`` at bring-up)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-
-
-class RouterError(Exception):
-    """A request the router refuses or cannot finish; ``code`` is a grpc.StatusCode name."""
-
-    def __init__(self, code: str, message: str):
-        super().__init__(message)
-        self.code = code
-        self.message = message
 
 
 @dataclass(frozen=True)

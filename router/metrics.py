@@ -1,6 +1,6 @@
 """The router's Prometheus metrics (docs/metrics.md): latency as clients see it, outcomes.
 
-Measured at the gRPC edge, around ``Router.generate``: what a client of ``Generate``
+Measured at the front end, around ``Router.generate``: what a client of ``Generate``
 experiences, queueing in the router included. Series carry ``role="router"``, ``model``
 and ``instance="router"``. The node's exporter serves them with the workers' series
 (``workers/serving/metrics_node.py``).
@@ -21,7 +21,8 @@ import time
 
 from prometheus_client import Counter, Histogram
 
-from proto.baton.v1 import inference_pb2 as pb
+from router.errors import ErrorCode
+from router.events import Finish, GenerateEvent
 from workers.protocol.metrics import LABELS, RUNNING
 
 # Seconds: 1 ms to 80 s (TTFT under load, long generations end to end).
@@ -47,12 +48,9 @@ _PER_TOKEN = (
     1.0,
     2.5,
 )
-_REJECTIONS = frozenset({"INVALID_ARGUMENT", "RESOURCE_EXHAUSTED", "UNAVAILABLE"})
-_REASONS = {
-    pb.FINISH_REASON_STOP: "stop",
-    pb.FINISH_REASON_LENGTH: "length",
-    pb.FINISH_REASON_ABORT: "abort",
-}
+_REJECTIONS = frozenset(
+    {ErrorCode.INVALID_ARGUMENT, ErrorCode.RESOURCE_EXHAUSTED, ErrorCode.UNAVAILABLE}
+)
 
 TTFT = Histogram(
     "baton_time_to_first_token_seconds",
@@ -108,7 +106,7 @@ class RouterMetrics:
 
 
 class CallMetrics:
-    """One Generate call: feed it every message, then exactly one of the endings."""
+    """One Generate call: feed it every event, then exactly one of the endings."""
 
     def __init__(self, metrics: RouterMetrics):
         self.m = metrics
@@ -119,9 +117,8 @@ class CallMetrics:
         self.is_done = False
         metrics.running.inc()
 
-    def message(self, message: pb.GenerateResponse) -> None:
-        delta = message.final.delta if message.HasField("final") else message.delta
-        n = len(delta.token_ids)
+    def event(self, event: GenerateEvent) -> None:
+        n = len(event.delta.token_ids)
         now = time.monotonic()
         if n:
             if self.num_tokens == 0:
@@ -132,26 +129,26 @@ class CallMetrics:
             self.last_chunk = now
             self.num_tokens += n
             self.m.generation_tokens.inc(n)
-        if message.HasField("final"):
-            self._final(message.final, now)
+        if event.finish is not None:
+            self._final(event.finish, now)
 
-    def _final(self, final: pb.Final, now: float) -> None:
-        reason = _REASONS.get(final.finish_reason, "abort")
+    def _final(self, finish: Finish, now: float) -> None:
+        reason = finish.reason
         FINISHED.labels(*self.m.labels, reason).inc()
         if reason == "abort":
             ABORTED.labels(*self.m.labels, "abort").inc()
         self.m.e2e.observe(now - self.started)
-        self.m.prompt_tokens.inc(final.usage.prompt_tokens)
+        self.m.prompt_tokens.inc(finish.usage.prompt_tokens)
         if self.num_tokens > 1:
             self.m.tpot.observe((now - self.first_token) / (self.num_tokens - 1))
         self._done()
 
-    def error(self, code: str) -> None:
-        """The call ends with gRPC status ``code`` (a RouterError's)."""
+    def error(self, code: ErrorCode) -> None:
+        """The call ends with error ``code`` (a RouterError's, or INTERNAL for a bug)."""
         if self.is_done:
             return
         rejected = self.num_tokens == 0 and code in _REJECTIONS
-        (REJECTED if rejected else FAILED).labels(*self.m.labels, code).inc()
+        (REJECTED if rejected else FAILED).labels(*self.m.labels, code.value).inc()
         self._done()
 
     def closed(self) -> None:

@@ -15,8 +15,8 @@ import logging
 import time
 from collections.abc import AsyncIterator, Sequence
 
-from proto.baton.v1 import inference_pb2 as pb
-from router.config import RouterError
+from router.errors import ErrorCode, RouterError
+from router.events import GenerateEvent
 from router.stream import RequestStream
 from router.workers import WorkerView, abort_on, decline
 from workers.protocol.wire import TokenEvent, WorkItem
@@ -41,15 +41,15 @@ class Pending:
 
     async def stream_from(
         self, worker: WorkerView, item: WorkItem
-    ) -> AsyncIterator[tuple[pb.GenerateResponse | None, TokenEvent | None]]:
-        """Submit ``item`` to ``worker`` and yield (client message, event) until the end."""
+    ) -> AsyncIterator[tuple[GenerateEvent | None, TokenEvent | None]]:
+        """Submit ``item`` to ``worker`` and yield (client event, worker event) until the end."""
         stream = self.stream
         if not worker.is_healthy:
-            raise RouterError("UNAVAILABLE", f"worker {worker.name} is not healthy")
+            raise RouterError(ErrorCode.UNAVAILABLE, f"worker {worker.name} is not healthy")
         self.owner = worker
         worker.active.add(stream.request_id)
-        if not stream.timing.submitted:
-            stream.timing.submitted = time.monotonic()
+        if not stream.stamps.submitted:
+            stream.stamps.submitted = time.monotonic()
         # Shielded: a cancel must not race its abort past the submit (a threaded actor
         # does not keep call order); settle waits for this before aborting.
         self.submit = asyncio.ensure_future(worker.client.submit(item))
@@ -68,14 +68,14 @@ class Pending:
         except Exception as exc:
             worker.active.discard(stream.request_id)
             self.owner = None
-            raise RouterError("UNAVAILABLE", f"worker {worker.name}: {exc}") from None
+            raise RouterError(ErrorCode.UNAVAILABLE, f"worker {worker.name}: {exc}") from None
         while True:
             source, event = await self.events.get()
             if event is None:
                 if source:  # the worker died
-                    raise RouterError("INTERNAL", f"worker {source} failed: {worker.error}")
+                    raise RouterError(ErrorCode.INTERNAL, f"worker {source} failed: {worker.error}")
                 if self.is_aborted:  # Abort
-                    yield stream.abort_message(), None
+                    yield stream.abort_event(), None
                     return
                 continue
             if source != worker.name:
@@ -86,12 +86,11 @@ class Pending:
                 if not event.kv_handles:
                     self.owner = None
                 if event.error:
-                    raise RouterError("INTERNAL", f"worker {worker.name}: {event.error}")
+                    raise RouterError(ErrorCode.INTERNAL, f"worker {worker.name}: {event.error}")
             if event.kv_handles:
                 yield None, event
                 continue
-            message = stream.on_event(event)
-            yield message, event
+            yield stream.on_event(event), event
             if stream.is_finished:
                 return
 

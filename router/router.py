@@ -1,8 +1,9 @@
 """The disaggregated request flow (DESIGN §3): validate, route, hand off, stream, abort.
 
-``Router.generate`` is an async generator of ``GenerateResponse`` messages; the gRPC
-servicer (``server.py``) is a thin adapter over it. Errors are :class:`RouterError` with
-the gRPC status code to answer.
+``Router.generate`` takes a typed :class:`~router.requests.GenerateRequest` and is an async
+generator of :class:`~router.events.GenerateEvent`; errors are :class:`RouterError` with
+an :class:`~router.errors.ErrorCode`. Front ends are thin adapters over it: the gRPC
+servicer (``server.py``) converts protobuf to and from these types.
 
 One request, disaggregated: submit ``prefill`` work to P; P's first event carries the
 first token and a KV handle (P holds the blocks under a lease); the router streams the
@@ -26,11 +27,13 @@ from collections.abc import AsyncIterator, Sequence
 from dataclasses import replace
 from functools import partial
 
-from proto.baton.v1 import inference_pb2 as pb
-from router.config import RouterConfig, RouterError
+from router.config import RouterConfig
+from router.errors import ErrorCode, RouterError
+from router.events import GenerateEvent
 from router.pending import SETTLE_TIMEOUT_S, Pending
 from router.policy import NoHealthyWorker, RouteRequest, route
 from router.recovery import Recovery, Restarter, RestartPolicy
+from router.requests import GenerateRequest
 from router.stream import RequestStream
 from router.validation import InvalidRequest, ValidRequest, prompt_token_ids, validate
 from router.workers import WorkerClient, WorkerView, decline
@@ -131,17 +134,22 @@ class Router:
         return len(left)
 
     # ---- requests --------------------------------------------------------------------
-    async def generate(self, req: pb.GenerateRequest) -> AsyncIterator[pb.GenerateResponse]:
-        """Stream one request's deltas and its final message; raises RouterError."""
+    async def generate(self, req: GenerateRequest) -> AsyncIterator[GenerateEvent]:
+        """Stream one request's events, the last with its Finish; raises RouterError.
+
+        Closing the generator early (the client went away) aborts the request on its workers.
+        """
         if self.is_draining:
-            raise RouterError("UNAVAILABLE", "the server is draining")
+            raise RouterError(ErrorCode.UNAVAILABLE, "the server is draining")
         request_id = req.request_id or uuid.uuid4().hex
         if request_id in self._requests:
-            raise RouterError("INVALID_ARGUMENT", f"request_id: {request_id!r} is already in use")
+            raise RouterError(
+                ErrorCode.INVALID_ARGUMENT, f"request_id: {request_id!r} is already in use"
+            )
         valid, token_ids = self._validate(req, request_id)
         if len(self._requests) >= self.config.max_queued_requests:
             raise RouterError(
-                "RESOURCE_EXHAUSTED",
+                ErrorCode.RESOURCE_EXHAUSTED,
                 f"{len(self._requests)} requests in flight (router.max_queued_requests="
                 f"{self.config.max_queued_requests}); retry later",
             )
@@ -157,8 +165,8 @@ class Router:
         self._requests[request_id] = pending
         settled = False
         try:
-            async for message in self._run(pending, valid, token_ids):
-                yield message
+            async for out in self._run(pending, valid, token_ids):
+                yield out
             settled = True
         finally:
             if not settled:  # cancelled, deadline, or an error: stop it on the worker
@@ -174,44 +182,44 @@ class Router:
         await pending.events.put(("", None))  # wakes the stream, which ends with ABORT
         return True
 
-    def _validate(self, req: pb.GenerateRequest, request_id: str) -> tuple[ValidRequest, list[int]]:
+    def _validate(self, req: GenerateRequest, request_id: str) -> tuple[ValidRequest, list[int]]:
         cfg = self.config
         try:
             valid = validate(req, cfg.model_name, request_id)
             token_ids = prompt_token_ids(valid, self.tokenizer, cfg.vocab_size, cfg.max_model_len)
         except InvalidRequest as exc:
-            raise RouterError("INVALID_ARGUMENT", str(exc)) from None
+            raise RouterError(ErrorCode.INVALID_ARGUMENT, str(exc)) from None
         return valid, token_ids
 
     async def _run(
         self, pending: Pending, valid: ValidRequest, token_ids: list[int]
-    ) -> AsyncIterator[pb.GenerateResponse]:
+    ) -> AsyncIterator[GenerateEvent]:
         stream = pending.stream
         decision = self._route(valid, token_ids)
         decode = pending.decode = self._by_name[decision.decode]
-        stream.timing.decode_worker = decode.name
+        stream.stamps.decode_worker = decode.name
         item = WorkItem(stream.request_id, tuple(token_ids), valid.params, "full")
         if decision.prefill is not None:
             prefill = self._by_name[decision.prefill]
-            stream.timing.prefill_worker = prefill.name
+            stream.stamps.prefill_worker = prefill.name
             handle_event = None
-            async for message, event in pending.stream_from(prefill, replace(item, mode="prefill")):
+            async for out, event in pending.stream_from(prefill, replace(item, mode="prefill")):
                 if event is not None and event.kv_handles:
                     handle_event = event
                     break
-                if message is not None:
-                    yield message
+                if out is not None:
+                    yield out
             if handle_event is None:
                 return  # ended on the prefill worker (first token was the last, or abort)
             # P holds the KV under a lease until a decode worker's notice or expiry; until
             # D has the handle, ending the request means declining it (see _settle).
             pending.unread_handles = handle_event.kv_handles
             first = replace(handle_event, finished=False, kv_handles=())
-            message = stream.on_event(first)
-            if message is not None:
-                yield message
+            out = stream.on_event(first)
+            if out is not None:
+                yield out
             if pending.is_aborted and not stream.is_finished:
-                yield stream.abort_message()
+                yield stream.abort_event()
             if stream.is_finished:
                 return  # a stop string on the first token, or an abort
             item = replace(
@@ -220,9 +228,9 @@ class Router:
                 kv_handles=handle_event.kv_handles,
                 first_token_id=handle_event.token_ids[0],
             )
-        async for message, _event in pending.stream_from(decode, item):
-            if message is not None:
-                yield message
+        async for out, _event in pending.stream_from(decode, item):
+            if out is not None:
+                yield out
 
     def _route(self, valid: ValidRequest, token_ids: list[int]):
         cfg = self.config
@@ -244,7 +252,7 @@ class Router:
                 cursor=self._cursor,
             )
         except NoHealthyWorker as exc:
-            raise RouterError("UNAVAILABLE", str(exc)) from None
+            raise RouterError(ErrorCode.UNAVAILABLE, str(exc)) from None
         self._cursor = decision.round_robin_cursor
         return decision
 

@@ -1,14 +1,18 @@
 """The gRPC front door: ``baton.v1.Inference`` over a :class:`~router.router.Router`,
 plus the standard health service and server reflection.
 
-The servicer is a thin adapter: it maps ``RouterError`` codes to gRPC status codes and
-makes sure a cancelled or timed-out call closes the request's stream (which aborts it on
-the workers). Health: ``""`` is SERVING while the process is up; ``baton.v1.Inference``
-is SERVING once the workers reported and NOT_SERVING while draining.
+The only module of the router that knows protobuf. The servicer is a thin adapter: it
+converts ``GenerateRequest`` into the router's typed request (``router/requests.py``), the
+router's events (``router/events.py``) and status snapshots (``router/status.py``) into
+protobuf messages, maps ``RouterError`` codes to gRPC status codes, and makes sure a
+cancelled or timed-out call closes the request's stream (which aborts it on the
+workers). Health: ``""`` is SERVING while the process is up; ``baton.v1.Inference`` is
+SERVING once the workers reported and NOT_SERVING while draining.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 
 import grpc
@@ -18,10 +22,10 @@ from grpc_reflection.v1alpha import reflection
 
 from proto.baton.v1 import inference_pb2 as pb
 from proto.baton.v1 import inference_pb2_grpc as pb_grpc
-from router.config import RouterError
+from router import events, requests, status
+from router.errors import ErrorCode, RouterError
 from router.metrics import RouterMetrics
 from router.router import Router
-from router.status import cluster_status, model_info
 
 logger = logging.getLogger(__name__)
 
@@ -37,20 +41,22 @@ class InferenceServicer(pb_grpc.InferenceServicer):
 
     async def Generate(self, request, context):
         call = self.metrics.call()
-        stream = self.router.generate(request)
+        stream = None
         try:
-            async for message in stream:
-                call.message(message)
-                yield message
+            stream = self.router.generate(generate_request(request))
+            async for event in stream:
+                call.event(event)
+                yield generate_response(event)
         except RouterError as exc:
             call.error(exc.code)
-            await context.abort(getattr(grpc.StatusCode, exc.code), exc.message)
+            await context.abort(_STATUS[exc.code], exc.message)
         except Exception as exc:  # a bug: answer INTERNAL, keep serving
-            call.error("INTERNAL")
+            call.error(ErrorCode.INTERNAL)
             await _internal(context, exc)
         finally:
             call.closed()  # no Final and no error: the client cancelled or its deadline passed
-            await stream.aclose()  # cancelled or deadline: aborts the request on the workers
+            if stream is not None:  # cancelled or deadline: aborts the request on the workers
+                await stream.aclose()
 
     async def Abort(self, request, context):
         try:
@@ -61,13 +67,13 @@ class InferenceServicer(pb_grpc.InferenceServicer):
 
     async def GetModelInfo(self, request, context):
         try:
-            return model_info(self.router)
+            return _model_info(status.model_info(self.router))
         except Exception as exc:
             await _internal(context, exc)
 
     async def GetClusterStatus(self, request, context):
         try:
-            return cluster_status(self.router, self.tp_pp)
+            return _cluster_status(status.cluster_status(self.router, self.tp_pp))
         except Exception as exc:
             await _internal(context, exc)
 
@@ -76,6 +82,120 @@ async def _internal(context, exc: Exception) -> None:
     """A bug: answer INTERNAL (not UNKNOWN) and keep serving."""
     logger.exception("request failed")
     await context.abort(grpc.StatusCode.INTERNAL, f"{type(exc).__name__}: {exc}")
+
+
+# ---- protobuf <-> the router's types -----------------------------------------------------
+
+_STATUS = {code: getattr(grpc.StatusCode, code.value) for code in ErrorCode}
+_DISAGGREGATION: dict[int, requests.Disaggregation | None] = {
+    pb.DISAGGREGATION_UNSPECIFIED: None,
+    pb.DISAGGREGATION_ALWAYS: "always",
+    pb.DISAGGREGATION_NEVER: "never",
+    pb.DISAGGREGATION_AUTO: "auto",
+}
+_FINISH_REASON = {
+    "stop": pb.FINISH_REASON_STOP,
+    "length": pb.FINISH_REASON_LENGTH,
+    "abort": pb.FINISH_REASON_ABORT,
+}
+_SAMPLING_FIELDS = tuple(f.name for f in dataclasses.fields(requests.SamplingOptions))
+
+
+def _optional(message, name: str):
+    """A proto3 ``optional`` field's value, or None when the client left it unset."""
+    return getattr(message, name) if message.HasField(name) else None
+
+
+def generate_request(req: pb.GenerateRequest) -> requests.GenerateRequest:
+    """The router's request; values are judged by the router (``router/validation.py``).
+
+    Raises RouterError(INVALID_ARGUMENT) only for what the typed request cannot hold: a
+    ``disaggregation`` enum value this server does not know.
+    """
+    if req.disaggregation not in _DISAGGREGATION:
+        raise RouterError(
+            ErrorCode.INVALID_ARGUMENT,
+            f"disaggregation: unknown value {req.disaggregation}",
+        )
+    kind = req.WhichOneof("prompt")  # an explicitly empty text is set, and refused later
+    prompt: str | tuple[int, ...] | None = None
+    if kind == "text":
+        prompt = req.text
+    elif kind == "token_ids":
+        prompt = tuple(req.token_ids.ids)
+    sampling, stopping, output = req.sampling, req.stopping, req.output
+    return requests.GenerateRequest(
+        prompt=prompt,
+        request_id=req.request_id,
+        model=req.model,
+        sampling=requests.SamplingOptions(
+            **{name: _optional(sampling, name) for name in _SAMPLING_FIELDS}
+        ),
+        stopping=requests.StoppingOptions(
+            max_tokens=_optional(stopping, "max_tokens"),
+            min_tokens=_optional(stopping, "min_tokens"),
+            stop=tuple(stopping.stop),
+            stop_token_ids=tuple(stopping.stop_token_ids),
+            ignore_eos=stopping.ignore_eos,
+        ),
+        output=requests.OutputOptions(
+            logprobs=_optional(output, "logprobs"),
+            return_text=output.return_text if output.HasField("return_text") else True,
+            return_timing=output.return_timing,
+        ),
+        disaggregation=_DISAGGREGATION[req.disaggregation],
+    )
+
+
+def generate_response(event: events.GenerateEvent) -> pb.GenerateResponse:
+    delta = _delta(event.delta)
+    finish = event.finish
+    if finish is None:
+        return pb.GenerateResponse(request_id=event.request_id, delta=delta)
+    final = pb.Final(
+        finish_reason=_FINISH_REASON[finish.reason],
+        usage=pb.Usage(
+            prompt_tokens=finish.usage.prompt_tokens,
+            completion_tokens=finish.usage.completion_tokens,
+            cached_prompt_tokens=finish.usage.cached_prompt_tokens,
+        ),
+        delta=delta,
+    )
+    if finish.stop_string is not None:  # stop_reason is a oneof
+        final.stop_string = finish.stop_string
+    elif finish.stop_token_id is not None:
+        final.stop_token_id = finish.stop_token_id
+    if finish.timing is not None:
+        final.timing.CopyFrom(pb.Timing(**dataclasses.asdict(finish.timing)))
+    return pb.GenerateResponse(request_id=event.request_id, final=final)
+
+
+def _delta(delta: events.Delta) -> pb.Delta:
+    return pb.Delta(
+        token_ids=delta.token_ids,
+        text=delta.text,
+        logprobs=[
+            pb.TokenLogprob(
+                token_id=lp.token_id,
+                logprob=lp.logprob,
+                rank=lp.rank,
+                top=[
+                    pb.TopLogprob(token_id=t, logprob=v)
+                    for t, v in zip(lp.top_token_ids, lp.top_logprobs, strict=True)
+                ],
+            )
+            for lp in delta.logprobs
+        ],
+    )
+
+
+def _model_info(info: status.ModelInfo) -> pb.ModelInfo:
+    return pb.ModelInfo(**dataclasses.asdict(info))
+
+
+def _cluster_status(snapshot: status.ClusterStatus) -> pb.ClusterStatus:
+    # Field for field: the snapshot's dataclasses mirror the messages.
+    return pb.ClusterStatus(**dataclasses.asdict(snapshot))
 
 
 class Server:

@@ -1,47 +1,93 @@
 """What ``GetModelInfo`` and ``GetClusterStatus`` answer, built from the router's state.
 
-Pure functions of the router's config and the workers' last reports (no I/O): the
-servicer calls them; the flow in ``router.py`` never needs them.
+Pure functions of the router's config and the workers' last reports (no I/O) into frozen
+snapshots; the front end converts them to its wire format. The flow in ``router.py``
+never needs them.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
-from proto.baton.v1 import inference_pb2 as pb
 from router.recovery import Recovery
 from router.router import Router
 from router.workers import WorkerView
 
 
-def model_info(router: Router) -> pb.ModelInfo:
+@dataclass(frozen=True)
+class ModelInfo:
+    name: str
+    architecture: str
+    dtype: str
+    max_model_len: int
+    vocab_size: int
+    eos_token_ids: tuple[int, ...]  # sorted
+
+
+@dataclass(frozen=True)
+class WorkerStatus:
+    name: str
+    role: str  # prefill | decode
+    healthy: bool
+    state: str  # serving | starting | stopping | restarting | failed | down (see _state)
+    restarts: int  # replicas that replaced a dead one under this name
+    tensor_parallel: int
+    pipeline_parallel: int
+    num_running: int
+    num_waiting: int
+    kv_blocks_total: int
+    kv_blocks_used: int
+    kv_blocks_cached: int
+
+
+@dataclass(frozen=True)
+class PoolStatus:
+    role: str
+    replicas: int
+    healthy_replicas: int
+    workers: tuple[WorkerStatus, ...]
+
+
+@dataclass(frozen=True)
+class ClusterStatus:
+    model: str
+    pools: tuple[PoolStatus, ...]  # prefill, then decode
+    kv_transfer_backend: str
+    policy: str
+    disaggregation: str
+    draining: bool
+
+
+def model_info(router: Router) -> ModelInfo:
     cfg = router.config
-    return pb.ModelInfo(
+    return ModelInfo(
         name=cfg.model_name,
         architecture=cfg.architecture,
         dtype=cfg.dtype,
         max_model_len=cfg.max_model_len,
         vocab_size=cfg.vocab_size,
-        eos_token_ids=sorted(router.tokenizer.eos_token_ids),
+        eos_token_ids=tuple(sorted(router.tokenizer.eos_token_ids)),
     )
 
 
 def cluster_status(
     router: Router, tp_pp: dict[str, tuple[int, int]] | None = None
-) -> pb.ClusterStatus:
+) -> ClusterStatus:
     """Pools, workers (health, TP/PP, load, KV blocks), transfer backend, policy, draining."""
     cfg = router.config
-    status = pb.ClusterStatus(
+    pools = []
+    for role, views in (("prefill", router.prefill), ("decode", router.decode)):
+        tp, pp = (tp_pp or {}).get(role, (1, 1))
+        pools.append(_pool(router.recovery, role, views, tp, pp))
+    return ClusterStatus(
         model=cfg.model_name,
+        pools=tuple(pools),
         kv_transfer_backend=cfg.kv_transfer_backend,
         policy=cfg.policy,
         disaggregation=cfg.disaggregation,
         draining=router.is_draining,
     )
-    for role, views in (("prefill", router.prefill), ("decode", router.decode)):
-        tp, pp = (tp_pp or {}).get(role, (1, 1))
-        _add_pool(status, router.recovery, role, views, tp, pp)
-    return status
 
 
 def _state(view: WorkerView, recovery: Recovery | None) -> str:
@@ -57,29 +103,31 @@ def _state(view: WorkerView, recovery: Recovery | None) -> str:
     return "down"
 
 
-def _add_pool(
-    status: pb.ClusterStatus,
-    recovery: Recovery | None,
-    role: str,
-    views: Sequence[WorkerView],
-    tp: int,
-    pp: int,
-) -> None:
-    pool = status.pools.add(role=role, replicas=len(views))
+def _pool(
+    recovery: Recovery | None, role: str, views: Sequence[WorkerView], tp: int, pp: int
+) -> PoolStatus:
+    workers = []
     for view in views:
         report = view.report
-        pool.workers.add(
-            name=view.name,
-            role=role,
-            healthy=view.is_healthy,
-            state=_state(view, recovery),
-            restarts=recovery.num_restarts.get(view.name, 0) if recovery else 0,
-            tensor_parallel=tp,
-            pipeline_parallel=pp,
-            num_running=report.num_running if report else 0,
-            num_waiting=report.num_waiting if report else 0,
-            kv_blocks_total=report.kv_blocks_total if report else 0,
-            kv_blocks_used=report.kv_blocks_used if report else 0,
-            kv_blocks_cached=report.kv_blocks_cached if report else 0,
+        workers.append(
+            WorkerStatus(
+                name=view.name,
+                role=role,
+                healthy=view.is_healthy,
+                state=_state(view, recovery),
+                restarts=recovery.num_restarts.get(view.name, 0) if recovery else 0,
+                tensor_parallel=tp,
+                pipeline_parallel=pp,
+                num_running=report.num_running if report else 0,
+                num_waiting=report.num_waiting if report else 0,
+                kv_blocks_total=report.kv_blocks_total if report else 0,
+                kv_blocks_used=report.kv_blocks_used if report else 0,
+                kv_blocks_cached=report.kv_blocks_cached if report else 0,
+            )
         )
-    pool.healthy_replicas = sum(v.is_healthy for v in views)
+    return PoolStatus(
+        role=role,
+        replicas=len(views),
+        healthy_replicas=sum(v.is_healthy for v in views),
+        workers=tuple(workers),
+    )

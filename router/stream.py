@@ -1,4 +1,4 @@
-"""One request's output at the edge: token events in, ``GenerateResponse`` messages out.
+"""One request's output at the edge: token events in, :class:`~router.events.GenerateEvent` out.
 
 Workers send token ids only; the router detokenizes incrementally here (never broken
 UTF-8) and applies stop *strings*, which only text can decide. A stop string ends the
@@ -12,23 +12,19 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
-from proto.baton.v1 import inference_pb2 as pb
+from router.events import Delta, Finish, FinishReason, GenerateEvent, Timing, Usage
 from workers.protocol.logprobs import TokenLogprobs
 from workers.protocol.sampling_params import SamplingParams
 from workers.protocol.wire import TokenEvent
 from workers.text.detokenizer import IncrementalDetokenizer
 from workers.text.tokenizer import Tokenizer
 
-_FINISH = {
-    "stop": pb.FINISH_REASON_STOP,
-    "length": pb.FINISH_REASON_LENGTH,
-    "abort": pb.FINISH_REASON_ABORT,
-}
+_FINISH_REASONS: tuple[FinishReason, ...] = ("stop", "length", "abort")
 
 
 @dataclass
-class Timing:
-    """Router-side clock readings (monotonic seconds) of one request."""
+class Stamps:
+    """Router-side clock readings (monotonic seconds) of one request, and its workers."""
 
     accepted: float = field(default_factory=time.monotonic)
     submitted: float = 0.0  # sent to the first worker
@@ -40,7 +36,7 @@ class Timing:
 
 
 class RequestStream:
-    """Turns a request's token events into client messages; knows when the output ended."""
+    """Turns a request's token events into client events; knows when the output ended."""
 
     def __init__(
         self,
@@ -57,7 +53,7 @@ class RequestStream:
         self.params = params
         self.return_text = return_text
         self.return_timing = return_timing
-        self.timing = Timing()
+        self.stamps = Stamps()
         self.num_output_tokens = 0
         self.num_cached_tokens = 0
         self.is_finished = False
@@ -65,19 +61,19 @@ class RequestStream:
             tokenizer, prompt_token_ids, params.stop, params.skip_special_tokens
         )
 
-    def on_event(self, event: TokenEvent) -> pb.GenerateResponse | None:
-        """The client message for one worker event (None when it carries nothing to send).
+    def on_event(self, event: TokenEvent) -> GenerateEvent | None:
+        """The client event for one worker event (None when it carries nothing to send).
 
-        After a message with a Final, ``is_finished`` is True; a stop string can finish the
+        After an event with a Finish, ``is_finished`` is True; a stop string can finish the
         output before the worker knows (the caller then aborts it there).
         """
         if self.is_finished:
             return None
         if self.num_output_tokens == 0 and event.token_ids:
-            self.timing.first_token = time.monotonic()
+            self.stamps.first_token = time.monotonic()
         self.num_cached_tokens = max(self.num_cached_tokens, event.num_cached_tokens)
-        self.timing.kv_transfer_seconds += event.kv_transfer_seconds
-        self.timing.kv_transfer_bytes += event.kv_transfer_bytes
+        self.stamps.kv_transfer_seconds += event.kv_transfer_seconds
+        self.stamps.kv_transfer_bytes += event.kv_transfer_bytes
         token_ids: list[int] = []
         text_parts: list[str] = []
         stop_string = None
@@ -91,82 +87,59 @@ class RequestStream:
             if step.stop_matched is not None:
                 stop_string = step.stop_matched
                 break
-        delta = self._delta(token_ids, "".join(text_parts), event.logprobs, len(token_ids))
+        text = "".join(text_parts)
         if stop_string is not None:
-            return self._final(delta, pb.FINISH_REASON_STOP, stop_string=stop_string)
+            delta = self._delta(token_ids, text, event.logprobs)
+            return self._final(delta, "stop", stop_string=stop_string)
         if event.finished:
-            delta.text += self._flush()  # held back for a stop string that never came
-            reason = _FINISH.get(event.finish_reason or "abort", pb.FINISH_REASON_ABORT)
-            return self._final(delta, reason, stop_token_id=event.stop_token_id)
+            text += self._detok.flush()  # held back for a stop string that never came
+            reason = event.finish_reason if event.finish_reason in _FINISH_REASONS else "abort"
+            delta = self._delta(token_ids, text, event.logprobs)
+            return self._final(delta, reason, stop_token_id=event.stop_token_id)  # type: ignore[arg-type]
         if not token_ids:
             return None
-        return pb.GenerateResponse(request_id=self.request_id, delta=delta)
+        return GenerateEvent(self.request_id, self._delta(token_ids, text, event.logprobs))
 
-    def abort_message(self) -> pb.GenerateResponse:
-        """The Final of an output cut short by ``Abort`` (or a drain past its grace)."""
-        delta = self._delta([], self._flush(), None, 0)
-        return self._final(delta, pb.FINISH_REASON_ABORT)
+    def abort_event(self) -> GenerateEvent:
+        """The last event of an output cut short by an abort (or a drain past its grace)."""
+        return self._final(self._delta([], self._detok.flush(), None), "abort")
 
-    # ---- building messages ------------------------------------------------------------
-    def _flush(self) -> str:
-        text = self._detok.flush()
-        return text if self.return_text else ""
-
+    # ---- building events --------------------------------------------------------------
     def _delta(
-        self,
-        token_ids: list[int],
-        text: str,
-        logprobs: tuple[TokenLogprobs, ...] | None,
-        num_kept: int,
-    ) -> pb.Delta:
-        delta = pb.Delta(token_ids=token_ids, text=text if self.return_text else "")
-        if logprobs is not None:
-            for lp in logprobs[:num_kept]:
-                delta.logprobs.append(
-                    pb.TokenLogprob(
-                        token_id=lp.token_id,
-                        logprob=lp.logprob,
-                        rank=lp.rank,
-                        top=[
-                            pb.TopLogprob(token_id=t, logprob=v)
-                            for t, v in zip(lp.top_token_ids, lp.top_logprobs, strict=True)
-                        ],
-                    )
-                )
-        return delta
+        self, token_ids: list[int], text: str, logprobs: tuple[TokenLogprobs, ...] | None
+    ) -> Delta:
+        # A stop string can end the output before the event's last token: its logprobs go too.
+        kept = tuple(logprobs[: len(token_ids)]) if logprobs is not None else ()
+        return Delta(tuple(token_ids), text if self.return_text else "", kept)
 
     def _final(
         self,
-        delta: pb.Delta,
-        reason: int,
+        delta: Delta,
+        reason: FinishReason,
         *,
         stop_string: str | None = None,
         stop_token_id: int | None = None,
-    ) -> pb.GenerateResponse:
+    ) -> GenerateEvent:
         self.is_finished = True
-        final = pb.Final(
-            finish_reason=reason,
-            usage=pb.Usage(
+        finish = Finish(
+            reason=reason,
+            usage=Usage(
                 prompt_tokens=len(self.prompt_token_ids),
                 completion_tokens=self.num_output_tokens,
                 cached_prompt_tokens=self.num_cached_tokens,
             ),
-            delta=delta,
+            stop_string=stop_string,
+            stop_token_id=stop_token_id,
+            timing=self._timing() if self.return_timing else None,
         )
-        if stop_string is not None:
-            final.stop_string = stop_string
-        elif stop_token_id is not None:
-            final.stop_token_id = stop_token_id
-        if self.return_timing:
-            final.timing.CopyFrom(self._timing())
-        return pb.GenerateResponse(request_id=self.request_id, final=final)
+        return GenerateEvent(self.request_id, delta, finish)
 
-    def _timing(self) -> pb.Timing:
-        t = self.timing
+    def _timing(self) -> Timing:
+        t = self.stamps
         now = time.monotonic()
         submitted = t.submitted or now
         first = t.first_token or now
-        return pb.Timing(
+        return Timing(
             queue_seconds=submitted - t.accepted,
             prefill_seconds=max(0.0, first - submitted),
             kv_transfer_seconds=t.kv_transfer_seconds,

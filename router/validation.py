@@ -1,5 +1,7 @@
-"""Edge validation: a ``GenerateRequest`` becomes a prompt and ``SamplingParams``, or an
-``InvalidRequest`` whose message names the proto field (the router answers INVALID_ARGUMENT).
+"""Validation: a :class:`~router.requests.GenerateRequest` becomes a prompt and
+``SamplingParams``, or an ``InvalidRequest`` whose message names the field by its path in
+the request (``sampling.top_p``; the router answers INVALID_ARGUMENT). Every front end's
+requests are judged here, alike.
 
 Checks that need the tokenizer (prompt length against the context) happen in
 :func:`check_length`, after tokenization, so that text and token-id prompts are judged alike.
@@ -10,11 +12,11 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-from proto.baton.v1 import inference_pb2 as pb
+from router.requests import DISAGGREGATION_MODES, Disaggregation, GenerateRequest
 from workers.protocol.sampling_params import SamplingParams
 from workers.text.tokenizer import Tokenizer
 
-# SamplingParams field -> the proto field path a client sees.
+# SamplingParams field -> its path in the GenerateRequest (and the protobuf message).
 _FIELD_PATHS = {
     "temperature": "sampling.temperature",
     "top_p": "sampling.top_p",
@@ -28,6 +30,7 @@ _FIELD_PATHS = {
     "min_tokens": "stopping.min_tokens",
     "stop": "stopping.stop",
     "stop_token_ids": "stopping.stop_token_ids",
+    "ignore_eos": "stopping.ignore_eos",
     "logprobs": "output.logprobs",
 }
 _MAX_STOP_STRINGS = 16
@@ -45,17 +48,17 @@ class ValidRequest:
     params: SamplingParams
     return_text: bool
     return_timing: bool
-    disaggregation: str | None  # "always" | "never" | "auto" | None (router default)
+    disaggregation: Disaggregation | None  # None: the router's configured policy
 
 
-def validate(req: pb.GenerateRequest, served_model: str, request_id: str) -> ValidRequest:
+def validate(req: GenerateRequest, served_model: str, request_id: str) -> ValidRequest:
     """Everything that can be judged without the tokenizer."""
     if req.model and req.model != served_model:
         raise InvalidRequest(f"model: unknown model {req.model!r} (serving {served_model!r})")
-    kind = req.WhichOneof("prompt")
-    if kind is None:
+    if req.prompt is None:
         raise InvalidRequest("prompt: set either text or token_ids")
-    prompt: str | list[int] = req.text if kind == "text" else list(req.token_ids.ids)
+    kind = "text" if isinstance(req.prompt, str) else "token_ids"
+    prompt: str | list[int] = req.prompt if isinstance(req.prompt, str) else list(req.prompt)
     if not prompt:
         raise InvalidRequest(f"{kind}: the prompt is empty")
     stop = list(req.stopping.stop)
@@ -67,21 +70,19 @@ def validate(req: pb.GenerateRequest, served_model: str, request_id: str) -> Val
         request_id=request_id,
         prompt=prompt,
         params=_sampling_params(req),
-        return_text=req.output.return_text if req.output.HasField("return_text") else True,
+        return_text=req.output.return_text,
         return_timing=req.output.return_timing,
-        disaggregation=_DISAGGREGATION[req.disaggregation],
+        disaggregation=_disaggregation(req.disaggregation),
     )
 
 
-_DISAGGREGATION = {
-    pb.DISAGGREGATION_UNSPECIFIED: None,
-    pb.DISAGGREGATION_ALWAYS: "always",
-    pb.DISAGGREGATION_NEVER: "never",
-    pb.DISAGGREGATION_AUTO: "auto",
-}
+def _disaggregation(mode: str | None) -> Disaggregation | None:
+    if mode is not None and mode not in DISAGGREGATION_MODES:
+        raise InvalidRequest(f"disaggregation: one of {DISAGGREGATION_MODES}, got {mode!r}")
+    return mode  # type: ignore[return-value]
 
 
-def _sampling_params(req: pb.GenerateRequest) -> SamplingParams:
+def _sampling_params(req: GenerateRequest) -> SamplingParams:
     kwargs: dict[str, object] = {}
     sampling, stopping = req.sampling, req.stopping
     for name in (
@@ -94,13 +95,13 @@ def _sampling_params(req: pb.GenerateRequest) -> SamplingParams:
         "presence_penalty",
         "frequency_penalty",
     ):
-        if sampling.HasField(name):
+        if getattr(sampling, name) is not None:
             kwargs[name] = getattr(sampling, name)
     # Unset max_tokens: up to the context length (the engine resolves None).
-    kwargs["max_tokens"] = stopping.max_tokens if stopping.HasField("max_tokens") else None
-    if stopping.HasField("min_tokens"):
+    kwargs["max_tokens"] = stopping.max_tokens
+    if stopping.min_tokens is not None:
         kwargs["min_tokens"] = stopping.min_tokens
-    if req.output.HasField("logprobs"):
+    if req.output.logprobs is not None:
         kwargs["logprobs"] = req.output.logprobs
     try:
         return SamplingParams(
@@ -114,7 +115,7 @@ def _sampling_params(req: pb.GenerateRequest) -> SamplingParams:
 
 
 def _with_field_path(message: str) -> str:
-    """Prefix SamplingParams' message with the proto path of the field it names."""
+    """Prefix SamplingParams' message with the request path of the field it names."""
     match = re.match(r"\W*(\w+)", message)
     name = match.group(1) if match else ""
     path = _FIELD_PATHS.get(name)

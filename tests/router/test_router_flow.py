@@ -18,8 +18,10 @@ from cluster.tools.make_model import make_model
 from kvtransfer import KVLayout, KVTransferConfig, create_connector
 from kvtransfer.local_backend import LocalFabric
 from proto.baton.v1 import inference_pb2 as pb
-from router.config import RouterConfig, RouterError
+from router.config import RouterConfig
+from router.errors import RouterError
 from router.router import Router
+from router.server import generate_request, generate_response
 from workers import LLM, SamplingParams
 from workers.engine.config import EngineConfig
 from workers.engine.llm_engine import LLMEngine
@@ -178,9 +180,11 @@ def req(
     return r
 
 
-async def collect(router: Router, request):
+async def collect(router: Router, request: pb.GenerateRequest):
+    """Run ``request`` through the router, converted both ways as the gRPC servicer does."""
     tokens, text, final = [], [], None
-    async for msg in router.generate(request):
+    async for event in router.generate(generate_request(request)):
+        msg = generate_response(event)
         body = msg.delta if msg.HasField("delta") else msg.final.delta
         tokens.extend(body.token_ids)
         text.append(body.text)

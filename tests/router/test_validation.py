@@ -1,4 +1,5 @@
-"""Edge validation: each bad field is refused with a message naming its proto path."""
+"""Validation of a protobuf request (converted as the gRPC servicer does): each bad field
+is refused with a message naming its proto path."""
 
 from __future__ import annotations
 
@@ -7,9 +8,14 @@ import math
 import pytest
 
 from proto.baton.v1 import inference_pb2 as pb
-from router.validation import InvalidRequest, check_length, validate
+from router.server import generate_request
+from router.validation import InvalidRequest, ValidRequest, check_length, validate
 
 MODEL = "tiny"
+
+
+def validate_pb(req: pb.GenerateRequest, served_model: str, request_id: str) -> ValidRequest:
+    return validate(generate_request(req), served_model, request_id)
 
 
 def request(**fields) -> pb.GenerateRequest:
@@ -24,7 +30,7 @@ def test_a_good_request_maps_every_field():
         output=pb.OutputOptions(logprobs=3, return_text=False, return_timing=True),
         disaggregation=pb.DISAGGREGATION_ALWAYS,
     )
-    valid = validate(req, MODEL, "r1")
+    valid = validate_pb(req, MODEL, "r1")
     p = valid.params
     assert (p.temperature, p.top_p, p.top_k, p.seed) == (0.5, pytest.approx(0.9), 40, 3)
     assert (p.max_tokens, p.min_tokens, p.stop, p.ignore_eos) == (12, 2, ("\n",), True)
@@ -33,7 +39,7 @@ def test_a_good_request_maps_every_field():
 
 
 def test_unset_fields_take_defaults():
-    valid = validate(pb.GenerateRequest(token_ids=pb.TokenIds(ids=[5, 6])), MODEL, "r2")
+    valid = validate_pb(pb.GenerateRequest(token_ids=pb.TokenIds(ids=[5, 6])), MODEL, "r2")
     assert valid.prompt == [5, 6] and valid.return_text and valid.disaggregation is None
     assert valid.params.max_tokens is None and valid.params.temperature == 1.0
 
@@ -61,23 +67,23 @@ def test_unset_fields_take_defaults():
 )
 def test_each_bad_field_is_named(fields, path):
     with pytest.raises(InvalidRequest, match=f"^{path}"):
-        validate(request(**fields), MODEL, "r")
+        validate_pb(request(**fields), MODEL, "r")
 
 
 def test_missing_prompt_and_empty_token_ids():
     with pytest.raises(InvalidRequest, match=r"^prompt: set either"):
-        validate(pb.GenerateRequest(), MODEL, "r")
+        validate_pb(pb.GenerateRequest(), MODEL, "r")
     with pytest.raises(InvalidRequest, match=r"^token_ids: the prompt is empty"):
-        validate(pb.GenerateRequest(token_ids=pb.TokenIds()), MODEL, "r")
+        validate_pb(pb.GenerateRequest(token_ids=pb.TokenIds()), MODEL, "r")
 
 
 def test_length_checks_after_tokenization():
-    params = validate(request(stopping=pb.StoppingCriteria(max_tokens=10)), MODEL, "r").params
+    params = validate_pb(request(stopping=pb.StoppingCriteria(max_tokens=10)), MODEL, "r").params
     check_length(90, params, 100)
     with pytest.raises(InvalidRequest, match=r"^stopping\.max_tokens: prompt \(91 tokens\)"):
         check_length(91, params, 100)
     with pytest.raises(InvalidRequest, match=r"^prompt: 100 tokens leave no room"):
-        check_length(100, validate(request(), MODEL, "r").params, 100)
+        check_length(100, validate_pb(request(), MODEL, "r").params, 100)
 
 
 class _Tokenizer:
@@ -94,8 +100,8 @@ class _Tokenizer:
 def test_prompt_ids_outside_the_vocabulary_name_the_prompt_field(prompt, named):
     from router.validation import prompt_token_ids
 
-    valid = validate(pb.GenerateRequest(**prompt), "m", "r1")
+    valid = validate_pb(pb.GenerateRequest(**prompt), "m", "r1")
     with pytest.raises(InvalidRequest, match=rf"^{named}: ids out of vocabulary \[0, 200\)"):
         prompt_token_ids(valid, _Tokenizer(), vocab_size=200, max_model_len=64)
-    ok = validate(pb.GenerateRequest(text="hi"), "m", "r2")
+    ok = validate_pb(pb.GenerateRequest(text="hi"), "m", "r2")
     assert prompt_token_ids(ok, _Tokenizer(), vocab_size=200, max_model_len=64) == [104, 105]
