@@ -49,7 +49,7 @@ class InferenceServicer(pb_grpc.InferenceServicer):
                 yield generate_response(event)
         except RouterError as exc:
             call.error(exc.code)
-            await context.abort(_STATUS[exc.code], exc.message)
+            await context.abort(GRPC_STATUS[exc.code], exc.message)
         except Exception as exc:  # a bug: answer INTERNAL, keep serving
             call.error(ErrorCode.INTERNAL)
             await _internal(context, exc)
@@ -67,13 +67,13 @@ class InferenceServicer(pb_grpc.InferenceServicer):
 
     async def GetModelInfo(self, request, context):
         try:
-            return _model_info(status.model_info(self.router))
+            return model_info_message(status.model_info(self.router))
         except Exception as exc:
             await _internal(context, exc)
 
     async def GetClusterStatus(self, request, context):
         try:
-            return _cluster_status(status.cluster_status(self.router, self.tp_pp))
+            return cluster_status_message(status.cluster_status(self.router, self.tp_pp))
         except Exception as exc:
             await _internal(context, exc)
 
@@ -86,7 +86,7 @@ async def _internal(context, exc: Exception) -> None:
 
 # ---- protobuf <-> the router's types -----------------------------------------------------
 
-_STATUS = {code: getattr(grpc.StatusCode, code.value) for code in ErrorCode}
+GRPC_STATUS = {code: getattr(grpc.StatusCode, code.value) for code in ErrorCode}
 _DISAGGREGATION: dict[int, requests.Disaggregation | None] = {
     pb.DISAGGREGATION_UNSPECIFIED: None,
     pb.DISAGGREGATION_ALWAYS: "always",
@@ -189,11 +189,11 @@ def _delta(delta: events.Delta) -> pb.Delta:
     )
 
 
-def _model_info(info: status.ModelInfo) -> pb.ModelInfo:
+def model_info_message(info: status.ModelInfo) -> pb.ModelInfo:
     return pb.ModelInfo(**dataclasses.asdict(info))
 
 
-def _cluster_status(snapshot: status.ClusterStatus) -> pb.ClusterStatus:
+def cluster_status_message(snapshot: status.ClusterStatus) -> pb.ClusterStatus:
     # Field for field: the snapshot's dataclasses mirror the messages.
     return pb.ClusterStatus(**dataclasses.asdict(snapshot))
 
