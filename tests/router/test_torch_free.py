@@ -1,9 +1,11 @@
-"""The router process does not load torch: its modules, the wire format to the workers
-and the gRPC client side import only torch-free code (a fresh interpreter checks, since
-this test process has torch loaded already)."""
+"""What the router process loads: no torch in its modules, the wire format to the workers
+or the gRPC client side; no protobuf or gRPC in the router's core flow (only the servicer,
+``router/server.py``, speaks them). A fresh interpreter checks each module, since this
+test process has torch loaded already."""
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -22,11 +24,16 @@ TORCH_FREE = (
     "cluster.client",
     "cluster.cli_client",
 )
+# The flow a front end drives; the HTTP front end must not pull in gRPC through it.
+PROTOBUF_FREE = ("router.router", "router.status", "router.metrics")
 
 
-@pytest.mark.parametrize("module", TORCH_FREE)
-def test_importing_does_not_load_torch(module):
-    code = f"import sys, {module}; print(sorted(m for m in sys.modules if m.split('.')[0] == 'torch')[:3])"
+def loaded(module: str, packages: tuple[str, ...]) -> list[str]:
+    """The modules of ``packages`` that importing ``module`` loads (a few, sorted)."""
+    code = (
+        f"import json, sys, {module}\n"
+        f"print(json.dumps(sorted(m for m in sys.modules if m.split('.')[0] in {packages!r})[:3]))"
+    )
     env = {
         **os.environ,
         "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
@@ -34,4 +41,14 @@ def test_importing_does_not_load_torch(module):
     out = subprocess.run(
         [sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True, text=True, check=True
     )
-    assert out.stdout.strip() == "[]", f"{module} loads torch: {out.stdout.strip()}"
+    return json.loads(out.stdout)
+
+
+@pytest.mark.parametrize("module", TORCH_FREE)
+def test_importing_does_not_load_torch(module):
+    assert loaded(module, ("torch",)) == []
+
+
+@pytest.mark.parametrize("module", PROTOBUF_FREE)
+def test_the_core_flow_loads_no_protobuf_or_grpc(module):
+    assert loaded(module, ("proto", "grpc", "google")) == []
