@@ -45,6 +45,8 @@ logger = logging.getLogger(__name__)
 
 
 class Router:
+    """Admits, routes and hands off every request; dispatches the workers' events to them."""
+
     def __init__(
         self,
         config: RouterConfig,
@@ -212,7 +214,7 @@ class Router:
             if handle_event is None:
                 return  # ended on the prefill worker (first token was the last, or abort)
             # P holds the KV under a lease until a decode worker's notice or expiry; until
-            # D has the handle, ending the request means declining it (see _settle).
+            # D has the handle, ending the request means declining it (see Pending.settle).
             pending.unread_handles = handle_event.kv_handles
             first = replace(handle_event, finished=False, kv_handles=())
             out = stream.on_event(first)
