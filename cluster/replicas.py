@@ -28,7 +28,7 @@ import ray
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from workers.models.parallel import stage_and_tp_rank
+from workers.models.rank_layout import stage_and_tp_rank
 from workers.protocol.wire import WorkerInfo, decode_as
 from workers.serving.ray_rank import RankActor
 from workers.serving.ray_worker import ACTOR_CONCURRENCY, WorkerActor

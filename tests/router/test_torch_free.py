@@ -23,6 +23,14 @@ TORCH_FREE = (
     "workers.protocol.metrics",
     "cluster.client",
     "cluster.cli_client",
+    # The serving driver: the router runs in its process, beside bring-up and restart,
+    # which read the model's architecture and place the ranks without torch.
+    "cluster.serve",
+    "cluster.bringup",
+    "cluster.replicas",
+    "cluster.restart",
+    "workers.models.arch_config",
+    "workers.models.rank_layout",
 )
 # The flow a front end drives; the HTTP front end must not pull in gRPC through it.
 PROTOBUF_FREE = ("router.router", "router.status", "router.metrics")

@@ -10,9 +10,10 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
 # Kept here rather than read from the registry so that this module imports no model code;
 # tests check the two agree.
@@ -23,7 +24,9 @@ SUPPORTED_ARCHITECTURES = (
     "Qwen3ForCausalLM",
 )
 
-_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+# By name: the serving driver reads the architecture (bring-up's layout checks) without
+# loading torch; `torch_dtype` turns the name into a dtype for the engine's side.
+_DTYPES = ("float32", "float16", "bfloat16")
 
 
 @dataclass(frozen=True)
@@ -45,7 +48,14 @@ class ArchConfig:
     attention_bias: bool  # bias on q/k/v (always on for Qwen2)
     mlp_bias: bool  # bias on gate/up/down (Llama's ``mlp_bias``)
     sliding_window: int | None  # None when every layer attends to the full context
-    torch_dtype: torch.dtype | None  # the checkpoint's dtype, if config.json names one
+    dtype_name: str | None  # the checkpoint's dtype ("bfloat16", ...), if config.json names one
+
+    @property
+    def torch_dtype(self) -> torch.dtype | None:
+        """The checkpoint's dtype as a torch dtype (imports torch), None if unnamed."""
+        import torch
+
+        return None if self.dtype_name is None else getattr(torch, self.dtype_name)
 
     @classmethod
     def from_model_dir(cls, path: str | Path) -> ArchConfig:
@@ -85,7 +95,7 @@ class ArchConfig:
             attention_bias=architecture == "Qwen2ForCausalLM" or cfg.get("attention_bias", False),
             mlp_bias=cfg.get("mlp_bias", False),
             sliding_window=_parse_sliding_window(architecture, cfg),
-            torch_dtype=_parse_dtype(cfg.get("dtype") or cfg.get("torch_dtype")),
+            dtype_name=_parse_dtype(cfg.get("dtype") or cfg.get("torch_dtype")),
         )
 
 
@@ -115,10 +125,10 @@ def _parse_sliding_window(architecture: str, cfg: dict[str, Any]) -> int | None:
     return cfg.get("sliding_window")
 
 
-def _parse_dtype(name: str | None) -> torch.dtype | None:
+def _parse_dtype(name: str | None) -> str | None:
     if name is None:
         return None
     name = name.removeprefix("torch.")
     if name not in _DTYPES:
         raise ValueError(f"unsupported dtype {name!r} in config.json; supported: {list(_DTYPES)}")
-    return _DTYPES[name]
+    return name

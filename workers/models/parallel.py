@@ -21,18 +21,7 @@ import torch
 import torch.distributed as dist
 
 from kvtransfer.layout import layer_range
-
-
-def rank_of(stage: int, tp_rank: int, tp_size: int, pp_size: int) -> int:
-    """The replica rank of (pipeline ``stage``, ``tp_rank``): the last stage holds rank 0."""
-    return (pp_size - 1 - stage) * tp_size + tp_rank
-
-
-def stage_and_tp_rank(rank: int, tp_size: int, pp_size: int) -> tuple[int, int]:
-    """Inverse of :func:`rank_of`."""
-    if not 0 <= rank < tp_size * pp_size:
-        raise ValueError(f"rank {rank} out of range for {tp_size} x {pp_size} ranks")
-    return pp_size - 1 - rank // tp_size, rank % tp_size
+from workers.models.rank_layout import rank_of
 
 
 @dataclass(frozen=True)

@@ -17,7 +17,8 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 
-from workers.models.parallel import ParallelContext, rank_of, stage_and_tp_rank
+from workers.models.parallel import ParallelContext
+from workers.models.rank_layout import rank_of, stage_and_tp_rank
 from workers.parallel.rank_link import RankLink
 
 # A collective waits this long for a hung peer (a dead one is seen at once: its
