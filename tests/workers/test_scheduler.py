@@ -141,8 +141,8 @@ def test_remote_prefill_waits_in_receiving_with_fresh_blocks_for_its_prompt():
     bm = sched.block_manager
     table = bm.block_table("remote")
     assert len(table) == 3 and not set(table) & set(bm.block_table("local"))  # no sharing
-    assert sched.take_receives() == [("remote", tuple(table))]
-    assert sched.take_receives() == []
+    assert sched.handoff.take_receives() == [("remote", tuple(table))]
+    assert sched.handoff.take_receives() == []
     for _ in range(3):  # never scheduled while receiving
         assert [c.request_id for c in run_step(sched).chunks] == ["local"]
 
@@ -184,14 +184,14 @@ def test_remote_prefill_without_blocks_waits_at_the_head_of_the_queue():
     assert [r.request_id for r in sched.waiting] == ["remote", "small"]
     sched.finish(sched.requests["big"], FinishReason.LENGTH)
     run_step(sched)
-    assert [r for r, _ in sched.take_receives()] == ["remote"]
+    assert [r for r, _ in sched.handoff.take_receives()] == ["remote"]
 
 
 def test_failed_receive_recomputes_into_the_same_blocks():
     sched = make_scheduler(budget=8)
     sched.add(make_remote_request("remote", list(range(10))))
     run_step(sched)
-    ((_, blocks),) = sched.take_receives()
+    ((_, blocks),) = sched.handoff.take_receives()
     sched.finish_receiving("remote", ok=False)
     steps = [run_step(sched).chunks for _ in range(2)]
     assert [(c.start_pos, c.num_tokens, c.needs_sample) for (c,) in steps] == [

@@ -5,11 +5,14 @@ each step's ``StreamDelta``s. Prefill and decode workers run this same loop; the
 requests differ only at the ends (see ``add_request``):
 
 - prefill role (``prefill_only``): after the first token the request leaves the
-  scheduler, its blocks *held* with the prompt's KV; the worker calls
-  ``release_held`` once the decode worker has pulled them.
+  scheduler, its blocks *held* with the prompt's KV by the hand-off (``self.handoff``);
+  the worker drives the offer and the lease there (or calls ``release_held`` once the
+  decode side has pulled them).
 - decode role (``remote_first_token``): the request is admitted into RECEIVING with
   fresh blocks for its prompt; the worker takes them from ``take_kv_receives``,
   transfers the KV into them and calls ``kv_received``; then it decodes.
+
+Who frees which block of a hand-off, and when: ``workers/engine/handoff.py``.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ from workers.engine.block_manager import BlockManager
 from workers.engine.cache_sizing import resolve_max_model_len, resolve_num_blocks
 from workers.engine.config import EngineConfig
 from workers.engine.cpu_memory import keep_freed_memory_mapped
+from workers.engine.handoff import KVHandoff
 from workers.engine.kv_cache import allocate_kv_cache
 from workers.engine.model_runner import ModelRunner
 from workers.engine.outputs import StreamDelta
@@ -89,12 +93,16 @@ class LLMEngine:
         self.block_manager = BlockManager(
             num_blocks, config.block_size, config.enable_prefix_caching
         )
+        # Each request's KV hand-off (prefill: held blocks; decode: receives); the worker
+        # (workers/serving/service.py) drives its transport side.
+        self.handoff = KVHandoff(self.block_manager)
         # One slot per pipeline stage: that many batches in flight keep every stage busy.
         self.scheduler = Scheduler(
             self.block_manager,
             config.max_num_seqs,
             config.max_num_batched_tokens,
             num_slots=self.parallel.pp_size if batches_in_flight is None else batches_in_flight,
+            handoff=self.handoff,
         )
         self._in_flight = BatchesInFlight()
         self.runner = ModelRunner(
@@ -103,9 +111,6 @@ class LLMEngine:
         self.sampler = Sampler(self.vocab_size, seed=config.seed)
         # Empty when config.detokenize is False (the router detokenizes at the edge).
         self._detokenizers: dict[str, IncrementalDetokenizer] = {}
-        # Prefill role: ids whose blocks keep the prompt's KV for a decode worker. Out of
-        # the scheduler; only release_held (or abort_request) frees their blocks.
-        self._held: set[str] = set()
         self._pending: list[StreamDelta] = []  # finals of aborted requests, sent next step
         self.step_times = StepTimes()
 
@@ -139,8 +144,8 @@ class LLMEngine:
             raise ValueError(f"params must be SamplingParams, got {type(params).__name__}")
         if prefill_only and remote_first_token is not None:
             raise ValueError("prefill_only and remote_first_token exclude each other")
-        if request_id in self._held:
-            raise ValueError(f"request_id {request_id!r} is already in use (held)")
+        if (state := self.handoff.state(request_id)) is not None:
+            raise ValueError(f"request_id {request_id!r} is already in use ({state.value})")
         params.validate_for_model(self.vocab_size)
         token_ids = encode_prompt(self.tokenizer, prompt, self.vocab_size)
         room = self.max_model_len - len(token_ids)
@@ -200,13 +205,16 @@ class LLMEngine:
     def abort_request(self, request_ids: str | Sequence[str]) -> None:
         """Abort at any moment between steps; the final delta comes with the next ``step``.
 
-        A held id (prefill role) is released, with no delta: its stream already ended. A
-        RECEIVING request (decode role) keeps its blocks until ``kv_received``, since the
-        transfer may still be writing into them; its final delta comes after that.
+        A held id (prefill role) is left to the hand-off, with no delta (its stream already
+        ended): freed now if no lease was offered yet, else at the lease's end. A RECEIVING
+        request (decode role) keeps its blocks until ``kv_received``, since the transfer
+        may still be writing into them; its final delta comes after that.
         """
         ids = [request_ids] if isinstance(request_ids, str) else list(request_ids)
-        not_held = [request_id for request_id in ids if not self.release_held(request_id)]
-        for req in self.scheduler.abort(not_held):
+        for request_id in ids:
+            if request_id not in self.scheduler.requests:
+                self.handoff.abort(request_id)  # held, or no such request
+        for req in self.scheduler.abort(ids):
             self._pending.append(self._final_delta(req, (), "", None))
 
     def has_unfinished_requests(self) -> bool:
@@ -216,29 +224,25 @@ class LLMEngine:
 
     # ---- KV hand-off -----------------------------------------------------------------
     def release_held(self, request_id: str) -> bool:
-        """Prefill role: free a held request's blocks, once the decode worker has pulled
-        its KV or will not (failed, aborted). False for an unknown or released id."""
-        if request_id not in self._held:
-            return False
-        self._held.remove(request_id)
-        # Full prompt blocks stay in the prefix cache (hashed) for later requests.
-        self.block_manager.free(request_id)
-        return True
+        """Prefill role: free a held request's blocks, once the decode side has pulled its
+        KV or will not (an in-process hand-off; a worker ends the lease instead:
+        ``KVHandoff.lease_ended``). False for an unknown or released id."""
+        return self.handoff.release(request_id)
 
     @property
     def num_held(self) -> int:
-        return len(self._held)
+        return self.handoff.num_held
 
     def is_held(self, request_id: str) -> bool:
         """Prefill role: the request's KV blocks are held for a decode worker."""
-        return request_id in self._held
+        return self.handoff.is_held(request_id)
 
     def take_kv_receives(self) -> list[tuple[str, tuple[int, ...]]]:
         """Decode role: (request_id, block_ids) of the requests admitted into RECEIVING
         since the last call (by ``step``; also in a step that computed nothing). The
         worker transfers each prompt's KV into exactly those blocks, in order, and then
         calls ``kv_received`` for it."""
-        return self.scheduler.take_receives()
+        return self.handoff.take_receives()
 
     def kv_received(self, request_id: str, ok: bool) -> None:
         """Decode role: the transfer into a RECEIVING request's blocks has ended.
@@ -252,7 +256,7 @@ class LLMEngine:
 
     @property
     def num_receiving(self) -> int:
-        return len(self.scheduler.receiving)
+        return self.handoff.num_receiving
 
     # ---- the step --------------------------------------------------------------------
     @property
@@ -356,11 +360,10 @@ class LLMEngine:
     ) -> StreamDelta:
         """Prefill role: end the stream here but keep the blocks with the prompt's KV.
 
-        The worker must call ``release_held`` (or ``abort_request``) for every held id,
-        or its blocks stay in use for good.
+        The worker must end every held id's hand-off (the lease's end, ``release_held``
+        or ``abort_request``), or its blocks stay in use for good.
         """
         self.scheduler.hold(req)
-        self._held.add(req.request_id)
         # Not flushed: held-back text is emitted by the decode side, which continues the
         # same detokenizer state.
         self._detokenizers.pop(req.request_id, None)
@@ -372,7 +375,7 @@ class LLMEngine:
             finished=True,
             num_prompt_tokens=req.num_prompt_tokens,
             num_cached_tokens=req.num_cached_tokens,
-            held_block_ids=tuple(self.block_manager.block_table(req.request_id)),
+            held_block_ids=self.handoff.held_block_ids(req.request_id),
         )
 
     def _final_delta(

@@ -23,7 +23,8 @@ class StreamDelta:
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
     # Prefill role only, on the final delta of a request added with prefill_only=True that
     # did not end at its first token: the blocks that keep the prompt's KV (the block table,
-    # ceil(num_prompt_tokens / block_size) blocks) until ``LLMEngine.release_held``.
+    # ceil(num_prompt_tokens / block_size) blocks) until its hand-off frees them
+    # (workers/engine/handoff.py).
     held_block_ids: tuple[int, ...] | None = None
 
 

@@ -54,12 +54,10 @@ class Request:
     # Prefill role: once the prompt is computed and the first token sampled, the request
     # leaves the scheduler with its blocks kept (held) for a decode worker to pull.
     is_prefill_only: bool = False
-    # Decode role: the prompt's KV comes from a prefill worker instead of being computed.
-    # Cleared once the KV arrived (or failed and gets recomputed), so a later preemption
-    # recomputes everything locally like any request.
+    # Decode role: added with its prompt's KV to come from a prefill worker. From then on
+    # the hand-off (workers/engine/handoff.py) tracks that KV; once it arrived (or failed
+    # and gets recomputed) a later preemption recomputes everything locally like any request.
     is_remote_prefill: bool = False
-    # Aborted while RECEIVING: its blocks stay until the transfer into them has ended.
-    is_abort_requested: bool = False
     # The scheduler slot whose batches carry it (pipeline stages; 0 without); a prompt's
     # chunks may also ride in other slots' batches.
     slot: int = 0

@@ -10,12 +10,14 @@ step is never preempted in the same step.
 
 Disaggregated roles differ only at the two ends of a request's life:
 
-- prefill: ``hold`` takes a request whose prompt is computed out of scheduling with its
-  blocks still allocated; the engine frees them once the decode worker has pulled them.
+- prefill: ``hold`` takes a request whose prompt is computed out of scheduling and hands
+  its blocks to the KV hand-off (``workers/engine/handoff.py``), which frees them once the
+  decode worker has pulled them.
 - decode: a request whose prompt was prefilled elsewhere (``is_remote_prefill``) is
   admitted like any other, but gets blocks for its prompt only and waits in RECEIVING
   (counted against ``max_num_seqs``, never scheduled, never preempted) until
   ``finish_receiving`` says the KV arrived; then it decodes like any running request.
+  The hand-off tracks it meanwhile and decides when its blocks may be freed.
 
 **Slots** (pipeline stages): with ``num_slots > 1`` every request belongs to one slot,
 chosen when it is added (the slot with the fewest unfinished requests), and
@@ -45,6 +47,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 from workers.engine.block_manager import BlockManager
+from workers.engine.handoff import HandoffState, KVHandoff
 from workers.engine.request import FinishReason, Request, RequestStatus
 
 
@@ -81,7 +84,9 @@ class Scheduler:
         max_num_seqs: int,
         max_num_batched_tokens: int,
         num_slots: int = 1,
+        handoff: KVHandoff | None = None,
     ):
+        """``handoff``: the engine's KV hand-off (a private one if None)."""
         if num_slots < 1:
             raise ValueError(f"num_slots must be >= 1, got {num_slots}")
         self.num_slots = num_slots
@@ -91,9 +96,7 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
-        self.receiving: dict[str, Request] = {}
-        # Admitted into RECEIVING since the last take_receives: (request_id, block_ids).
-        self._new_receives: list[tuple[str, tuple[int, ...]]] = []
+        self.handoff = handoff if handoff is not None else KVHandoff(block_manager)
         self.num_preemptions = 0
         # Told of each request's first scheduling (its queue time and prefix-cache hit are
         # known then); the worker's metrics listen (workers/serving/service.py).
@@ -108,6 +111,8 @@ class Scheduler:
             for other in self.requests.values():
                 load[other.slot] += 1
             req.slot = load.index(min(load))
+        if req.is_remote_prefill:
+            self.handoff.expect(req.request_id)
         self.requests[req.request_id] = req
         self.waiting.append(req)
 
@@ -115,11 +120,11 @@ class Scheduler:
         """End a request for any reason; frees its blocks. Idempotent.
 
         Not for a RECEIVING request: a transfer may be writing into its blocks (``abort``
-        only marks it; ``finish_receiving`` ends it).
+        only marks it; ``finish_receiving`` ends it); the hand-off raises HandoffError.
         """
         if req.is_finished:
             return
-        assert req.status is not RequestStatus.RECEIVING, "use finish_receiving"
+        self.handoff.request_ended(req.request_id)
         req.status = RequestStatus.FINISHED
         req.finish_reason = reason
         if req in self.running:
@@ -132,17 +137,15 @@ class Scheduler:
     def abort(self, request_ids: Iterable[str]) -> list[Request]:
         """Abort requests at any moment between steps; returns those that ended now.
 
-        Unknown ids are ignored. A RECEIVING request is only marked: its blocks are the
-        target of a transfer that may still be writing, so they are freed (and the request
-        returned) by ``finish_receiving`` once the transfer has ended.
+        Unknown ids (held ones included: no longer the scheduler's) are ignored. A
+        RECEIVING request is only marked (by the hand-off): its blocks are the target of a
+        transfer that may still be writing, so they are freed (and the request returned) by
+        ``finish_receiving`` once the transfer has ended.
         """
         aborted = []
         for request_id in request_ids:
             req = self.requests.get(request_id)
-            if req is None:
-                continue
-            if req.status is RequestStatus.RECEIVING:
-                req.is_abort_requested = True
+            if req is None or self.handoff.abort(request_id):
                 continue
             self.finish(req, FinishReason.ABORT)
             aborted.append(req)
@@ -151,18 +154,13 @@ class Scheduler:
     def hold(self, req: Request) -> None:
         """Prefill role: take a running request out of scheduling but keep its blocks.
 
-        They hold the prompt's KV for a decode worker to pull; from here on the engine owns
-        them and frees them (``BlockManager.free``) when the pull is done or abandoned.
+        They hold the prompt's KV for a decode worker to pull; from here on the hand-off
+        owns them (HELD) and frees them when the pull is done or abandoned.
         """
         req.status = RequestStatus.FINISHED  # finish_reason stays None: it goes on elsewhere
         self.running.remove(req)
         del self.requests[req.request_id]
-
-    def take_receives(self) -> list[tuple[str, tuple[int, ...]]]:
-        """Decode role: (request_id, block_ids) of requests admitted into RECEIVING since
-        the last call; the worker starts a transfer into exactly these blocks for each."""
-        receives, self._new_receives = self._new_receives, []
-        return receives
+        self.handoff.hold(req.request_id, self.block_manager.block_table(req.request_id))
 
     def finish_receiving(self, request_id: str, ok: bool) -> Request:
         """Decode role: the transfer into a RECEIVING request's blocks has ended.
@@ -171,14 +169,12 @@ class Scheduler:
         into the prefix cache. Not ``ok``: the blocks are kept and the prompt is recomputed
         into them from position 0. Either way the request joins ``running``. If it was
         aborted meanwhile, it is finished (ABORT) now, its blocks freed. Raises ValueError
-        for a request that is not RECEIVING.
+        (HandoffError) for a request that is not RECEIVING.
         """
-        req = self.receiving.pop(request_id, None)
-        if req is None:
-            raise ValueError(f"request {request_id!r} is not receiving KV")
-        req.is_remote_prefill = False
+        was_aborted = self.handoff.received(request_id)
+        req = self.requests[request_id]
         req.status = RequestStatus.RUNNING  # nothing writes into its blocks any more
-        if req.is_abort_requested:
+        if was_aborted:
             self.finish(req, FinishReason.ABORT)
             return req
         if ok:
@@ -192,6 +188,12 @@ class Scheduler:
     @property
     def num_unfinished(self) -> int:
         return len(self.requests)
+
+    @property
+    def receiving(self) -> dict[str, Request]:
+        """Decode role: the requests in RECEIVING (their hand-off receiving or aborting)."""
+        ids = self.handoff.ids(HandoffState.RECEIVING, HandoffState.ABORTING)
+        return {request_id: self.requests[request_id] for request_id in ids}
 
     # ---- the step ----------------------------------------------------------------
     def schedule(self, slot: int = 0) -> SchedulerOutput:
@@ -217,12 +219,12 @@ class Scheduler:
             not preempted
             and not starved
             and budget > 0
-            and len(self.running) + len(self.receiving) < self.max_num_seqs
+            and len(self.running) + self.handoff.num_receiving < self.max_num_seqs
         ):
             req = self._head_of_queue(slot)
             if req is None:
                 break
-            if req.is_remote_prefill:
+            if self.handoff.state(req.request_id) is HandoffState.AWAITING:
                 if not self._admit_receiving(req):
                     break
                 continue
@@ -296,9 +298,7 @@ class Scheduler:
             self._first_scheduled(req)
         req.num_computed_tokens = 0
         req.status = RequestStatus.RECEIVING
-        self.receiving[req.request_id] = req
-        block_ids = tuple(self.block_manager.block_table(req.request_id))
-        self._new_receives.append((req.request_id, block_ids))
+        self.handoff.start_receiving(req.request_id, self.block_manager.block_table(req.request_id))
         return True
 
     def _head_of_queue(self, slot: int) -> Request | None:

@@ -1,0 +1,260 @@
+"""A request's KV hand-off from a prefill worker (P) to a decode worker (D), as one state
+machine per request: the one place that decides who frees the hand-off's blocks, and when.
+
+Prefill side (the request left the scheduler after its first token; its blocks keep
+the prompt's KV)::
+
+    HELD --offer--> OFFERED --offered--> LEASED --lease_ended--> (released: blocks freed)
+      |                |
+      |                +--offer_failed / lease_ended--> (released: blocks freed)
+      +--abort / release--> (released: blocks freed; no lease exists yet)
+
+Decode side (the request was admitted with P's handles; its prompt's KV comes from P)::
+
+    AWAITING --start_receiving--> RECEIVING --received--> (received: the request runs on)
+       |                              |
+       |                              +--abort--> ABORTING --received--> (released)
+       +--request_ended--> DECLINING --take_declines--> (released)
+
+Who frees what (docs/serving.md, "Ending early", has the router's side of each row):
+
+============================  ==========================================  ============================================
+moment                        prefill (P)                                 decode (D)
+============================  ==========================================  ============================================
+finish: D received the KV     D's ``done`` notice ends the lease:         ``received``: RECEIVING -> received; the
+                              ``lease_ended`` frees (LEASED -> released)  blocks are the request's from now on and
+                                                                          ``Scheduler.finish`` frees them at its end
+abort before the handle       ``abort`` leaves OFFERED / LEASED as they   --
+reached D                     are (D may be reading); the router declines
+                              the handle through a D, whose notice ends
+                              the lease (``lease_ended`` frees). Only a
+                              HELD request (no offer yet) is freed at once
+abort on D before its         the decline's notice ends the lease         no blocks yet: AWAITING -> DECLINING; the
+receive started               (``lease_ended`` frees)                     worker declines the handles (``take_declines``)
+abort on D while receiving    D's ``aborted`` notice ends the lease       RECEIVING -> ABORTING: the blocks stay until
+                              (``lease_ended`` frees)                     the transfer ended (``received`` -> released;
+                                                                          ``Scheduler.finish`` frees them then)
+transfer fails                D's ``failed`` notice (or expiry) ends the  ``received``: RECEIVING -> received; the
+                              lease (``lease_ended`` frees)               prompt is recomputed into the same blocks (or
+                                                                          the worker aborts first: ABORTING -> freed)
+offer fails on some rank      ``offer_failed`` frees at once: no handle   --
+                              went out (OFFERED -> released)
+lease expiry (D died, never   ``lease_ended`` frees (LEASED -> released)  --
+read, handle lost)
+decline (nothing will be      its notice ends the lease                   --
+read: request gone)           (``lease_ended`` frees)
+============================  ==========================================  ============================================
+
+P's held blocks belong to no scheduled request, so the hand-off frees them itself
+(``BlockManager.free``; full prompt blocks stay in the prefix cache). D's blocks belong
+to a request in the scheduler, which frees them when the request ends; the hand-off
+only refuses to let it end while a transfer may still write into them.
+
+Transitions are methods. Those that report transport news (``offered``,
+``offer_failed``, ``lease_ended``) return False for a request with no open hand-off
+(late news is harmless); every other wrong state raises ``HandoffError``. Pure Python:
+the engine loop's thread owns it, like the block manager.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Iterable
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from workers.engine.block_manager import BlockManager
+
+
+class HandoffState(enum.Enum):
+    # Prefill side: the blocks keep the prompt's KV, out of scheduling.
+    HELD = "held"  # no lease yet
+    OFFERED = "offered"  # a lease is being put on every rank of the replica
+    LEASED = "leased"  # the handles went out: a decode worker may read the blocks
+    # Decode side: the prompt's KV comes from a prefill worker.
+    AWAITING = "awaiting"  # waiting in the queue for blocks
+    RECEIVING = "receiving"  # fresh blocks given; a transfer may be writing into them
+    ABORTING = "aborting"  # aborted while receiving: the blocks stay until the transfer ended
+    DECLINING = "declining"  # ended before its receive started: the handles must be declined
+
+
+PREFILL_STATES = (HandoffState.HELD, HandoffState.OFFERED, HandoffState.LEASED)
+_RECEIVING_STATES = (HandoffState.RECEIVING, HandoffState.ABORTING)
+
+
+class HandoffError(ValueError):
+    """A transition that is not allowed in the request's current hand-off state."""
+
+
+class KVHandoff:
+    def __init__(self, block_manager: BlockManager):
+        self._block_manager = block_manager
+        self._states: dict[str, HandoffState] = {}  # open hand-offs only
+        self._held_block_ids: dict[str, tuple[int, ...]] = {}  # prefill side
+        # Decode side, for the worker to take: receives to start, handles to decline.
+        self._new_receives: list[tuple[str, tuple[int, ...]]] = []
+        self._new_declines: list[str] = []
+
+    # ---- queries -----------------------------------------------------------------------
+    def state(self, request_id: str) -> HandoffState | None:
+        """The request's hand-off state; None when it has none open (any more)."""
+        return self._states.get(request_id)
+
+    def __contains__(self, request_id: str) -> bool:
+        return request_id in self._states
+
+    def ids(self, *states: HandoffState) -> list[str]:
+        """Ids in any of ``states``, in the order their hand-off opened."""
+        return [rid for rid, state in self._states.items() if state in states]
+
+    def is_held(self, request_id: str) -> bool:
+        """Prefill: the request's blocks keep its prompt's KV (held, offered or leased)."""
+        return self._states.get(request_id) in PREFILL_STATES
+
+    @property
+    def num_held(self) -> int:
+        return sum(state in PREFILL_STATES for state in self._states.values())
+
+    @property
+    def num_receiving(self) -> int:
+        """Decode: requests with blocks a transfer may write into (receiving or aborting)."""
+        return sum(state in _RECEIVING_STATES for state in self._states.values())
+
+    # ---- prefill side ------------------------------------------------------------------
+    def hold(self, request_id: str, block_ids: Iterable[int]) -> None:
+        """The scheduler hands over a request whose prompt is computed: its blocks are
+        the hand-off's from now on (-> HELD)."""
+        self._move(request_id, "hold", (None,), HandoffState.HELD)
+        self._held_block_ids[request_id] = tuple(block_ids)
+
+    def held_block_ids(self, request_id: str) -> tuple[int, ...]:
+        if not self.is_held(request_id):
+            raise HandoffError(f"{request_id!r} is not held")
+        return self._held_block_ids[request_id]
+
+    def offer(self, request_id: str) -> tuple[int, ...]:
+        """The worker puts the held blocks under a lease (HELD -> OFFERED); returns them."""
+        self._move(request_id, "offer", (HandoffState.HELD,), HandoffState.OFFERED)
+        return self._held_block_ids[request_id]
+
+    def offered(self, request_id: str) -> bool:
+        """Every rank has its lease; the handles go out (OFFERED -> LEASED)."""
+        if request_id not in self._states:
+            return False
+        self._move(request_id, "offered", (HandoffState.OFFERED,), HandoffState.LEASED)
+        return True
+
+    def offer_failed(self, request_id: str) -> bool:
+        """Some rank could not offer: no handle went out, so the blocks are freed now."""
+        if request_id not in self._states:
+            return False
+        self._check(request_id, "offer_failed", (HandoffState.OFFERED,))
+        self._free_held(request_id)
+        return True
+
+    def lease_ended(self, request_id: str) -> bool:
+        """The lease ended on every rank (a decode worker's notice, a decline's, expiry or
+        shutdown): nothing reads the blocks any more; they are freed."""
+        if request_id not in self._states:
+            return False
+        self._check(request_id, "lease_ended", (HandoffState.OFFERED, HandoffState.LEASED))
+        self._free_held(request_id)
+        return True
+
+    def release(self, request_id: str) -> bool:
+        """The caller knows nothing reads the blocks (an in-process hand-off that copied
+        them, or gave up): free them in any prefill state. False for an unknown id."""
+        if request_id not in self._states:
+            return False
+        self._check(request_id, "release", PREFILL_STATES)
+        self._free_held(request_id)
+        return True
+
+    # ---- decode side -------------------------------------------------------------------
+    def expect(self, request_id: str) -> None:
+        """The scheduler admitted a request whose prompt's KV comes from a prefill worker
+        (-> AWAITING blocks)."""
+        self._move(request_id, "expect", (None,), HandoffState.AWAITING)
+
+    def start_receiving(self, request_id: str, block_ids: Iterable[int]) -> None:
+        """The scheduler gave the request fresh blocks for its prompt (AWAITING ->
+        RECEIVING); the worker takes them from ``take_receives``."""
+        self._move(request_id, "start_receiving", (HandoffState.AWAITING,), HandoffState.RECEIVING)
+        self._new_receives.append((request_id, tuple(block_ids)))
+
+    def take_receives(self) -> list[tuple[str, tuple[int, ...]]]:
+        """(request_id, block_ids) of the receives started since the last call: the worker
+        transfers each prompt's KV into exactly these blocks, then reports ``received``."""
+        receives, self._new_receives = self._new_receives, []
+        return receives
+
+    def received(self, request_id: str) -> bool:
+        """The transfer into the request's blocks has ended, well or not: nothing writes
+        them any more and the hand-off is over. True if it was aborted meanwhile: the
+        caller finishes the request now (which frees the blocks)."""
+        state = self._check(request_id, "received", _RECEIVING_STATES)
+        del self._states[request_id]
+        return state is HandoffState.ABORTING
+
+    def request_ended(self, request_id: str) -> None:
+        """The scheduler ends a request (its blocks are freed). One still AWAITING blocks
+        never got to read P's: its handles must be declined (-> DECLINING). Not allowed
+        while a transfer may write its blocks; no-op for a request without a hand-off."""
+        if request_id in self._states:
+            self._move(
+                request_id, "request_ended", (HandoffState.AWAITING,), HandoffState.DECLINING
+            )
+            self._new_declines.append(request_id)
+
+    def take_declines(self) -> list[str]:
+        """Ids whose handles the worker must decline now, so that P frees its blocks at
+        once instead of at lease expiry; their hand-off is over."""
+        declines, self._new_declines = self._new_declines, []
+        for request_id in declines:
+            del self._states[request_id]
+        return declines
+
+    # ---- either side -------------------------------------------------------------------
+    def abort(self, request_id: str) -> bool:
+        """Abort as far as the hand-off is concerned; True when it has dealt with it (the
+        caller must not finish the request now):
+
+        - HELD (prefill, no lease yet): the blocks are freed now;
+        - OFFERED / LEASED (prefill): nothing changes; only the lease's end frees them;
+        - RECEIVING / ABORTING (decode): -> ABORTING; ``received`` ends it;
+        - DECLINING (decode): nothing; it has ended already.
+
+        False for AWAITING (the caller finishes it: ``request_ended``) or no hand-off."""
+        state = self._states.get(request_id)
+        if state is HandoffState.HELD:
+            self._free_held(request_id)
+        elif state in _RECEIVING_STATES:
+            self._states[request_id] = HandoffState.ABORTING
+        return state is not None and state is not HandoffState.AWAITING
+
+    # ---- internals ---------------------------------------------------------------------
+    def _check(
+        self, request_id: str, event: str, allowed: tuple[HandoffState | None, ...]
+    ) -> HandoffState | None:
+        state = self._states.get(request_id)
+        if state not in allowed:
+            now = state.value if state is not None else "without a hand-off"
+            wanted = " or ".join(s.value if s is not None else "new" for s in allowed)
+            raise HandoffError(f"{event} of {request_id!r}: it is {now}, not {wanted}")
+        return state
+
+    def _move(
+        self,
+        request_id: str,
+        event: str,
+        allowed: tuple[HandoffState | None, ...],
+        to: HandoffState,
+    ) -> None:
+        self._check(request_id, event, allowed)
+        self._states[request_id] = to
+
+    def _free_held(self, request_id: str) -> None:
+        del self._states[request_id]
+        del self._held_block_ids[request_id]
+        # Full prompt blocks stay in the prefix cache (hashed) for later requests.
+        self._block_manager.free(request_id)
