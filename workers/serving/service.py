@@ -3,22 +3,24 @@
 The service is what a prefill or decode worker runs (the Ray actor in ``ray_worker.py``
 is a thin adapter around it; tests use it in-process). The engine and the block manager
 are not thread-safe, so *only the loop thread touches them*: ``submit``, ``abort`` and
-``decline`` queue commands; the KV connector's ``on_release`` queues ids; transfer
-futures wake the loop. The loop pushes its output batches into a sink from its own
-thread (``attach``: the worker's event channel to the router, ``workers/serving/channel.py``);
-until a sink is attached it keeps them.
+``decline`` queue commands (``workers/serving/commands.py``); the KV connector's
+``on_release`` queues one too; transfer futures wake the loop. The loop pushes its output
+batches into a sink from its own thread (``attach``: the worker's event channel to the
+router, ``workers/serving/channel.py``); until a sink is attached it keeps them.
 
-Who frees which block, and when (the hazards of the hand-off):
+Each request's hand-off state, and who frees which block when, is the engine's
+``KVHandoff`` (``workers/engine/handoff.py``); the loop drives its transport side, keyed
+by request id: the offers' and receives' futures, the handles to receive from or decline.
 
-- Prefill: a request whose first token does not end it stays *held* by the engine; the
-  loop offers its blocks to the connector (a lease, on every rank) and publishes the
-  handles once every rank has answered. The blocks are freed only in ``on_release``
-  (decode's notice, or lease expiry), never on abort, or at once if the offer fails.
+- Prefill: a request whose first token does not end it is HELD; the loop offers its
+  blocks to the connector (a lease, on every rank; OFFERED) and publishes the handles once
+  every rank has answered (LEASED). The blocks are freed when the lease ends (decode's
+  notice, or expiry), never on abort, or at once if the offer fails.
 - Decode: a request admitted with handles gets fresh blocks; the loop starts the receive
-  into exactly those. An abort while receiving asks the connector to stop and the engine
-  frees the blocks only when the receive's future completes (nothing writes them then).
-  A decode request that ends before its receive starts declines the handles, so the
-  prefill worker frees its blocks at once instead of at lease expiry.
+  into exactly those (RECEIVING). An abort while receiving asks the connector to stop,
+  and the blocks are freed only when the receive's future completes (nothing writes them
+  then). A decode request that ends before its receive starts declines the handles, so
+  the prefill worker frees its blocks at once instead of at lease expiry.
 """
 
 from __future__ import annotations
@@ -33,11 +35,13 @@ from dataclasses import dataclass
 
 from kvtransfer import KVConnector, KVHandle
 from kvtransfer.messages import decode_as as decode_kv
+from workers.engine.handoff import HandoffState
 from workers.engine.llm_engine import LLMEngine
 from workers.engine.outputs import StreamDelta
 from workers.parallel.replica_kv import ReplicaKV
 from workers.protocol.wire import OutputBatch, TokenEvent, WorkItem
 from workers.serving.channel import HEARTBEAT_S
+from workers.serving.commands import Abort, Attach, Command, Decline, LeaseEnded, Sink, Submit
 from workers.serving.events import failed_event, token_event
 from workers.serving.metrics import WorkerMetrics
 from workers.serving.worker_report import ReportBuilder
@@ -45,14 +49,14 @@ from workers.serving.worker_report import ReportBuilder
 logger = logging.getLogger(__name__)
 
 _IDLE_WAIT_S = 0.05  # nothing to compute: how long the loop sleeps unless woken
-Sink = Callable[[OutputBatch], None]
 
 
 @dataclass
 class _Receive:
-    handles: tuple[bytes, ...]  # msgpack KVHandle per prefill rank (checked on admission)
-    future: Future | None = None  # set once the engine gave the blocks and the pull started
-    is_aborted: bool = False
+    """Decode: a receive in flight (its request RECEIVING or ABORTING in the hand-off)."""
+
+    future: Future  # completes once nothing writes the request's blocks any more
+    is_cancelled: bool = False  # the connector was asked to stop it
 
 
 class EngineService:
@@ -74,14 +78,19 @@ class EngineService:
         self.name = name
         self.role = role
         self.on_failure = on_failure
-        self._commands: queue.SimpleQueue = queue.SimpleQueue()
+        self._commands: queue.SimpleQueue[Command] = queue.SimpleQueue()
         self._wake = threading.Event()
         self._events: list[TokenEvent] = []  # loop thread only: kept until a sink attaches
-        self._receives: dict[str, _Receive] = {}  # loop thread only
         self._errors: dict[str, str] = {}  # loop thread only: why a request failed
         self._transfer: dict[str, tuple[float, int]] = {}  # loop thread only
-        # Prefill, loop thread only: finished prompts whose offer waits for some rank.
+        # The hand-off's transport side, loop thread only, keyed by the hand-off's ids:
+        # decode: msgpack KVHandle per prefill rank (checked on admission), until the
+        # receive starts (RECEIVING) or the handles are declined (DECLINING);
+        self._handles: dict[str, tuple[bytes, ...]] = {}
+        self._receives: dict[str, _Receive] = {}  # decode: RECEIVING / ABORTING
+        # prefill: OFFERED, the held delta and the offer's future (every rank's handle).
         self._offers: dict[str, tuple[StreamDelta, Future]] = {}
+        self.handoff = engine.handoff
         self._reports = ReportBuilder(engine, name, role)  # loop thread only
         self._stopping = False
         self._failed: str | None = None
@@ -103,14 +112,14 @@ class EngineService:
 
     # ---- any thread --------------------------------------------------------------------
     def submit(self, item: WorkItem) -> None:
-        self._command(("submit", item))
+        self._command(Submit(item))
 
     def abort(self, request_id: str) -> None:
-        self._command(("abort", request_id))
+        self._command(Abort(request_id))
 
     def decline(self, handles: Sequence[bytes]) -> None:
         """Decode side, for a request aborted before it reached this worker: free P's blocks."""
-        self._command(("decline", tuple(handles)))
+        self._command(Decline(tuple(handles)))
 
     def attach(self, sink: Sink) -> None:
         """From now on the loop calls ``sink`` on its own thread with every batch of events,
@@ -119,7 +128,7 @@ class EngineService:
         The report carries the cached block hashes only when they changed since the sink's
         last batch. A sink that raises is dropped (the router sees its channel close).
         """
-        self._command(("attach", sink))
+        self._command(Attach(sink))
 
     def stop(self, timeout_s: float = 10.0) -> None:
         """Abort everything, release every lease, stop the loop."""
@@ -129,7 +138,7 @@ class EngineService:
         if self.connector is not None:
             self.connector.close()
 
-    def _command(self, command: tuple) -> None:
+    def _command(self, command: Command) -> None:
         if self._failed is not None:
             raise RuntimeError(f"worker {self.name} failed: {self._failed}")
         self._commands.put(command)
@@ -139,7 +148,7 @@ class EngineService:
         """The request's lease ended on every rank; the loop frees the held blocks."""
         if reason == "expired":
             self.metrics.lease_expired()
-        self._command(("release", request_id, reason))
+        self._command(LeaseEnded(request_id, reason))
 
     # ---- the loop (its own thread) -----------------------------------------------------
     def _loop(self) -> None:
@@ -152,6 +161,7 @@ class EngineService:
                 did_work = False
                 if self.engine.has_unfinished_requests():
                     deltas = self.engine.step()
+                    self._decline_ended()
                     started = self._start_receives()
                     self._publish(self._events_of(deltas))
                     # Only receiving, or waiting for blocks: sleep until something wakes us.
@@ -172,7 +182,8 @@ class EngineService:
         """The loop is dead: every request it had fails now (the router answers INTERNAL)."""
         self._failed = error
         self.kv.abandon()  # the other ranks stop waiting for commands
-        rids = set(self.engine.scheduler.requests) | set(self._receives) | set(self._offers)
+        rids = set(self.engine.scheduler.requests) | set(self._offers)
+        rids |= set(self.handoff.ids(HandoffState.DECLINING))  # their finals are not out
         events = [failed_event(rid, 0, f"worker {self.name} failed: {error}") for rid in rids]
         if self._sink is not None:
             self._send(events)  # even with no events: the report says the loop is dead
@@ -185,35 +196,41 @@ class EngineService:
                 command = self._commands.get_nowait()
             except queue.Empty:
                 return
-            kind = command[0]
             try:
-                if kind == "submit":
-                    self._admit(command[1])
-                elif kind == "abort":
-                    self._abort(command[1])
-                elif kind == "release":
-                    self.engine.release_held(command[1])
-                elif kind == "decline":
-                    self._decline(command[1])
-                elif kind == "attach":
-                    self._sink = command[1]
-                    self._reports.resend_hashes()  # a new receiver knows none yet
-                    events, self._events = self._events, []
-                    self._send(events)
+                self._run(command)
             except Exception:  # one bad command must not take the worker down
-                logger.exception("%s: command %s failed", self.name, kind)
+                logger.exception("%s: command %s failed", self.name, type(command).__name__)
+
+    def _run(self, command: Command) -> None:
+        match command:
+            case Submit(item):
+                self._admit(item)
+            case Abort(request_id):
+                self._abort(request_id)
+            case LeaseEnded(request_id):
+                self.handoff.lease_ended(request_id)  # frees the held blocks
+            case Decline(handles):
+                self._decline(handles)
+            case Attach(sink):
+                self._sink = sink
+                self._reports.resend_hashes()  # a new receiver knows none yet
+                events, self._events = self._events, []
+                self._send(events)
+            case _:
+                raise TypeError(f"unknown command {command!r}")
 
     def _admit(self, item: WorkItem) -> None:
         rid = item.request_id
-        if rid in self._receives or rid in self.engine.scheduler.requests:
-            # Touch nothing: the state under this id belongs to the request that has it.
+        if rid in self.engine.scheduler.requests or rid in self._handles:
+            # Touch nothing: the state under this id belongs to the request that has it
+            # (its handles still to decline, too).
             self._publish([failed_event(rid, 0, f"request_id {rid!r} is already in use")])
             return
         try:
             if item.mode == "decode":
                 for handle in item.kv_handles:
                     decode_kv(handle, KVHandle)  # refuse a malformed one before admission
-                self._receives[rid] = _Receive(tuple(item.kv_handles))
+                self._handles[rid] = tuple(item.kv_handles)
                 self.engine.add_request(
                     list(item.prompt_token_ids),
                     item.params,
@@ -230,19 +247,20 @@ class EngineService:
         except Exception as exc:
             # The router validated already; this is a worker-side refusal (an id still
             # held, a bad handle): the request fails, the worker keeps serving.
-            receive = self._receives.pop(rid, None)
-            if receive is not None:
-                self._safe_decline(receive.handles)
+            handles = self._handles.pop(rid, None)
+            if handles is not None:
+                self._safe_decline(handles)
             self._publish([failed_event(rid, len(item.prompt_token_ids), f"{exc}")])
 
     def _abort(self, rid: str) -> None:
-        if self.engine.is_held(rid):
-            # Under a lease: only the lease's end (a decode worker's notice, or expiry)
-            # frees these blocks; a decode worker may be reading them right now.
+        if self.handoff.is_held(rid):
+            # Under a lease (or about to be: a HELD delta drained into the next step's):
+            # only the lease's end (a decode worker's notice, or expiry) frees these
+            # blocks; a decode worker may be reading them right now.
             return
         receive = self._receives.get(rid)
-        if receive is not None and receive.future is not None and not receive.future.done():
-            receive.is_aborted = True
+        if receive is not None and not receive.future.done():
+            receive.is_cancelled = True
             if self.connector is not None:
                 try:
                     self.kv.abort(rid)
@@ -267,27 +285,38 @@ class EngineService:
         except Exception:  # the owner will free at lease expiry instead
             logger.warning("could not decline KV handles", exc_info=True)
 
+    def _decline_ended(self) -> None:
+        """Decode: requests that ended before their receive started (aborted while
+        queued): decline their handles, so that P frees its blocks now."""
+        for rid in self.handoff.take_declines():
+            handles = self._handles.pop(rid, None)
+            if handles is not None:
+                self._safe_decline(handles)
+
     def _start_receives(self) -> int:
+        """Decode: start the receive of every request the engine gave blocks."""
         started = self.engine.take_kv_receives()
         for rid, block_ids in started:
-            receive = self._receives[rid]
+            handles = self._handles.pop(rid)
             if self.connector is None:
                 self._errors[rid] = "no KV connector on this worker"
                 self.engine.abort_request(rid)
                 self.engine.kv_received(rid, ok=False)
                 continue
             try:
-                receive.future = self.kv.receive(receive.handles, block_ids)
+                future = self.kv.receive(handles, block_ids)
             except Exception as exc:
-                receive.future = Future()
-                receive.future.set_exception(exc)
-            receive.future.add_done_callback(lambda _f: self._wake.set())
+                future = Future()
+                future.set_exception(exc)
+            self._receives[rid] = _Receive(future)
+            future.add_done_callback(lambda _f: self._wake.set())
         return len(started)
 
     def _finish_receives(self) -> None:
+        """Decode: tell the engine of every receive that ended (its blocks are free to use)."""
         for rid, receive in list(self._receives.items()):
             future = receive.future
-            if future is None or not future.done():
+            if not future.done():
                 continue
             del self._receives[rid]
             exc = future.exception()
@@ -296,7 +325,7 @@ class EngineService:
                 self._transfer[rid] = (result.seconds, result.num_bytes)
                 self.metrics.transferred(result.seconds, result.num_bytes)
                 self.engine.kv_received(rid, ok=True)
-            elif receive.is_aborted:
+            elif receive.is_cancelled:
                 self.engine.kv_received(rid, ok=False)  # the engine finishes it as ABORT
             else:
                 self._transfer_failed(rid, exc)
@@ -322,9 +351,6 @@ class EngineService:
 
     def _event(self, delta: StreamDelta, kv_handles: tuple[bytes, ...] = ()) -> TokenEvent:
         rid = delta.request_id
-        if delta.finished and rid in self._receives:
-            # Ended before its receive started (aborted while queued): free P's blocks now.
-            self._safe_decline(self._receives.pop(rid).handles)
         transfer = self._transfer.pop(rid, (0.0, 0))
         error = self._errors.pop(rid, "") if delta.finished else ""
         return token_event(delta, kv_handles=kv_handles, transfer=transfer, error=error)
@@ -332,10 +358,10 @@ class EngineService:
     def _offer(self, delta: StreamDelta) -> None:
         """Prefill: put the held blocks under a lease on every rank (``_offered`` sends
         the event with the handles, one per rank, once every rank has answered)."""
-        assert delta.held_block_ids is not None
+        block_ids = self.handoff.offer(delta.request_id)  # HELD -> OFFERED
         future = self.kv.offer(
             delta.request_id,
-            delta.held_block_ids,
+            block_ids,
             num_tokens=delta.num_prompt_tokens,
             first_token_id=delta.token_ids[0],
         )
@@ -350,9 +376,10 @@ class EngineService:
             del self._offers[rid]
             exc = future.exception()
             if exc is None:
+                self.handoff.offered(rid)  # -> LEASED: only the lease's end frees the blocks
                 events.append(self._event(delta, future.result()))
                 continue
-            self.engine.release_held(rid)
+            self.handoff.offer_failed(rid)  # no handle went out: the blocks are freed now
             self.metrics.transfer_failed("offer")
             error = f"cannot offer KV: {exc}"
             events.append(failed_event(rid, delta.num_prompt_tokens, error))
@@ -384,7 +411,7 @@ class EngineService:
         for rid in list(self.engine.scheduler.requests):
             self._abort(rid)
         deadline = time.monotonic() + 5.0
-        while self._offers or any(r.future is not None for r in self._receives.values()):
+        while self._offers or self._receives:
             if time.monotonic() > deadline:
                 break
             self.kv.poll()  # the other ranks' parts
@@ -393,4 +420,6 @@ class EngineService:
             time.sleep(0.01)
         while self.engine.has_unfinished_requests() and time.monotonic() < deadline:
             self._finish_receives()
-            self._publish(self._events_of(self.engine.step()))
+            deltas = self.engine.step()
+            self._decline_ended()
+            self._publish(self._events_of(deltas))
