@@ -1,0 +1,206 @@
+"""The transport side of one worker's KV hand-offs: handles, offers and receives in flight.
+
+Each request's hand-off state, and so who frees which block when, is the engine's
+``KVHandoff`` (``workers/engine/handoff.py``); this class moves the KV for it over the
+replica's connectors (``ReplicaKV``) and tells it what happened, keyed by request id.
+It runs on the worker's engine loop thread only (``workers/serving/service.py``).
+
+- Prefill: a HELD request's blocks are offered on every rank (OFFERED); once every rank
+  has answered, its event goes out with the handles (LEASED), or it fails and the blocks
+  are freed at once (no handle went out). The lease's end frees them otherwise.
+- Decode: the handles of an admitted request are kept until the engine gives it blocks;
+  then the receive starts into exactly those (RECEIVING), and the engine hears when the
+  receive's future completes (nothing writes the blocks then). An abort meanwhile asks
+  the connector to stop. A request that ends before its receive started has its handles
+  declined, so that the prefill worker frees its blocks now instead of at lease expiry.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future
+from dataclasses import dataclass
+
+from kvtransfer import KVConnector
+from workers.engine.llm_engine import LLMEngine
+from workers.engine.outputs import StreamDelta
+from workers.parallel.replica_kv import ReplicaKV
+from workers.protocol.wire import TokenEvent
+from workers.serving.events import failed_event, token_event
+from workers.serving.metrics import WorkerMetrics
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class _Receive:
+    """Decode: a receive in flight (its request RECEIVING or ABORTING in the hand-off)."""
+
+    future: Future  # completes once nothing writes the request's blocks any more
+    is_cancelled: bool = False  # the connector was asked to stop it
+
+
+class HandoffTransport:
+    def __init__(
+        self,
+        engine: LLMEngine,
+        kv: ReplicaKV,
+        connector: KVConnector | None,
+        metrics: WorkerMetrics,
+        on_failure: str,
+        wake: Callable[[], None],
+        name: str,
+    ):
+        self.engine = engine
+        self.handoff = engine.handoff
+        self.kv = kv  # every KV operation spans all ranks of the replica
+        self.connector = connector
+        self.metrics = metrics
+        self.on_failure = on_failure
+        self._wake = wake
+        self.name = name
+        # Decode: msgpack KVHandle per prefill rank (checked on admission), until the
+        # receive starts (RECEIVING) or the handles are declined (DECLINING).
+        self.handles: dict[str, tuple[bytes, ...]] = {}
+        self.receives: dict[str, _Receive] = {}  # decode: RECEIVING / ABORTING
+        # Prefill: OFFERED, the held delta and the offer's future (every rank's handle).
+        self.offers: dict[str, tuple[StreamDelta, Future]] = {}
+        self._errors: dict[str, str] = {}  # why a request failed, for its final event
+        self._transfer: dict[str, tuple[float, int]] = {}  # (seconds, bytes) received
+
+    @property
+    def is_pending(self) -> bool:
+        """An offer or a receive is in flight (stopping waits for them)."""
+        return bool(self.offers or self.receives)
+
+    # ---- decode ------------------------------------------------------------------------
+    def expect(self, request_id: str, handles: tuple[bytes, ...]) -> None:
+        """A decode request is being admitted with P's (validated) handles."""
+        self.handles[request_id] = handles
+
+    def refused(self, request_id: str) -> None:
+        """Its admission failed: nothing will read P's blocks, decline the handles."""
+        handles = self.handles.pop(request_id, None)
+        if handles is not None:
+            self.decline(handles)
+
+    def cancel(self, request_id: str) -> None:
+        """An abort: ask the connector to stop the request's receive, if one runs."""
+        receive = self.receives.get(request_id)
+        if receive is None or receive.future.done():
+            return
+        receive.is_cancelled = True
+        if self.connector is not None:
+            try:
+                self.kv.abort(request_id)
+            except Exception:  # the receive still ends by its deadline
+                logger.warning("%s: cannot abort the receive of %s", self.name, request_id)
+
+    def decline(self, handles: tuple[bytes, ...]) -> None:
+        """Nothing will read these handles: their owners free the blocks now."""
+        if self.connector is None:
+            return
+        try:
+            self.kv.decline(handles)
+        except Exception:  # the owner will free at lease expiry instead
+            logger.warning("could not decline KV handles", exc_info=True)
+
+    def decline_ended(self) -> None:
+        """Requests that ended before their receive started (aborted while queued):
+        decline their handles, so that P frees its blocks now."""
+        for request_id in self.handoff.take_declines():
+            self.refused(request_id)
+
+    def start_receives(self) -> int:
+        """Start the receive of every request the engine gave blocks; how many."""
+        started = self.engine.take_kv_receives()
+        for request_id, block_ids in started:
+            handles = self.handles.pop(request_id)
+            if self.connector is None:
+                self._errors[request_id] = "no KV connector on this worker"
+                self.engine.abort_request(request_id)
+                self.engine.kv_received(request_id, ok=False)
+                continue
+            try:
+                future = self.kv.receive(handles, block_ids)
+            except Exception as exc:
+                future = Future()
+                future.set_exception(exc)
+            self.receives[request_id] = _Receive(future)
+            future.add_done_callback(lambda _f: self._wake())
+        return len(started)
+
+    def finish_receives(self) -> None:
+        """Tell the engine of every receive that ended (its blocks are free to use)."""
+        for request_id, receive in list(self.receives.items()):
+            future = receive.future
+            if not future.done():
+                continue
+            del self.receives[request_id]
+            exc = future.exception()
+            if exc is None:
+                result = future.result()
+                self._transfer[request_id] = (result.seconds, result.num_bytes)
+                self.metrics.transferred(result.seconds, result.num_bytes)
+                self.engine.kv_received(request_id, ok=True)
+            elif receive.is_cancelled:
+                self.engine.kv_received(request_id, ok=False)  # finished as ABORT
+            else:
+                self._transfer_failed(request_id, exc)
+
+    def _transfer_failed(self, request_id: str, exc: BaseException) -> None:
+        self.metrics.transfer_failed("receive")
+        if self.on_failure == "recompute":
+            logger.warning("KV transfer of %s failed (%s); recomputing", request_id, exc)
+        else:
+            self._errors[request_id] = f"KV transfer failed: {exc}"
+            self.engine.abort_request(request_id)
+        self.engine.kv_received(request_id, ok=False)
+
+    # ---- events, and prefill's offers --------------------------------------------------
+    def events_of(self, deltas: Sequence[StreamDelta]) -> list[TokenEvent]:
+        """The step's events; a finished prefill's waits for its offer (``offered``)."""
+        events = []
+        for delta in deltas:
+            if delta.held_block_ids is not None:
+                self._offer(delta)
+            else:
+                events.append(self._event(delta))
+        return events
+
+    def _event(self, delta: StreamDelta, kv_handles: tuple[bytes, ...] = ()) -> TokenEvent:
+        rid = delta.request_id
+        transfer = self._transfer.pop(rid, (0.0, 0))
+        error = self._errors.pop(rid, "") if delta.finished else ""
+        return token_event(delta, kv_handles=kv_handles, transfer=transfer, error=error)
+
+    def _offer(self, delta: StreamDelta) -> None:
+        """Prefill: put the held blocks under a lease on every rank (``offered`` gives
+        the event with the handles, one per rank, once every rank has answered)."""
+        block_ids = self.handoff.offer(delta.request_id)  # HELD -> OFFERED
+        future = self.kv.offer(
+            delta.request_id,
+            block_ids,
+            num_tokens=delta.num_prompt_tokens,
+            first_token_id=delta.token_ids[0],
+        )
+        self.offers[delta.request_id] = (delta, future)
+
+    def offered(self) -> list[TokenEvent]:
+        """Events of the offers that completed: the handles, or a failure (blocks freed)."""
+        events = []
+        for rid, (delta, future) in list(self.offers.items()):
+            if not future.done():
+                continue
+            del self.offers[rid]
+            exc = future.exception()
+            if exc is None:
+                self.handoff.offered(rid)  # -> LEASED: only the lease's end frees the blocks
+                events.append(self._event(delta, future.result()))
+                continue
+            self.handoff.offer_failed(rid)  # no handle went out: the blocks are freed now
+            self.metrics.transfer_failed("offer")
+            error = f"cannot offer KV: {exc}"
+            events.append(failed_event(rid, delta.num_prompt_tokens, error))
+        return events
