@@ -9,9 +9,9 @@ other ranks):
 
 - **offer** (prefill): every rank puts its copy of the blocks under a lease; the
   request's handles are one per rank, and the offer's future completes when every rank
-  has answered. The blocks are freed (``on_release``) only when the lease has ended on
-  *every* rank: the blocks ids are shared, and a decode rank may still be reading one
-  rank's copy after another rank's lease ended.
+  has answered. ``on_release`` (whose caller frees the blocks: ``KVHandoff.lease_ended``)
+  comes only when the lease has ended on *every* rank: the blocks ids are shared, and a
+  decode rank may still be reading one rank's copy after another rank's lease ended.
 - **receive** (decode): every rank pulls its part; the request's future completes when
   all parts have, and fails if any part failed (then the whole prompt is recomputed or
   the request fails, as ``on_failure`` says; nothing is admitted half-received).
@@ -23,6 +23,10 @@ it, so nothing here stops the engine: with pipeline stages, batches stay in flig
 hand-offs are open. An idle replica still sends an empty command every ``HEARTBEAT_S``,
 so that a dead rank is noticed (the send to it fails) within that time. With one rank
 there is no link and everything is local.
+
+What is kept here is per rank only (whose lease is alive, whose handle or part has
+come); a request's hand-off state, and who frees its blocks, is the engine's
+``KVHandoff`` (``workers/engine/handoff.py``).
 
 **Batches in flight** (pipeline stages, ``bind_engine``): rank 0 sends a batch's step
 command while earlier batches are still in the pipeline. A rank of rank 0's own stage
@@ -278,7 +282,8 @@ class ReplicaKV:
             return
         del self._offering[request_id]
         if entry.errors:
-            # Leases that did start end by expiry; their blocks are freed by the caller.
+            # Leases that did start end by expiry; the caller frees the blocks now
+            # (KVHandoff.offer_failed), and their late ends are ignored (_released).
             self._holds.pop(request_id, None)
             entry.future.set_exception(RuntimeError("; ".join(entry.errors)))
         else:
