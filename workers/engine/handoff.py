@@ -18,42 +18,47 @@ Decode side (the request was admitted with P's handles; its prompt's KV comes fr
 
 Who frees what (docs/serving.md, "Ending early", has the router's side of each row):
 
-============================  ==========================================  ============================================
-moment                        prefill (P)                                 decode (D)
-============================  ==========================================  ============================================
-finish: D received the KV     D's ``done`` notice ends the lease:         ``received``: RECEIVING -> received; the
-                              ``lease_ended`` frees (LEASED -> released)  blocks are the request's from now on and
-                                                                          ``Scheduler.finish`` frees them at its end
-abort before the handle       ``abort`` leaves OFFERED / LEASED as they   --
-reached D                     are (D may be reading); the router declines
-                              the handle through a D, whose notice ends
-                              the lease (``lease_ended`` frees). Only a
-                              HELD request (no offer yet) is freed at once
-abort on D before its         the decline's notice ends the lease         no blocks yet: AWAITING -> DECLINING; the
-receive started               (``lease_ended`` frees)                     worker declines the handles (``take_declines``)
-abort on D while receiving    D's ``aborted`` notice ends the lease       RECEIVING -> ABORTING: the blocks stay until
-                              (``lease_ended`` frees)                     the transfer ended (``received`` -> released;
-                                                                          ``Scheduler.finish`` frees them then)
-transfer fails                D's ``failed`` notice (or expiry) ends the  ``received``: RECEIVING -> received; the
-                              lease (``lease_ended`` frees)               prompt is recomputed into the same blocks (or
-                                                                          the worker aborts first: ABORTING -> freed)
-offer fails on some rank      ``offer_failed`` frees at once: no handle   --
-                              went out (OFFERED -> released)
-lease expiry (D died, never   ``lease_ended`` frees (LEASED -> released)  --
-read, handle lost)
-decline (nothing will be      its notice ends the lease                   --
-read: request gone)           (``lease_ended`` frees)
-============================  ==========================================  ============================================
+=====================  ====================================  ================================
+moment                 prefill (P)                           decode (D)
+=====================  ====================================  ================================
+finish: D received     D's ``done`` notice ends the lease:   ``received``: RECEIVING -> over;
+the KV                 ``lease_ended`` frees (LEASED ->      the blocks are the request's;
+                       released)                             ``Scheduler.finish`` frees them
+abort before the       ``abort`` leaves OFFERED / LEASED     --
+handle reached D       alone (D may be reading); the router
+                       declines the handle through a D,
+                       whose notice ends the lease
+                       (``lease_ended`` frees). A HELD one
+                       (no offer yet) is freed at once
+abort on D before its  the decline's notice ends the lease   no blocks yet: AWAITING ->
+receive started        (``lease_ended`` frees)               DECLINING; the worker declines
+                                                             the handles (``take_declines``)
+abort on D while       D's ``aborted`` notice ends the       RECEIVING -> ABORTING: blocks
+receiving              lease (``lease_ended`` frees)         kept until the transfer ended;
+                                                             ``received``, then
+                                                             ``Scheduler.finish`` frees them
+transfer fails         D's ``failed`` notice (or expiry)     ``received``: recomputed into
+                       ends the lease (``lease_ended``       the same blocks (or aborted
+                       frees)                                first: ABORTING, then freed)
+offer fails on a rank  ``offer_failed`` frees at once: no    --
+                       handle went out
+lease expiry (D died,  ``lease_ended`` frees                 --
+never read it)
+decline (nothing will  its notice ends the lease             --
+read it)               (``lease_ended`` frees)
+=====================  ====================================  ================================
 
 P's held blocks belong to no scheduled request, so the hand-off frees them itself
 (``BlockManager.free``; full prompt blocks stay in the prefix cache). D's blocks belong
 to a request in the scheduler, which frees them when the request ends; the hand-off
 only refuses to let it end while a transfer may still write into them.
 
-Transitions are methods. Those that report transport news (``offered``,
-``offer_failed``, ``lease_ended``) return False for a request with no open hand-off
-(late news is harmless); every other wrong state raises ``HandoffError``. Pure Python:
-the engine loop's thread owns it, like the block manager.
+Transitions are methods; a wrong state raises ``HandoffError`` and changes nothing.
+Transport news (``offered``, ``offer_failed``, ``lease_ended``) and ``release`` return
+False for a request with no open hand-off (late news is harmless); ``abort`` and
+``request_ended`` take any id. ``release`` (an in-process hand-off that needs no lease)
+frees in any prefill state. Pure Python: the engine loop's thread owns it, like the
+block manager.
 """
 
 from __future__ import annotations
