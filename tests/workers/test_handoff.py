@@ -11,7 +11,7 @@ import pytest
 
 from tests.workers.test_scheduler import BS, make_remote_request, make_request, run_step
 from workers.engine.block_manager import BlockManager
-from workers.engine.handoff import HandoffError, HandoffState, KVHandoff
+from workers.engine.handoff import PREFILL_STATES, HandoffError, HandoffState, KVHandoff
 from workers.engine.request import FinishReason, RequestStatus
 from workers.engine.scheduler import Scheduler
 
@@ -259,6 +259,12 @@ def in_state(state: HandoffState | None) -> tuple[KVHandoff, BlockManager]:
     return handoff, bm
 
 
+def assert_counts(handoff: KVHandoff) -> None:
+    state = handoff.state("r")
+    assert handoff.num_held == (state in PREFILL_STATES)
+    assert handoff.num_receiving == (state in (RECEIVING, ABORTING))
+
+
 @pytest.mark.parametrize("state", STATES, ids=lambda s: getattr(s, "value", "new"))
 @pytest.mark.parametrize("transition", list(LEGAL))
 def test_every_transition_from_every_state(transition, state):
@@ -269,8 +275,10 @@ def test_every_transition_from_every_state(transition, state):
         with pytest.raises(HandoffError, match=transition):
             call("r", *args)
         assert handoff.state("r") is state and bm.block_table("r") == [0, 1]
+        assert_counts(handoff)
         return
     result = call("r", *args)
+    assert_counts(handoff)
     want = LEGAL[transition][state]
     if want is FREED:
         assert handoff.state("r") is None and not bm.has_request("r")

@@ -64,6 +64,7 @@ block manager.
 from __future__ import annotations
 
 import enum
+from collections import Counter
 from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
@@ -95,6 +96,7 @@ class KVHandoff:
     def __init__(self, block_manager: BlockManager):
         self._block_manager = block_manager
         self._states: dict[str, HandoffState] = {}  # open hand-offs only
+        self._counts: Counter[HandoffState] = Counter()  # of _states' values (reports, steps)
         self._held_block_ids: dict[str, tuple[int, ...]] = {}  # prefill side
         # Decode side, for the worker to take: receives to start, handles to decline.
         self._new_receives: list[tuple[str, tuple[int, ...]]] = []
@@ -118,12 +120,12 @@ class KVHandoff:
 
     @property
     def num_held(self) -> int:
-        return sum(state in PREFILL_STATES for state in self._states.values())
+        return sum(self._counts[state] for state in PREFILL_STATES)
 
     @property
     def num_receiving(self) -> int:
         """Decode: requests with blocks a transfer may write into (receiving or aborting)."""
-        return sum(state in _RECEIVING_STATES for state in self._states.values())
+        return sum(self._counts[state] for state in _RECEIVING_STATES)
 
     # ---- prefill side ------------------------------------------------------------------
     def hold(self, request_id: str, block_ids: Iterable[int]) -> None:
@@ -198,7 +200,7 @@ class KVHandoff:
         them any more and the hand-off is over. True if it was aborted meanwhile: the
         caller finishes the request now (which frees the blocks)."""
         state = self._check(request_id, "received", _RECEIVING_STATES)
-        del self._states[request_id]
+        self._drop(request_id)
         return state is HandoffState.ABORTING
 
     def request_ended(self, request_id: str) -> None:
@@ -216,7 +218,7 @@ class KVHandoff:
         once instead of at lease expiry; their hand-off is over."""
         declines, self._new_declines = self._new_declines, []
         for request_id in declines:
-            del self._states[request_id]
+            self._drop(request_id)
         return declines
 
     # ---- either side -------------------------------------------------------------------
@@ -234,7 +236,7 @@ class KVHandoff:
         if state is HandoffState.HELD:
             self._free_held(request_id)
         elif state in _RECEIVING_STATES:
-            self._states[request_id] = HandoffState.ABORTING
+            self._set(request_id, HandoffState.ABORTING)
         return state is not None and state is not HandoffState.AWAITING
 
     # ---- internals ---------------------------------------------------------------------
@@ -256,10 +258,20 @@ class KVHandoff:
         to: HandoffState,
     ) -> None:
         self._check(request_id, event, allowed)
-        self._states[request_id] = to
+        self._set(request_id, to)
+
+    def _set(self, request_id: str, state: HandoffState) -> None:
+        old = self._states.get(request_id)
+        if old is not None:
+            self._counts[old] -= 1
+        self._states[request_id] = state
+        self._counts[state] += 1
+
+    def _drop(self, request_id: str) -> None:
+        self._counts[self._states.pop(request_id)] -= 1
 
     def _free_held(self, request_id: str) -> None:
-        del self._states[request_id]
+        self._drop(request_id)
         del self._held_block_ids[request_id]
         # Full prompt blocks stay in the prefix cache (hashed) for later requests.
         self._block_manager.free(request_id)
