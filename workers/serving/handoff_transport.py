@@ -114,7 +114,7 @@ class HandoffTransport:
 
     def start_receives(self) -> int:
         """Start the receive of every request the engine gave blocks; how many."""
-        started = self.engine.take_kv_receives()
+        started = self.handoff.take_receives()
         for request_id, block_ids in started:
             handles = self.handles.pop(request_id)
             if self.connector is None:
