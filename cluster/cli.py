@@ -3,7 +3,9 @@
 Each subcommand is a ``_Command``: a function that adds its arguments to a subparser
 and a function that runs it, returning the exit code. Adding one (``serve``, ``status``,
 ``bench``) is adding two functions and a line in ``_COMMANDS``. The commands that talk to
-a running router (``generate --target``, ``status``) run in ``cli_client.py``.
+a running router (``generate --target``, ``status``) run in ``cli_client.py``; what both
+share with the terminal (program name, exit codes, prompt, summary line) is in
+``cli_terminal.py``, so the imports go one way: cli -> cli_client -> cli_terminal.
 
 Exit codes: 0 ok, 1 failure at run time (I/O, a gRPC error), 2 bad arguments or
 configuration (argparse's own errors, every ``ValueError`` and a server's INVALID_ARGUMENT,
@@ -18,10 +20,17 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from cluster.cli_terminal import (
+    EXIT_FAILURE,
+    EXIT_INTERRUPTED,
+    EXIT_USAGE,
+    PROG,
+    print_error,
+    print_generation_summary,
+    read_prompt,
+)
 from cluster.loadgen import command as _bench  # its module imports only the standard library
 
-_PROG = "baton"
-_EXIT_USAGE = 2
 # Literals, not imports from workers: building the parser must not load torch.
 _ARCHS = ("llama", "qwen2", "qwen3", "mistral")
 _SIZES = ("tiny", "small")
@@ -160,7 +169,7 @@ def _run_generate(args: argparse.Namespace) -> int:
 def _run_generate_local(args: argparse.Namespace) -> int:
     from workers import LLM, SamplingParams
 
-    prompt = _read_prompt(args.prompt)
+    prompt = read_prompt(args.prompt)
     # Only what the user set: SamplingParams and the engine own the defaults.
     options = {
         "max_tokens": args.max_tokens,
@@ -194,24 +203,9 @@ def _run_generate_local(args: argparse.Namespace) -> int:
     sys.stdout.flush()
 
     reason = getattr(finish_reason, "value", finish_reason)  # a str enum or a plain str
-    ttft = "" if first_token_time is None else f", ttft {1e3 * (first_token_time - start):.0f} ms"
-    rate = num_tokens / elapsed if elapsed > 0 else 0.0
-    print(
-        f"[{num_tokens} tokens, finish: {reason}, {rate:.1f} tokens/s{ttft}]",
-        file=sys.stderr,
-    )
+    ttft_s = None if first_token_time is None else first_token_time - start
+    print_generation_summary(num_tokens, reason, elapsed, ttft_s)
     return 0
-
-
-def _read_prompt(prompt: str) -> str:
-    return sys.stdin.read() if prompt == "-" else prompt
-
-
-def _end_line(has_text: bool) -> None:
-    # Finish a line of streamed text so that the error or the shell prompt starts clean.
-    if has_text:
-        sys.stdout.write("\n")
-        sys.stdout.flush()
 
 
 # ---- status ---------------------------------------------------------------------------
@@ -266,8 +260,8 @@ def _run_serve(args: argparse.Namespace) -> int:
     try:
         return run(config)
     except RuntimeError as exc:  # bring-up failed (a worker did not start, no resources)
-        print(f"{_PROG}: error: {exc}", file=sys.stderr)
-        return 1
+        print_error(str(exc))
+        return EXIT_FAILURE
 
 
 _COMMANDS = (
@@ -306,7 +300,7 @@ _COMMANDS = (
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog=_PROG, description="Baton: disaggregated prefill/decode LLM serving."
+        prog=PROG, description="Baton: disaggregated prefill/decode LLM serving."
     )
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     for command in _COMMANDS:
@@ -322,18 +316,18 @@ def main(argv: list[str] | None = None) -> int:
     try:
         args = parser.parse_args(argv)
     except SystemExit as exc:  # argparse has printed usage + the error (or --help)
-        return exc.code if isinstance(exc.code, int) else _EXIT_USAGE
+        return exc.code if isinstance(exc.code, int) else EXIT_USAGE
     try:
         return args.run(args)
     except ValueError as exc:
-        print(f"{_PROG}: error: {exc}", file=sys.stderr)
-        return _EXIT_USAGE
+        print_error(str(exc))
+        return EXIT_USAGE
     except OSError as exc:
-        print(f"{_PROG}: error: {exc}", file=sys.stderr)
-        return 1
+        print_error(str(exc))
+        return EXIT_FAILURE
     except KeyboardInterrupt:
-        print(f"{_PROG}: interrupted", file=sys.stderr)
-        return 130
+        print(f"{PROG}: interrupted", file=sys.stderr)
+        return EXIT_INTERRUPTED
 
 
 if __name__ == "__main__":

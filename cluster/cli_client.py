@@ -8,7 +8,14 @@ import argparse
 import sys
 import time
 
-from cluster.cli import _EXIT_USAGE, _PROG, _end_line, _read_prompt
+from cluster.cli_terminal import (
+    EXIT_FAILURE,
+    EXIT_USAGE,
+    end_line,
+    print_error,
+    print_generation_summary,
+    read_prompt,
+)
 
 
 def run_generate_remote(args: argparse.Namespace) -> int:
@@ -21,14 +28,14 @@ def run_generate_remote(args: argparse.Namespace) -> int:
     if args.dtype is not None:
         raise ValueError("--dtype applies only with --model (the server chose its dtype)")
     target = parse_target(args.target)
-    prompt = _read_prompt(args.prompt)
+    prompt = read_prompt(args.prompt)
     with grpc.insecure_channel(target) as channel:
         if args.wait is not None:
             try:
                 wait_ready(channel, args.wait)
             except TimeoutError as exc:
-                print(f"{_PROG}: error: {exc}", file=sys.stderr)
-                return 1
+                print_error(str(exc))
+                return EXIT_FAILURE
         stream = stream_generate(
             pb_grpc.InferenceStub(channel),
             prompt,
@@ -63,28 +70,25 @@ def run_generate_remote(args: argparse.Namespace) -> int:
                     final = response.final
         except KeyboardInterrupt:
             # Cancelling the call is how the server learns to abort the request and free
-            # its KV blocks (DESIGN.md §2.3); closing the channel alone would be later.
+            # its KV blocks (docs/serving.md, "Ending early"); closing the channel alone
+            # would be later.
             stream.cancel()
-            _end_line(has_text)
+            end_line(has_text)
             raise
         except grpc.RpcError as exc:
-            _end_line(has_text)
+            end_line(has_text)
             return _report_rpc_error(exc)
     elapsed = time.perf_counter() - start
     sys.stdout.write("\n")
     sys.stdout.flush()
 
     if final is None:
-        print(f"{_PROG}: error: the stream from {target} ended without a Final", file=sys.stderr)
-        return 1
+        print_error(f"the stream from {target} ended without a Final")
+        return EXIT_FAILURE
     # FINISH_REASON_LENGTH -> "length": the words the offline form prints.
     reason = pb.FinishReason.Name(final.finish_reason).removeprefix("FINISH_REASON_").lower()
-    ttft = "" if first_token_time is None else f", ttft {1e3 * (first_token_time - start):.0f} ms"
-    rate = num_tokens / elapsed if elapsed > 0 else 0.0
-    print(
-        f"[{num_tokens} tokens, finish: {reason}, {rate:.1f} tokens/s{ttft}]",
-        file=sys.stderr,
-    )
+    ttft_s = None if first_token_time is None else first_token_time - start
+    print_generation_summary(num_tokens, reason, elapsed, ttft_s)
     if args.timing:
         print(format_usage_and_timing(final), file=sys.stderr)
     return 0
@@ -92,9 +96,9 @@ def run_generate_remote(args: argparse.Namespace) -> int:
 
 def _report_rpc_error(exc) -> int:  # exc: grpc.RpcError (grpc is imported lazily)
     code = exc.code()
-    print(f"{_PROG}: error: {code.name}: {exc.details()}", file=sys.stderr)
+    print_error(f"{code.name}: {exc.details()}")
     # A bad request is the caller's mistake, like a bad flag; everything else is run time.
-    return _EXIT_USAGE if code.name == "INVALID_ARGUMENT" else 1
+    return EXIT_USAGE if code.name == "INVALID_ARGUMENT" else EXIT_FAILURE
 
 
 def run_status(args: argparse.Namespace) -> int:
@@ -112,12 +116,8 @@ def run_status(args: argparse.Namespace) -> int:
             code = exc.code()
             if code not in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
                 return _report_rpc_error(exc)
-            print(
-                f"{_PROG}: error: cannot reach a Baton router at {target} "
-                f"({code.name}: {exc.details()})",
-                file=sys.stderr,
-            )
-            return 1
+            print_error(f"cannot reach a Baton router at {target} ({code.name}: {exc.details()})")
+            return EXIT_FAILURE
     if args.json:
         text = json_format.MessageToJson(
             status, preserving_proto_field_name=True, always_print_fields_with_no_presence=True
