@@ -18,7 +18,13 @@ ARCH = ArchConfig.from_dict(LLAMA31_V4)
 
 @pytest.mark.parametrize("tp", [1, 2, 4, 8, 16, 32])
 def test_layouts_that_split_the_model_pass(tp):
-    check_pool_parallel("decode", PoolSection(tensor_parallel=tp), ARCH, "cpu", [])
+    pool = PoolSection(tensor_parallel=tp)
+    check_pool_parallel("decode", pool, ARCH, "cpu", [])  # raises ValueError if refused
+    # On GPUs the stage's ranks need one node: a node of tp GPUs fits, one GPU less does not
+    # (so the pass above is the layout check's decision, not a check that never refuses).
+    check_pool_parallel("decode", pool, ARCH, "cuda", [tp])
+    with pytest.raises(ValueError, match=rf"decode.tensor_parallel: .* {tp} ranks .* has {tp - 1}"):
+        check_pool_parallel("decode", pool, ARCH, "cuda", [tp - 1])
 
 
 @pytest.mark.parametrize(
@@ -36,7 +42,14 @@ def test_layouts_that_split_the_model_pass(tp):
 )
 def test_pipeline_stages_pass_up_to_one_per_layer_and_one_node_per_stage(tp, pp, node_gpus):
     pool = PoolSection(tensor_parallel=tp, pipeline_parallel=pp)
-    check_pool_parallel("decode", pool, ARCH, "cuda" if node_gpus else "cpu", node_gpus)
+    device = "cuda" if node_gpus else "cpu"
+    check_pool_parallel("decode", pool, ARCH, device, node_gpus)  # raises ValueError if refused
+    # Where a bound is reached (every node's GPUs used, or a stage per layer), one more stage
+    # is refused: the pass above is the check's decision, not a check that never refuses.
+    if node_gpus or pp == ARCH.num_hidden_layers:
+        one_more = dataclasses.replace(pool, pipeline_parallel=pp + 1)
+        with pytest.raises(ValueError, match="pipeline_parallel"):
+            check_pool_parallel("decode", one_more, ARCH, device, node_gpus)
 
 
 @pytest.mark.parametrize(

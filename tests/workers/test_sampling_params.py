@@ -51,9 +51,19 @@ def test_is_greedy_and_has_penalties():
 
 
 def test_edge_values_are_valid():
-    SamplingParams(top_p=1.0, top_k=-1, min_p=1.0, presence_penalty=2.0, frequency_penalty=-2.0)
-    SamplingParams(max_tokens=None, min_tokens=1000, logprobs=20, seed=-1)
-    SamplingParams(max_tokens=5, min_tokens=5, logprobs=0, seed=2**64 - 1)
+    # Accepted and kept as given: neither refused nor clamped to a nearby value.
+    p = SamplingParams(top_p=1.0, top_k=-1, min_p=1.0, presence_penalty=2.0, frequency_penalty=-2.0)
+    assert (p.top_p, p.top_k, p.min_p, p.presence_penalty, p.frequency_penalty) == (
+        1.0,
+        -1,
+        1.0,
+        2.0,
+        -2.0,
+    )
+    p = SamplingParams(max_tokens=None, min_tokens=1000, logprobs=20, seed=-1)
+    assert (p.max_tokens, p.min_tokens, p.logprobs, p.seed) == (None, 1000, 20, -1)
+    p = SamplingParams(max_tokens=5, min_tokens=5, logprobs=0, seed=2**64 - 1)
+    assert (p.max_tokens, p.min_tokens, p.logprobs, p.seed) == (5, 5, 0, 2**64 - 1)
 
 
 BAD = [
