@@ -5,11 +5,10 @@ import time
 import pytest
 import tokenizers
 import torch
+import transformers
 from safetensors import safe_open
 
 from cluster.tools.make_model import ARCHS, make_config, make_model, num_parameters
-
-transformers = pytest.importorskip("transformers")
 
 _FILES = {
     "config.json",

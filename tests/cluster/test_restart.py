@@ -14,8 +14,6 @@ import threading
 
 import pytest
 
-pytest.importorskip("ray")
-
 from cluster import restart
 from cluster.replicas import Cancelled, Replica
 from workers.engine.config import EngineConfig

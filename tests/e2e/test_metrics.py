@@ -13,15 +13,14 @@ import urllib.request
 from collections import defaultdict
 
 import grpc
+import nixl  # noqa: F401  (required by the served cluster: a broken install fails, not skips)
 import pytest
+import ray  # noqa: F401  (required by the served cluster: a broken install fails, not skips)
 from prometheus_client.parser import text_string_to_metric_families
 
 from proto.baton.v1 import inference_pb2 as pb
 from tests.e2e.conftest import cluster_config, start_cluster, stop_cluster
 from tests.e2e.test_cluster import collect, flood, request, wait_blocks_released
-
-pytest.importorskip("ray")
-pytest.importorskip("nixl")
 
 ROUTER = {"role": "router", "model": "tiny", "instance": "router"}
 PREFILL = {"role": "prefill", "model": "tiny", "instance": "prefill-0"}

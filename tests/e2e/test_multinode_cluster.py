@@ -20,7 +20,9 @@ import os
 import secrets
 import signal
 
+import nixl  # noqa: F401  (required by the served cluster: a broken install fails, not skips)
 import pytest
+import ray  # noqa: F401  (required by the served cluster: a broken install fails, not skips)
 
 from tests.e2e.conftest import cluster_config, start_cluster, stop_cluster
 from tests.e2e.test_cluster import wait_blocks_released
@@ -31,9 +33,6 @@ from tests.e2e.test_parallel_cluster import (
     actor_processes,
     assert_outputs_and_hand_off,
 )
-
-pytest.importorskip("ray")
-pytest.importorskip("nixl")
 
 STAGE_SLOT = "baton_test_stage_slot"  # one per node: a prefill stage per node
 

@@ -28,14 +28,13 @@ import threading
 import time
 
 import grpc
+import nixl  # noqa: F401  (required by the served cluster: a broken install fails, not skips)
 import pytest
+import ray  # noqa: F401  (required by the served cluster: a broken install fails, not skips)
 
 from proto.baton.v1 import inference_pb2 as pb
 from tests.e2e.conftest import cluster_config, start_cluster, stop_cluster
 from tests.e2e.test_cluster import PROMPTS, TOKEN_PROMPT, collect, request, wait_blocks_released
-
-pytest.importorskip("ray")
-pytest.importorskip("nixl")
 
 DEATH_DEADLINE_S = 5.0  # a dead rank's streams end within this (HEARTBEAT_S is 0.5 s)
 RESTART_DEADLINE_S = 120.0  # a dead replica is serving again within this (a tiny model)

@@ -13,14 +13,13 @@ TP x PP on both sides are ``slow``.
 
 from __future__ import annotations
 
+import nixl  # noqa: F401  (required by the served cluster: a broken install fails, not skips)
 import pytest
+import ray  # noqa: F401  (required by the served cluster: a broken install fails, not skips)
 
 from proto.baton.v1 import inference_pb2 as pb
 from tests.e2e.conftest import cluster_config, start_cluster, stop_cluster
 from tests.e2e.test_parallel_cluster import assert_outputs_and_hand_off
-
-pytest.importorskip("ray")
-pytest.importorskip("nixl")
 
 LAYOUTS = [  # (prefill (tp, pp), decode (tp, pp))
     pytest.param((1, 2), (1, 1), id="P-PP2-D1"),

@@ -12,14 +12,13 @@ import os
 import pathlib
 import time
 
+import nixl  # noqa: F401  (required: the workers' NIXL agents; a broken install fails)
 import pytest
+import ray
 import torch
 
-ray = pytest.importorskip("ray")
-pytest.importorskip("nixl")
-
-from .helpers import full_kv  # noqa: E402
-from .ray_workers import OK, KVWorker  # noqa: E402
+from .helpers import full_kv
+from .ray_workers import OK, KVWorker
 
 ROOT = str(pathlib.Path(__file__).resolve().parents[2])
 HEADS, LAYERS, BS, DIM = 4, 2, 4, 8
