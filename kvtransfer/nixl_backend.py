@@ -18,7 +18,6 @@ blocks into single descriptors. Every method runs on the connector's thread.
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
 from collections.abc import Sequence
@@ -194,8 +193,12 @@ class NixlBackend:
                 self._agent.releasedDlistH(handle)
             except Exception:
                 logger.debug("releasing a descriptor list of %s failed", peer, exc_info=True)
-        with contextlib.suppress(Exception):  # not loaded, or already gone
+        try:
+            # NIXL accepts a peer it never loaded (connect failed early) without an error,
+            # so a failure here is unexpected: the peer's metadata may stay loaded.
             self._agent.invalidateRemoteMD(peer)
+        except Exception:
+            logger.warning("forgetting the NIXL metadata of %s failed", peer, exc_info=True)
 
     # ---- transfers ----------------------------------------------------------------------
     def post(
@@ -248,18 +251,31 @@ class NixlBackend:
         return True
 
     def cancel(self, xfer: _Xfer) -> bool:
-        if xfer.is_released:
-            return True
-        try:
-            self._agent.releaseXferReq(xfer.handle)  # aborts a transfer in progress if it can
-        except Exception:
-            return False
-        xfer.is_released = True
-        return True
+        error = self._try_release(xfer)
+        if error is not None:
+            # Not a warning: the sender and receiver poll cancel() every step until the
+            # transfer stops, and drop the peer (with a log line) if it never does.
+            logger.debug("NIXL cannot release a transfer yet: %s: %s", type(error).__name__, error)
+        return error is None
 
     def _release(self, xfer: _Xfer) -> None:
-        if not self.cancel(xfer):
-            logger.warning("NIXL could not release a finished transfer")
+        error = self._try_release(xfer)
+        if error is not None:
+            logger.warning(
+                "NIXL could not release a finished transfer: %s: %s", type(error).__name__, error
+            )
+
+    def _try_release(self, xfer: _Xfer) -> Exception | None:
+        """Release ``xfer`` (aborting it if still in progress and NIXL can); None on
+        success, else NIXL's exception."""
+        if xfer.is_released:
+            return None
+        try:
+            self._agent.releaseXferReq(xfer.handle)
+        except Exception as exc:
+            return exc
+        xfer.is_released = True
+        return None
 
     # ---- notifications ------------------------------------------------------------------
     def send_notif(self, peer: str, data: bytes) -> None:
@@ -279,8 +295,10 @@ class NixlBackend:
         for peer in list(self._remote_handles):
             self.disconnect(peer)
         for handle in self._local_dlists.values():
-            with contextlib.suppress(Exception):
+            try:
                 self._agent.releasedDlistH(handle)
+            except Exception:
+                logger.warning("releasing a local NIXL descriptor list failed", exc_info=True)
         self._local_dlists.clear()
         try:
             self._agent.deregisterMem(self._reg_descs, [])
