@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import logging
 import os
+from typing import TYPE_CHECKING
 
 from workers.protocol.wire import WorkerInfo, WorkItem, decode_as, encode
 from workers.serving.channel import (
@@ -27,6 +28,9 @@ from workers.serving.channel import (
     LostHandler,
 )
 from workers.serving.worker_spec import WorkerSpec, build_engine, connector_factory
+
+if TYPE_CHECKING:
+    from kvtransfer import KVConnector
 
 logger = logging.getLogger(__name__)
 
@@ -129,15 +133,27 @@ class WorkerActor:
             )
         )
 
+    def _connector(self) -> KVConnector:
+        # An explicit check, not an assert: asserts vanish under ``python -O``, and an
+        # AssertionError reaches bring-up through Ray without saying what was wrong.
+        if self.service is None or self.service.connector is None:
+            raise RuntimeError(
+                f"worker {self.spec.name} has no KV connector: it has not started "
+                "(start() was not called or failed)"
+            )
+        return self.service.connector
+
     def kv_metadata(self) -> bytes:
-        assert self.service.connector is not None
-        return self.service.connector.metadata()
+        """This rank's KV layout and agent metadata, for its peers' ``add_peer``; raises
+        RuntimeError before a successful ``start``."""
+        return self._connector().metadata()
 
     def add_peer(self, metadata: bytes) -> str:
-        """Returns "" on success, else the error (a layout mismatch names what differs)."""
-        assert self.service.connector is not None
+        """Returns "" on success, else the error (a layout mismatch names what differs);
+        raises RuntimeError before a successful ``start``."""
+        connector = self._connector()
         try:
-            self.service.connector.add_peer(metadata)
+            connector.add_peer(metadata)
         except Exception as exc:
             return f"{type(exc).__name__}: {exc}"
         return ""
