@@ -1,4 +1,4 @@
-"""Client side of the ``baton.v1.Inference`` gRPC API (DESIGN.md §2.3).
+"""Client side of the ``baton.v1.Inference`` gRPC API (proto/baton/v1/inference.proto).
 
 Small typed helpers over a ``grpc.Channel`` / ``InferenceStub``, used by ``baton generate
 --target`` and ``baton status`` and by tests and benchmarks that talk to a running

@@ -1,6 +1,7 @@
 """A fake ``baton.v1.Inference`` servicer on loopback, standing in for router/server.py:
-it records each request, streams two Deltas and a Final, and answers errors the way
-DESIGN §2.3 says the real one does. The ``server`` / ``stub`` fixtures (conftest.py) serve it.
+it records each request, streams two Deltas and a Final, and answers errors with the
+status codes the real one uses (docs/serving.md, "A request"). The ``server`` / ``stub``
+fixtures (conftest.py) serve it.
 """
 
 import socket

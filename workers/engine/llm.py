@@ -1,4 +1,4 @@
-"""``LLM``: the single-process Python API (DESIGN §2.4), no Ray involved."""
+"""``LLM``: the single-process Python API (``baton generate --model``), no Ray involved."""
 
 from __future__ import annotations
 
