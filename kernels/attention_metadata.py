@@ -20,9 +20,11 @@ A token's *slot* is ``block_id * block_size + offset_in_block``.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from itertools import pairwise
+from itertools import accumulate, pairwise
 
+import numpy as np
 import torch
 
 
@@ -90,3 +92,64 @@ class AttentionMetadata:
             )
             for start, end in pairwise(bounds)
         )
+
+
+def as_device_tensor(
+    values: np.ndarray | Sequence[int], dtype: torch.dtype, device: torch.device | str
+) -> torch.Tensor:
+    """Host integers as a ``dtype`` tensor on ``device``. The copy to an accelerator is
+    ``non_blocking``: it is ordered on the stream before the kernels that read it."""
+    tensor = torch.as_tensor(values, dtype=dtype)
+    device = torch.device(device)
+    return tensor.to(device, non_blocking=True) if device.type != "cpu" else tensor
+
+
+def slot_mapping_for(
+    query_lens: Sequence[int],
+    seq_lens: Sequence[int],
+    block_tables: Sequence[Sequence[int]],
+    block_size: int,
+) -> list[int]:
+    """The slot of every new token of a flat batch: sequence i's new tokens sit at
+    positions ``seq_lens[i] - query_lens[i] .. seq_lens[i] - 1`` of its block table.
+    (The model runner computes the same with numpy, as it lays out the step's tokens.)"""
+    slots: list[int] = []
+    for q_len, s_len, table in zip(query_lens, seq_lens, block_tables, strict=True):
+        for pos in range(s_len - q_len, s_len):
+            slots.append(table[pos // block_size] * block_size + pos % block_size)
+    return slots
+
+
+def build_attention_metadata(
+    query_lens: Sequence[int],
+    seq_lens: Sequence[int],
+    block_tables: np.ndarray | Sequence[Sequence[int]],
+    slot_mapping: np.ndarray | Sequence[int],
+    num_decodes: int,
+    device: torch.device | str = "cpu",
+) -> AttentionMetadata:
+    """The :class:`AttentionMetadata` of a flat batch from its host-side description
+    (the model runner each step; the kernel and model tests; bench/attention_kernels.py).
+
+    ``block_tables``: one row of block ids per sequence (ragged rows are right-padded
+    with 0); ``slot_mapping``: one slot per new token (:func:`slot_mapping_for`); the first
+    ``num_decodes`` sequences must have one query token each. Raises ValueError otherwise.
+    """
+    if any(q_len != 1 for q_len in query_lens[:num_decodes]):
+        raise ValueError(f"the first {num_decodes} sequences are decodes: one query token each")
+    if not isinstance(block_tables, np.ndarray):
+        max_num_blocks = max(len(t) for t in block_tables)
+        block_tables = [list(t) + [0] * (max_num_blocks - len(t)) for t in block_tables]
+    return AttentionMetadata(
+        slot_mapping=as_device_tensor(slot_mapping, torch.int64, device),
+        block_tables=as_device_tensor(block_tables, torch.int32, device),
+        seq_lens=as_device_tensor(seq_lens, torch.int32, device),
+        query_start_loc=as_device_tensor(
+            list(accumulate(query_lens, initial=0)), torch.int32, device
+        ),
+        num_decodes=num_decodes,
+        max_query_len=max(query_lens),
+        max_seq_len=max(seq_lens),
+        seq_lens_cpu=tuple(seq_lens),
+        query_lens_cpu=tuple(query_lens),
+    )

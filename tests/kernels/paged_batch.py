@@ -7,7 +7,11 @@ from __future__ import annotations
 
 import torch
 
-from kernels.attention_metadata import AttentionMetadata
+from kernels.attention_metadata import (
+    AttentionMetadata,
+    build_attention_metadata,
+    slot_mapping_for,
+)
 
 
 def random_block_tables(
@@ -48,28 +52,10 @@ def build_metadata(
     device: torch.device | str = "cpu",
 ) -> AttentionMetadata:
     """Metadata for a flat batch: sequence i's new tokens sit at positions
-    ``seq_lens[i] - query_lens[i] .. seq_lens[i] - 1``; the first ``num_decodes`` are decodes."""
-    assert all(q == 1 for q in query_lens[:num_decodes])
-    slots: list[int] = []
-    for q_len, s_len, table in zip(query_lens, seq_lens, block_tables, strict=True):
-        for pos in range(s_len - q_len, s_len):
-            slots.append(table[pos // block_size] * block_size + pos % block_size)
-    max_num_blocks = max(len(t) for t in block_tables)
-    padded = [t + [0] * (max_num_blocks - len(t)) for t in block_tables]
-    cu = [0]
-    for q_len in query_lens:
-        cu.append(cu[-1] + q_len)
-    return AttentionMetadata(
-        slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device),
-        block_tables=torch.tensor(padded, dtype=torch.int32, device=device),
-        seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=device),
-        query_start_loc=torch.tensor(cu, dtype=torch.int32, device=device),
-        num_decodes=num_decodes,
-        max_query_len=max(query_lens),
-        max_seq_len=max(seq_lens),
-        seq_lens_cpu=tuple(seq_lens),
-        query_lens_cpu=tuple(query_lens),
-    )
+    ``seq_lens[i] - query_lens[i] .. seq_lens[i] - 1``; the first ``num_decodes`` are decodes.
+    The engine's own builder, with the slots computed from the block tables."""
+    slots = slot_mapping_for(query_lens, seq_lens, block_tables, block_size)
+    return build_attention_metadata(query_lens, seq_lens, block_tables, slots, num_decodes, device)
 
 
 def positions_for(query_lens: list[int], seq_lens: list[int]) -> torch.Tensor:

@@ -19,7 +19,7 @@ from collections.abc import Callable, Mapping
 import numpy as np
 import torch
 
-from kernels.attention_metadata import AttentionMetadata
+from kernels.attention_metadata import AttentionMetadata, as_device_tensor, build_attention_metadata
 from workers.engine.kv_cache import copy_blocks
 from workers.engine.request import Request
 from workers.engine.scheduler import SchedulerOutput
@@ -95,30 +95,19 @@ class ModelRunner:
         self, inputs: StepInputs
     ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor]:
         """(input_ids, positions, metadata, sample_indices) as tensors on the device."""
-
-        def to_dev(array: np.ndarray | tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-            tensor = torch.as_tensor(array, dtype=dtype)
-            return (
-                tensor.to(self.device, non_blocking=True) if self.device.type != "cpu" else tensor
-            )
-
-        query_lens = inputs.query_lens
-        metadata = AttentionMetadata(
-            slot_mapping=to_dev(inputs.slot_mapping, torch.int64),
-            block_tables=to_dev(inputs.block_tables, torch.int32),
-            seq_lens=to_dev(inputs.seq_lens, torch.int32),
-            query_start_loc=to_dev(inputs.query_start_loc, torch.int32),
-            num_decodes=inputs.num_decodes,
-            max_query_len=max(query_lens),
-            max_seq_len=max(inputs.seq_lens),
-            seq_lens_cpu=inputs.seq_lens,
-            query_lens_cpu=query_lens,
+        metadata = build_attention_metadata(
+            inputs.query_lens,
+            inputs.seq_lens,
+            inputs.block_tables,
+            inputs.slot_mapping,
+            inputs.num_decodes,
+            self.device,
         )
         return (
-            to_dev(inputs.input_ids, torch.int64),
-            to_dev(inputs.positions, torch.int64),
+            as_device_tensor(inputs.input_ids, torch.int64, self.device),
+            as_device_tensor(inputs.positions, torch.int64, self.device),
             metadata,
-            to_dev(inputs.sample_indices, torch.int64),
+            as_device_tensor(inputs.sample_indices, torch.int64, self.device),
         )
 
     def launch(self, sched: SchedulerOutput, requests: Mapping[str, Request]) -> StepInputs:
