@@ -11,7 +11,7 @@ batches of mixed context lengths, the ``small`` model's attention shape (12 quer
 
 Medians of ``--repeats`` calls, ``--threads`` threads.
 
-    python bench/decode_groups.py --json bench/decode_groups.json
+    python -m bench.decode_groups --json bench/decode_groups.json
 """
 
 from __future__ import annotations
@@ -22,18 +22,13 @@ import importlib
 import json
 import random
 import statistics
-import sys
 import time
 from pathlib import Path
 
 import torch
 
-# Run as a script, this directory would shadow the top-level packages (kernels, ...); the
-# repository goes first instead, so that the sibling scripts import as ``bench.<name>``.
-ROOT = Path(__file__).resolve().parents[1]
-sys.path[:] = [str(ROOT)] + [p for p in sys.path if Path(p).resolve() != ROOT / "bench"]
-
-from workers.engine.cpu_memory import keep_freed_memory_mapped  # noqa: E402
+from bench.gpu_kernels import paged_batch
+from workers.engine.cpu_memory import keep_freed_memory_mapped
 
 op = importlib.import_module("kernels.paged_attention")  # the module, not the function
 HEADS, KV_HEADS, HEAD_DIM, BLOCK = 12, 4, 64, 16
@@ -46,9 +41,7 @@ SWEEP = [(c, m) for c in (512, 1024, 2048, 4096) for m in (2048, 4096, 8192, 1 <
 def _batch(num: int, shortest: int, longest: int, rng: random.Random):
     """(query, layer view, metadata) of ``num`` decodes with scattered blocks."""
     lens = [rng.randint(shortest, longest) for _ in range(num)]
-    return importlib.import_module("bench.kernels").paged_batch(
-        [1] * num, lens, BLOCK, torch.float32, "cpu", num, HEADS, KV_HEADS, HEAD_DIM
-    )
+    return paged_batch([1] * num, lens, BLOCK, torch.float32, "cpu", num, HEADS, KV_HEADS, HEAD_DIM)
 
 
 def _time_ms(query, cache, metadata, settings: list[tuple[int, int]], repeats: int) -> list[float]:

@@ -11,7 +11,7 @@ cluster`` as a user would, and loaded by ``baton bench --dataset trace --rates .
 (Poisson arrivals; each rate with fresh prompts, so no prefix-cache hits); the
 configurations alternate in every repeat, and each figure is the median over repeats.
 
-    python bench/distserve.py --rates 1.0,1.5,2.0,2.5,3.0 --repeats 3 \\
+    python -m bench.distserve --rates 1.0,1.5,2.0,2.5,3.0 --repeats 3 \\
         --json bench/distserve.json --plot bench/distserve.png
 """
 
@@ -28,17 +28,10 @@ import time
 from pathlib import Path
 from statistics import median
 
+from bench.serving_cluster import Cluster, Host
+from workers.parallel.replica import free_port
+
 ROOT = Path(__file__).resolve().parents[1]
-# `python bench/distserve.py` puts bench/ first on sys.path, where bench/kernels.py shadows
-# the `kernels` package; the repository goes first, bench/ last (serving_cluster).
-if sys.path and Path(sys.path[0]).resolve() == ROOT / "bench":
-    del sys.path[0]
-sys.path[:0] = [str(ROOT)]
-sys.path.append(str(ROOT / "bench"))
-
-from serving_cluster import Cluster, Host  # noqa: E402
-
-from workers.parallel.replica import free_port  # noqa: E402
 
 MODES = ("disaggregated", "aggregated")
 FIGURES = (  # (key in a baton bench run, percentile key, label)
@@ -245,7 +238,7 @@ def main() -> int:
         plot(medians, rates, args.plot)
     if args.json:
         document = {
-            "command": " ".join(sys.argv),
+            "command": " ".join(["python", "-m", __spec__.name, *sys.argv[1:]]),
             "machine": {"platform": platform.platform(), "processor": platform.processor()},
             "workload": workload,
             "arguments": {k: str(v) for k, v in vars(args).items()},

@@ -14,7 +14,7 @@ Workload: N requests, prompt lengths uniform in [16, 512], output lengths unifor
 - Overhead: B requests decoding together; mean time per stage of steps at batch B, and
   the share of the step that is not the model (schedule + input prep + sample + update).
 
-    python bench/engine.py --repeats 3 --json bench/engine.json
+    python -m bench.engine --repeats 3 --json bench/engine.json
 """
 
 from __future__ import annotations
@@ -25,14 +25,8 @@ import json
 import platform
 import random
 import statistics
-import sys
 import time
 from pathlib import Path
-
-# Run as a script, bench/ comes first on sys.path, where bench/kernels.py would shadow
-# the `kernels` package the engine imports.
-if sys.path and Path(sys.path[0]).resolve() == Path(__file__).resolve().parent:
-    sys.path.pop(0)
 
 import torch
 

@@ -7,7 +7,7 @@ attention (``kernels/paged_attention.py``), the KV store, the norms, rotary and 
 (embedding, residual adds, reshapes, sampling, scheduling, Python). Medians over
 ``--repeats`` cold repeats (prefix cache emptied); the timers add a little to each call.
 
-    python bench/engine_ops.py --model /tmp/small --repeats 3
+    python -m bench.engine_ops --model /tmp/small --repeats 3
 """
 
 from __future__ import annotations
@@ -18,18 +18,13 @@ import dataclasses
 import importlib
 import json
 import statistics
-import sys
 import time
 from pathlib import Path
 
-# Run as a script, this directory would shadow the top-level packages (kernels, ...); the
-# repository goes first instead, so that the sibling scripts import as ``bench.<name>``.
-ROOT = Path(__file__).resolve().parents[1]
-sys.path[:] = [str(ROOT)] + [p for p in sys.path if Path(p).resolve() != ROOT / "bench"]
-
-import kernels  # noqa: E402
-from workers import LLM, SamplingParams  # noqa: E402
-from workers.models import loader  # noqa: E402
+import kernels
+from bench import engine as engine_bench
+from workers import LLM, SamplingParams
+from workers.models import loader
 
 attention = importlib.import_module("kernels.paged_attention")  # the module, not the function
 spent: collections.Counter[str] = collections.Counter()
@@ -53,7 +48,6 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--json", type=Path, help="write the results here")
     args = ap.parse_args()
-    engine_bench = importlib.import_module("bench.engine")
 
     ref = kernels.REFERENCE_OPS
     ops = {f.name: timed(getattr(ref, f.name), f.name) for f in dataclasses.fields(ref)}

@@ -1,4 +1,4 @@
-"""``python bench/kernels.py --compile-only [--arch 90]``: every Triton kernel compiled for
+"""``python -m bench.gpu_kernels --compile-only [--arch 90]``: every Triton kernel compiled for
 a GPU architecture without a GPU, with its registers, spills and shared memory (the check
 that a launch configuration fits, before a GPU is at hand)."""
 

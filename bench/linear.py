@@ -8,7 +8,7 @@ round (a round: each weight ``max(1, 64 // rows)`` times), so that drift of the 
 hits both alike. Medians of ``--repeats`` rounds;
 GFLOP/s counts ``2 * rows * weight elements``.
 
-    python bench/linear.py --json bench/linear.json
+    python -m bench.linear --json bench/linear.json
 """
 
 from __future__ import annotations
@@ -24,12 +24,9 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-# Run as a script, this directory would shadow the top-level packages (kernels, ...).
-sys.path[:] = [p for p in sys.path if Path(p).resolve() != Path(__file__).resolve().parent]
-
-from cluster.tools.make_model import make_config  # noqa: E402
-from kernels import cpu_linear  # noqa: E402
-from workers.engine.cpu_memory import keep_freed_memory_mapped  # noqa: E402
+from cluster.tools.make_model import make_config
+from kernels import cpu_linear
+from workers.engine.cpu_memory import keep_freed_memory_mapped
 
 ROWS = [1, 2, 3, 4, 8, 16, 32, 64, 256, 2048]
 

@@ -27,8 +27,8 @@ request has its first token to the last one's end, or the time to first token; a
 ratios against ``single`` and ``pp2-in-turn`` (speed-ups: > 1 is better). Rank 0 (the
 last stage) measures.
 
-    python bench/pipeline.py --model /tmp/small --json bench/pipeline.json
-    python bench/pipeline.py --model /tmp/small --workload prefill \
+    python -m bench.pipeline --model /tmp/small --json bench/pipeline.json
+    python -m bench.pipeline --model /tmp/small --workload prefill \
         --setups single,pp2-in-turn,pp2-in-flight --json bench/pipeline_prefill.json
 """
 
@@ -37,7 +37,6 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -45,10 +44,7 @@ from pathlib import Path
 import torch
 import torch.multiprocessing as mp
 
-# Run as a script, this directory would shadow the top-level packages (kernels, ...).
-sys.path[:] = [p for p in sys.path if Path(p).resolve() != Path(__file__).resolve().parent]
-
-from workers.parallel.replica import agree_min, free_port, join_replica, leave_replica  # noqa: E402
+from workers.parallel.replica import agree_min, free_port, join_replica, leave_replica
 
 
 def _config(args: argparse.Namespace):

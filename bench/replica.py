@@ -16,8 +16,8 @@ like a cluster replica (``workers/parallel/replica.py``). Two measurements:
    rank 0 (the last stage) times every decode step and the part of it spent in
    ``before_forward`` (encode + broadcast). Reported: medians of both and the share.
 
-    python bench/replica.py --model /tmp/small --json bench/replica.json
-    python bench/replica.py --model /tmp/small --tp 1 --pp 2 --json bench/replica_pp.json
+    python -m bench.replica --model /tmp/small --json bench/replica.json
+    python -m bench.replica --model /tmp/small --tp 1 --pp 2 --json bench/replica_pp.json
 """
 
 from __future__ import annotations
@@ -26,15 +26,9 @@ import argparse
 import json
 import platform
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
-
-# Run as a script, this file's folder comes first on sys.path, and bench/kernels.py would
-# shadow the kernels package.
-if sys.path and Path(sys.path[0]).resolve() == Path(__file__).resolve().parent:
-    sys.path.pop(0)
 
 import numpy as np
 import torch

@@ -19,7 +19,7 @@ after the other, with the same model, block size, KV blocks and step budget.
   the cluster's stamps come from a hook installed through ``sitecustomize`` (see
   ``bench/serving_stamps.py``) that appends (kind, request id, tokens, time) to a list.
 
-    python bench/serving.py --rate 1.5 0.75 --repeats 3 --json bench/serving.json  # 14 min
+    python -m bench.serving --rate 1.5 0.75 --repeats 3 --json bench/serving.json  # 14 min
 """
 
 from __future__ import annotations
@@ -40,22 +40,14 @@ from pathlib import Path
 
 import grpc
 
+from bench.serving_cluster import Cluster, Host
+from bench.serving_overhead import DirectEngine, delivery, router_overhead
+from bench.serving_stamps import wait_for_stamps
+from bench.serving_stats import dist_ms, median_run
 from proto.baton.v1 import inference_pb2 as pb
 from proto.baton.v1 import inference_pb2_grpc as pb_grpc
 
 ROOT = Path(__file__).resolve().parents[1]
-# `python bench/serving.py` puts bench/ first on sys.path, where bench/kernels.py shadows
-# the `kernels` package that the engine imports.
-if sys.path and Path(sys.path[0]).resolve() == ROOT / "bench":
-    del sys.path[0]
-# The repository first (its `kernels` package), bench/ last (the serving_* helpers).
-sys.path[:0] = [str(ROOT)]
-sys.path.append(str(ROOT / "bench"))
-
-from serving_cluster import Cluster, Host  # noqa: E402
-from serving_overhead import DirectEngine, delivery, router_overhead  # noqa: E402
-from serving_stamps import wait_for_stamps  # noqa: E402
-from serving_stats import dist_ms, median_run  # noqa: E402
 
 PROMPT_LENS, MAX_TOKENS = (32, 128, 320, 600), (16, 128)  # prompt lengths, max_tokens range
 MODES = ("disaggregated", "aggregated")
@@ -375,7 +367,7 @@ def main() -> None:
     work = make_workload(args.num_requests, vocab, args.seed, args.rate[0], 0)
     result = {
         "machine": f"{cpu or platform.processor()}, {os.cpu_count()} cores",
-        "command": " ".join(["python", *sys.argv]),
+        "command": " ".join(["python", "-m", __spec__.name, *sys.argv[1:]]),
         "model_dir": str(model_dir),
         "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
         "workload": {

@@ -20,7 +20,8 @@ from collections import defaultdict
 from pathlib import Path
 
 import yaml
-from serving_stamps import STAMPS_ENV, write_sitecustomize
+
+from bench.serving_stamps import STAMPS_ENV, write_sitecustomize
 
 ROOT = Path(__file__).resolve().parents[1]
 START_TIMEOUT_S = 240.0

@@ -10,11 +10,11 @@ from collections import defaultdict
 from itertools import pairwise
 from typing import TYPE_CHECKING
 
-from serving_stamps import PUBLISH, ROUTE, Stamps
-from serving_stats import dist_ms
+from bench.serving_stamps import PUBLISH, ROUTE, Stamps
+from bench.serving_stats import dist_ms
 
 if TYPE_CHECKING:
-    from serving import Item, Result
+    from bench.serving import Item, Result
 
 
 def delivery(results: list[Result], stamps: Stamps) -> dict:

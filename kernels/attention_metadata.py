@@ -129,7 +129,7 @@ def build_attention_metadata(
     device: torch.device | str = "cpu",
 ) -> AttentionMetadata:
     """The :class:`AttentionMetadata` of a flat batch from its host-side description
-    (the model runner each step; the kernel and model tests; bench/attention_kernels.py).
+    (the model runner each step; the kernel and model tests; bench/gpu_kernels.py).
 
     ``block_tables``: one row of block ids per sequence (ragged rows are right-padded
     with 0); ``slot_mapping``: one slot per new token (:func:`slot_mapping_for`); the first

@@ -194,7 +194,7 @@ def choose_num_splits(num_seqs: int, num_kv_heads: int, max_seq_len: int, num_sm
 def launch_config(dtype: torch.dtype, is_cuda: bool) -> tuple[int, int]:
     """(block_n, num_warps). CUDA: 64 positions per tile, 4 warps (8 for float32, whose
     "ieee" dots run on FMA units): no register spills and room for several programs per SM,
-    chosen offline for sm_90 (``python bench/kernels.py --compile-only``), not yet timed on
+    chosen offline for sm_90 (``python -m bench.gpu_kernels --compile-only``), not yet timed on
     a GPU. The interpreter: 32 positions, so small test contexts still span several tiles."""
     if not is_cuda:
         return 32, 4

@@ -190,7 +190,7 @@ def launch_config(
 ) -> tuple[int, int, int, int]:
     """(block_m, block_n, num_warps, num_stages) for a launch.
 
-    CUDA: chosen offline for sm_90 (``python bench/kernels.py --compile-only``: compiled
+    CUDA: chosen offline for sm_90 (``python -m bench.gpu_kernels --compile-only``: compiled
     without a GPU, registers from ``cuobjdump``): the largest tiles that do not spill
     (float32 with "ieee" dots runs on FMA units and spills least with small tiles). Not yet
     timed on a GPU. The interpreter: small tiles keep its per-op arrays small.

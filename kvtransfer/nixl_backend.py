@@ -32,7 +32,7 @@ from kvtransfer.tp_mapping import Segment
 
 logger = logging.getLogger(__name__)
 
-# Which direction is faster, measured by bench/kvtransfer.py between two processes on
+# Which direction is faster, measured by bench/kv_handoff.py between two processes on
 # one host (docs/kvtransfer.md): over shared memory (UCX cma) a READ beats a WRITE
 # (11.4 vs 7.4 GB/s, 256 MiB); over TCP a READ is emulated in software and a WRITE is
 # 2.3x faster (2.26 vs 1.00 GB/s); between GPUs on one node NIXL-NOTES measured WRITE

@@ -3,7 +3,7 @@ and the bfloat16 ones keep their registers (no spills) — checked without a GPU
 
 The interpreter runs kernels as NumPy and never invokes Triton's compiler, so this is what
 catches a kernel that would fail to compile, or spill, on the GPU. It runs
-``bench/kernels.py --compile-only`` in a subprocess (the kernels must be decorated without
+``python -m bench.gpu_kernels --compile-only`` in a subprocess (the kernels must be decorated without
 ``TRITON_INTERPRET``), which uses Triton's bundled ``ptxas`` and ``cuobjdump``.
 """
 
@@ -25,7 +25,7 @@ SHARED_MEMORY_PER_BLOCK = 227 * 1024  # sm_90's opt-in maximum
 def test_kernels_compile_for_sm90_and_bf16_does_not_spill():
     env = {**os.environ, "TRITON_INTERPRET": "0"}
     result = subprocess.run(
-        [sys.executable, "bench/kernels.py", "--compile-only", "--arch", "90"],
+        [sys.executable, "-m", "bench.gpu_kernels", "--compile-only", "--arch", "90"],
         cwd=ROOT,
         env=env,
         capture_output=True,

@@ -14,8 +14,8 @@ rate (8192^3) — and the same op through PyTorch as a peer:
 Bytes count each tensor read or written once (the minimum traffic); FLOPs count the
 matmuls only (4 * q_len * kv_len * head_dim per head; causal pairs for prefill).
 
-    python bench/kernels.py [--dtype bfloat16] [--json out.json]
-    python bench/kernels.py --compile-only [--arch 90]   # no GPU needed: bench/kernels_compile.py
+    python -m bench.gpu_kernels [--dtype bfloat16] [--json out.json]
+    python -m bench.gpu_kernels --compile-only [--arch 90]   # no GPU: bench/kernels_compile.py
 
 Targets on an H200 (issue 3): decode at batch 64 x 4k >= 70% of copy bandwidth and >= 1.5x
 the PyTorch path; RMSNorm and SiLU-and-mul >= 80% of copy bandwidth; prefill at 4k tokens
@@ -30,16 +30,9 @@ import math
 import sys
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-
-if __name__ == "__main__":
-    # Run as a script, this folder comes first on sys.path and this file would shadow the
-    # `kernels` package it measures (which is imported lazily, after this).
-    _here = Path(__file__).resolve().parent
-    sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != _here]
 
 NUM_HEADS, NUM_KV_HEADS, HEAD_DIM = 32, 8, 128  # Llama-3-8B attention shape
 HIDDEN, INTERMEDIATE = 4096, 14336
@@ -93,35 +86,22 @@ def paged_batch(
 ):  # fmt: skip
     """A random paged batch: scattered blocks, a zero-filled-then-random cache (Llama-3-8B's
     attention shape unless told otherwise; bench/decode_groups.py uses another)."""
-    from kernels.attention_metadata import AttentionMetadata
+    from kernels.attention_metadata import build_attention_metadata, slot_mapping_for
 
     gen = torch.Generator().manual_seed(0)
     num_blocks_needed = [math.ceil(s / block_size) for s in seq_lens]
     num_blocks = sum(num_blocks_needed) + 16
     perm = torch.randperm(num_blocks, generator=gen).tolist()
-    tables, slots = [], []
-    for n, q, s in zip(num_blocks_needed, query_lens, seq_lens, strict=True):
+    tables = []
+    for n in num_blocks_needed:
         table, perm = perm[:n], perm[n:]
-        tables.append(table + [0] * (max(num_blocks_needed) - n))
-        slots += [table[p // block_size] * block_size + p % block_size for p in range(s - q, s)]
+        tables.append(table)
     # Two layers, so the layer view is strided as in the engine.
     cache = torch.randn(
         num_blocks, 2, 2, num_kv_heads, block_size, head_dim, dtype=dtype, device=device
     )
-    cu = [0]
-    for q in query_lens:
-        cu.append(cu[-1] + q)
-    metadata = AttentionMetadata(
-        slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device),
-        block_tables=torch.tensor(tables, dtype=torch.int32, device=device),
-        seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=device),
-        query_start_loc=torch.tensor(cu, dtype=torch.int32, device=device),
-        num_decodes=num_decodes,
-        max_query_len=max(query_lens),
-        max_seq_len=max(seq_lens),
-        seq_lens_cpu=tuple(seq_lens),
-        query_lens_cpu=tuple(query_lens),
-    )
+    slots = slot_mapping_for(query_lens, seq_lens, tables, block_size)
+    metadata = build_attention_metadata(query_lens, seq_lens, tables, slots, num_decodes, device)
     query = torch.randn(sum(query_lens), num_heads, head_dim, dtype=dtype, device=device)
     return query, cache[:, 1], metadata
 
@@ -271,16 +251,9 @@ def elementwise_rows(dtype, device, block_size, num_tokens: int = 4096) -> list[
 
 
 def _compile_only(arch: int) -> None:
-    """bench/kernels_compile.py's report; loaded by path, since this folder is not on
-    sys.path when this file runs as a script (see above)."""
-    import importlib.util
+    from bench.kernels_compile import compile_only
 
-    path = Path(__file__).resolve().with_name("kernels_compile.py")
-    spec = importlib.util.spec_from_file_location("kernels_compile", path)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    module.compile_only(arch, HIDDEN)
+    compile_only(arch, HIDDEN)
 
 
 def main() -> None:
@@ -298,15 +271,15 @@ def main() -> None:
         return
     if not torch.cuda.is_available():
         sys.exit(
-            "bench/kernels.py needs a CUDA GPU (torch.cuda.is_available() is False). Without "
-            "one: `python bench/kernels.py --compile-only` reports the kernels' register and "
+            "bench/gpu_kernels.py needs a CUDA GPU (torch.cuda.is_available() is False). Without "
+            "one: `python -m bench.gpu_kernels --compile-only` reports the kernels' register and "
             "shared-memory use, and `pytest tests/kernels -k triton` checks them against the "
             "references in Triton's interpreter"
         )
     try:
         import triton
     except ImportError:
-        sys.exit("bench/kernels.py needs the `triton` package (pip install triton)")
+        sys.exit("bench/gpu_kernels.py needs the `triton` package (pip install triton)")
     device = torch.device("cuda")
     dtype = getattr(torch, args.dtype)
     copy_bw = copy_bandwidth(device)

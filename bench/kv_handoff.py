@@ -16,8 +16,8 @@ the machine's noise hits them alike); the bytes are checked once per case.
 Also reported: descriptors per request after merging, and the idle CPU of an agent
 (with our progress delay, and with NIXL's default of 0 for comparison).
 
-    python bench/kvtransfer.py --json bench/kvtransfer.json
-    python bench/kvtransfer.py --ucx-tls tcp --patterns consecutive --skip-store  # TCP
+    python -m bench.kv_handoff --json bench/kv_handoff.json
+    python -m bench.kv_handoff --ucx-tls tcp --patterns consecutive --skip-store  # TCP
 """
 
 from __future__ import annotations
@@ -29,14 +29,7 @@ import os
 import platform
 import random
 import statistics
-import sys
 import time
-from pathlib import Path
-
-# Run as a script, this file's folder comes first on sys.path, and the file's name (the
-# one the issue asks for) would shadow the kvtransfer package.
-if sys.path and Path(sys.path[0]).resolve() == Path(__file__).resolve().parent:
-    sys.path.pop(0)
 
 import numpy as np
 import ray
