@@ -7,7 +7,7 @@ random order: *chat* (short prompt, long output: they spend their life decoding)
 *documents* (long prompt, short output). In the aggregated cluster a document's prefill
 chunks share engine steps with the chats' decodes and stretch them; in the disaggregated
 one the decode worker never prefills. Each configuration is served by ``python -m
-cluster`` as a user would, and loaded by ``baton bench --dataset trace --rates ...``
+cluster``'s entry point as a user would (bench/serving_cluster.py), and loaded by ``baton bench --dataset trace --rates ...``
 (Poisson arrivals; each rate with fresh prompts, so no prefix-cache hits); the
 configurations alternate in every repeat, and each figure is the median over repeats.
 

@@ -1,8 +1,9 @@
 """Serving over gRPC: 1 prefill + 1 decode worker (disaggregated) against 2 aggregated
 workers on one mixed workload, and the router's added latency per streamed token.
 
-Both clusters are started here with ``python -m cluster CONFIG``, as a user would, one
-after the other, with the same model, block size, KV blocks and step budget.
+Both clusters are started here with the entry point of ``python -m cluster CONFIG``, as a
+user would (plus the stamps, bench/serving_cluster.py), one after the other, with the same
+model, block size, KV blocks and step budget.
 
 - Load: N requests with token-id prompts from a few length buckets, max_tokens in
   [16, 128], greedy, EOS ignored, arriving as a Poisson process (``--rate``, one or
@@ -16,8 +17,9 @@ after the other, with the same model, block size, KV blocks and step budget.
   the token, split where the router handled it (worker -> Ray -> router -> gRPC ->
   client). *Cadence*: client inter-chunk gap minus the direct engine's step time for the
   same request and token index. Every process reads the same ``time.monotonic`` clock;
-  the cluster's stamps come from a hook installed through ``sitecustomize`` (see
-  ``bench/serving_stamps.py``) that appends (kind, request id, tokens, time) to a list.
+  the cluster's stamps come from wrappers that ``bench/serving_stamps.py`` installs in the
+  serving process and, through Ray's worker setup hook, in every worker; each appends
+  (kind, request id, tokens, time) to a list.
 
     python -m bench.serving --rate 1.5 0.75 --repeats 3 --json bench/serving.json  # 14 min
 """

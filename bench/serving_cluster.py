@@ -2,8 +2,10 @@
 
 - :class:`Host`: how much CPU *other* processes use (the machine is shared and noisy), and
   the processes of our own tree.
-- :class:`Cluster`: ``python -m cluster CONFIG`` in a subprocess with its own Ray instance
-  (``RAY_ADDRESS=local``), its own Ray temp dir and the stamp hook of ``serving_stamps``.
+- :class:`Cluster`: ``python -m bench.serving_cluster CONFIG`` in a subprocess with its own
+  Ray instance (``RAY_ADDRESS=local``) and Ray temp dir: the cluster's own entry point
+  (``cluster.serve.main``, what ``python -m cluster`` runs) with the stamps of
+  ``serving_stamps`` installed in the serving process and in every Ray worker.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ from pathlib import Path
 
 import yaml
 
-from bench.serving_stamps import STAMPS_ENV, write_sitecustomize
+from bench.serving_stamps import RUNTIME_ENV_HOOK, STAMPS_ENV, install_router_stamps
 
 ROOT = Path(__file__).resolve().parents[1]
 START_TIMEOUT_S = 240.0
@@ -94,14 +96,12 @@ class Host:
 
 
 class Cluster:
-    """``python -m cluster`` in a subprocess, with its own Ray temp dir and the stamp hook."""
+    """The cluster served in a subprocess (``main`` below), with its own Ray temp dir and
+    the stamps."""
 
     def __init__(self, config: dict, workdir: Path):
         self.stamps_dir = workdir / "stamps"
-        hook = workdir / "hook"
-        for d in (self.stamps_dir, hook):
-            d.mkdir()
-        write_sitecustomize(hook)
+        self.stamps_dir.mkdir()
         path = workdir / "cluster.yaml"
         path.write_text(yaml.safe_dump(config))
         self.address = f"127.0.0.1:{config['router']['port']}"
@@ -109,12 +109,13 @@ class Cluster:
         env = {
             **os.environ,
             STAMPS_ENV: str(self.stamps_dir),
-            "PYTHONPATH": os.pathsep.join([str(hook), os.environ.get("PYTHONPATH", "")]),
+            # Ray calls it in the cluster's ray.init: the workers' stamps.
+            "RAY_RUNTIME_ENV_HOOK": RUNTIME_ENV_HOOK,
             "RAY_TMPDIR": self.ray_tmp,
             "RAY_ADDRESS": "local",  # a Ray instance of its own, whatever else runs here
         }
         self.process = subprocess.Popen(
-            [sys.executable, "-m", "cluster", str(path)],
+            [sys.executable, "-m", "bench.serving_cluster", str(path)],
             cwd=ROOT,
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
@@ -147,3 +148,16 @@ class Cluster:
             raise
         finally:
             shutil.rmtree(self.ray_tmp, ignore_errors=True)
+
+
+def main() -> int:
+    """``python -m bench.serving_cluster CONFIG``: ``python -m cluster CONFIG`` with the
+    router's stamps installed first (the workers' come with ``RAY_RUNTIME_ENV_HOOK``)."""
+    from cluster.serve import main as serve_main
+
+    install_router_stamps()
+    return serve_main(sys.argv[1:])
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,10 +1,19 @@
 """Stamps inside a served cluster's processes, for bench/serving.py's latency split.
 
-A ``sitecustomize`` (written by the benchmark, put first on the cluster's ``PYTHONPATH``)
-patches ``workers.serving.service.EngineService`` and ``router.stream.RequestStream`` as they are
-imported, so every process of the cluster records when a request reached a worker, when
-a worker's engine loop published tokens and when the router handled them, all on the one
-``time.monotonic`` clock of the host. No project file changes for it.
+Every process of the cluster records, on the one ``time.monotonic`` clock of the host, when
+a request reached a worker, when a worker sent tokens to the router's event channel and
+when the router turned them into the client's message. No project file changes for it:
+
+- the router's process is ``python -m bench.serving_cluster CONFIG`` (the cluster's own
+  entry point, ``cluster.serve.main``) after :func:`install_router_stamps`;
+- its Ray workers run :func:`install_worker_stamps` at start, as the job's
+  ``worker_process_setup_hook``, which :func:`runtime_env_hook` adds to the runtime
+  environment of the ``ray.init`` that bring-up calls (Ray calls the function named by
+  ``RAY_RUNTIME_ENV_HOOK`` there).
+
+The stamps wrap public methods only: ``WorkerActor.submit`` (arrival),
+``ChannelSender.send`` (publish: the batch leaves the worker) and
+``RequestStream.on_event`` (route).
 """
 
 from __future__ import annotations
@@ -17,49 +26,11 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
-STAMPS_ENV = "BATON_BENCH_STAMPS"
+STAMPS_ENV = "BATON_BENCH_STAMPS"  # the directory the cluster's processes write to
+RUNTIME_ENV_HOOK = "bench.serving_stamps.runtime_env_hook"  # for RAY_RUNTIME_ENV_HOOK
 
-# Imported first by every Python process of the cluster (PYTHONPATH); once
-# workers.serving.service or router.stream is imported, this script's install_stamps patches it.
-_SITECUSTOMIZE = """\
-import importlib.abc, importlib.util, os, sys
-
-class _StampHook(importlib.abc.MetaPathFinder):
-    names = {{"workers.serving.service", "router.stream"}}
-
-    def find_spec(self, name, path=None, target=None):
-        if name not in self.names:
-            return None
-        self.names.discard(name)  # the find_spec below must not come back here
-        spec = importlib.util.find_spec(name)
-        run = spec.loader.exec_module
-
-        def exec_module(module):
-            run(module)
-            bench = sys.modules.get("_bench_serving_stamps")
-            if bench is None:
-                bench_spec = importlib.util.spec_from_file_location("_bench_serving_stamps", {path!r})
-                bench = importlib.util.module_from_spec(bench_spec)
-                sys.modules["_bench_serving_stamps"] = bench
-                bench_spec.loader.exec_module(bench)
-            bench.install_stamps(module, os.environ[{env!r}])
-
-        spec.loader.exec_module = exec_module
-        return spec
-
-if os.environ.get({env!r}):
-    sys.meta_path.insert(0, _StampHook())
-"""
-
-
-def write_sitecustomize(hook_dir: Path) -> None:
-    """The hook a cluster process imports first (put ``hook_dir`` on its PYTHONPATH)."""
-    text = _SITECUSTOMIZE.format(path=str(Path(__file__).resolve()), env=STAMPS_ENV)
-    hook_dir.joinpath("sitecustomize.py").write_text(text)
-
-
-# A request reached a worker; a worker's engine loop published tokens; the router turned
-# a worker's event into the client's message.
+# A request reached a worker; a worker sent tokens to the router; the router turned a
+# worker's event into the client's message.
 ARRIVE, PUBLISH, ROUTE = "arrive", "publish", "route"
 
 
@@ -74,8 +45,11 @@ class _Recorder:
         threading.Thread(target=self._flush, daemon=True).start()
 
     def add(self, kind: str, request_id: str, num_tokens: int) -> None:
+        self.add_at(kind, request_id, num_tokens, time.monotonic())
+
+    def add_at(self, kind: str, request_id: str, num_tokens: int, at: float) -> None:
         with self.lock:
-            self.rows.append((kind, request_id, num_tokens, time.monotonic()))
+            self.rows.append((kind, request_id, num_tokens, at))
 
     def _flush(self) -> None:
         while True:
@@ -87,34 +61,62 @@ class _Recorder:
                     f.write("".join(json.dumps(row) + "\n" for row in rows))
 
 
-def install_stamps(module, out_dir: str) -> None:
-    """In a cluster process: stamp requests and token events as they pass
-    ``workers.serving.service.EngineService`` (worker) or ``router.stream.RequestStream`` (router)."""
-    rec = _Recorder(Path(out_dir) / f"{module.__name__}-{os.getpid()}.jsonl")
-    if module.__name__ == "workers.serving.service":
-        cls = module.EngineService
-        submit, publish = cls.submit, cls._publish
+def _recorder(role: str) -> _Recorder:
+    return _Recorder(Path(os.environ[STAMPS_ENV]) / f"{role}-{os.getpid()}.jsonl")
 
-        def _submit(self, item):
-            rec.add(ARRIVE, item.request_id, 0)
-            submit(self, item)
 
-        def _publish(self, events):
-            for e in events:
-                if e.token_ids:
-                    rec.add(PUBLISH, e.request_id, len(e.token_ids))
-            publish(self, events)
+def runtime_env_hook(runtime_env: dict | None) -> dict:
+    """``RAY_RUNTIME_ENV_HOOK``: the cluster's job runtime environment, plus the stamps'
+    setup hook for every worker process (Ray calls this inside ``ray.init``)."""
+    return {
+        **(runtime_env or {}),
+        "worker_process_setup_hook": "bench.serving_stamps.install_worker_stamps",
+    }
 
-        cls.submit, cls._publish = _submit, _publish
-    elif module.__name__ == "router.stream":
-        on_event = module.RequestStream.on_event
 
-        def _on_event(self, event):
+def install_worker_stamps() -> None:
+    """In a Ray worker process, at start: stamp the requests a worker actor receives and
+    the token events it sends. (Every worker process of the job runs it; only rank 0 of a
+    worker replica submits and sends.)"""
+    if not os.environ.get(STAMPS_ENV):
+        return
+    from workers.protocol.wire import WorkItem, decode_as
+    from workers.serving.channel import ChannelSender
+    from workers.serving.ray_worker import WorkerActor
+
+    rec = _recorder("worker")
+    submit, send = WorkerActor.submit, ChannelSender.send
+
+    def stamped_submit(self, item: bytes) -> str:
+        at = time.monotonic()
+        error = submit(self, item)
+        if not error:  # decoded again only now: the stamp's cost stays off the request's path
+            rec.add_at(ARRIVE, decode_as(item, WorkItem).request_id, 0, at)
+        return error
+
+    def stamped_send(self, batch) -> None:
+        for event in batch.events:
             if event.token_ids:
-                rec.add(ROUTE, self.request_id, len(event.token_ids))
-            return on_event(self, event)
+                rec.add(PUBLISH, event.request_id, len(event.token_ids))
+        send(self, batch)
 
-        module.RequestStream.on_event = _on_event
+    WorkerActor.submit, ChannelSender.send = stamped_submit, stamped_send
+
+
+def install_router_stamps() -> None:
+    """In the serving process, before bring-up: stamp each worker event the router turns
+    into a client message."""
+    from router.stream import RequestStream
+
+    rec = _recorder("router")
+    on_event = RequestStream.on_event
+
+    def stamped_on_event(self, event):
+        if event.token_ids:
+            rec.add(ROUTE, self.request_id, len(event.token_ids))
+        return on_event(self, event)
+
+    RequestStream.on_event = stamped_on_event
 
 
 class Stamps:
