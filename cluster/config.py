@@ -1,4 +1,4 @@
-"""The cluster config (DESIGN §2.2): YAML in, frozen dataclasses out, validated once.
+"""The cluster config: YAML in, frozen dataclasses out, validated once.
 
 Every field has a default and a one-line doc; unknown keys and bad values are refused at
 load time with the key path in the message (``router.port: must be <= 65535, got 70000``).

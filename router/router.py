@@ -1,4 +1,4 @@
-"""The disaggregated request flow (DESIGN §3): validate, route, hand off, stream, abort.
+"""The disaggregated request flow: validate, route, hand off, stream, abort (docs/serving.md, "A request").
 
 ``Router.generate`` takes a typed :class:`~router.requests.GenerateRequest` and is an async
 generator of :class:`~router.events.GenerateEvent`; errors are :class:`RouterError` with
