@@ -77,6 +77,7 @@ def cluster_config(model_dir: str, mode: str, args: argparse.Namespace) -> dict:
         "kv_transfer": {"backend": "nixl"},
         "router": {
             "port": free_port("127.0.0.1"),  # serving_cluster.Cluster needs it up front
+            "http_port": 0,  # gRPC only
             "policy": "kv_aware",
             "disaggregation": "always" if disaggregated else "never",
             "max_queued_requests": 4 * args.num_prompts,

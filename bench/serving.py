@@ -194,6 +194,7 @@ def cluster_config(model_dir: str, mode: str, args: argparse.Namespace) -> dict:
         "kv_transfer": {"backend": "nixl"},
         "router": {
             "port": port,
+            "http_port": 0,  # gRPC only
             "policy": "kv_aware",
             "disaggregation": "always" if disaggregated else "never",
             "max_queued_requests": 4 * args.num_requests,

@@ -94,8 +94,18 @@ class KVTransferSection:
 
 @dataclass(frozen=True)
 class RouterSection:
-    host: str = option("127.0.0.1", "gRPC listen address (loopback unless configured)")
+    host: str = option("127.0.0.1", "gRPC and HTTP listen address (loopback unless configured)")
     port: int = option(50051, "gRPC listen port; 0 = any free port", ge=0, le=65535)
+    http_port: int = option(
+        8000,
+        "OpenAI-compatible HTTP API port (/v1/completions, /v1/chat/completions); 0 = no HTTP",
+        ge=0,
+        le=65535,
+    )
+    api_key: str | None = option(
+        None,
+        "Bearer token the HTTP API's /v1 routes require (compared in constant time); unset = none",
+    )
     policy: Literal["round_robin", "least_loaded", "kv_aware"] = option(
         "kv_aware", "How a worker is chosen for a request"
     )
@@ -143,7 +153,7 @@ class ClusterConfig:
     decode: PoolSection = section(PoolSection, "The decode worker pool")
     kv_cache: KVCacheSection = section(KVCacheSection, "Paged KV cache of every worker")
     kv_transfer: KVTransferSection = section(KVTransferSection, "KV hand-off prefill -> decode")
-    router: RouterSection = section(RouterSection, "The gRPC front end and routing")
+    router: RouterSection = section(RouterSection, "The gRPC and HTTP front ends and routing")
     metrics: MetricsSection = section(MetricsSection, "Prometheus scrape endpoints")
 
     def __post_init__(self) -> None:

@@ -1,9 +1,13 @@
 """Serve a cluster config until SIGTERM/SIGINT, then drain: ``baton serve`` and
 ``python -m cluster``.
 
-Drain: readiness goes NOT_SERVING and new requests get UNAVAILABLE; requests in flight
-may finish within ``router.drain_grace_seconds``, the rest are aborted; then the gRPC
-server stops, every worker stops (leases released) and a Ray instance we started is
+The router serves gRPC and, with ``router.http_port`` set (default 8000), the
+OpenAI-compatible HTTP API (``router/http/``) in the same event loop: two front ends over
+one ``Router``.
+
+Drain: readiness goes NOT_SERVING (HTTP ``/health`` 503) and new requests get UNAVAILABLE
+(HTTP 503); requests in flight may finish within ``router.drain_grace_seconds``, the rest
+are aborted; then the HTTP and gRPC servers stop, every worker stops (leases released) and a Ray instance we started is
 shut down, so nothing is left running.
 """
 
@@ -40,6 +44,7 @@ async def serve(config: ClusterConfig, on_ready: Callable[[str], None] | None = 
     from router.server import Server
 
     loop = asyncio.get_running_loop()
+    http = None
     # Blocking, on purpose: nothing else runs yet, and Ray installs its signal handlers
     # only when initialised from the main thread.
     cluster = bring_up(config)
@@ -53,6 +58,9 @@ async def serve(config: ClusterConfig, on_ready: Callable[[str], None] | None = 
         }
         server = Server(router, config.router.host, config.router.port, tp_pp)
         await server.start()
+        if config.router.http_port:
+            http = _http_server(config, router)
+            await http.start()
         stop = asyncio.Event()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, stop.set)
@@ -64,6 +72,8 @@ async def serve(config: ClusterConfig, on_ready: Callable[[str], None] | None = 
         if cluster.exporters is not None:  # before "serving": whoever waits for it has these
             for address in cluster.exporters.addresses.values():
                 print(f"baton: metrics on http://{address}/metrics", flush=True)
+        if http is not None:
+            print(f"baton: OpenAI API on http://{http.address}/v1", flush=True)
         print(message, flush=True)
         if on_ready is not None:
             on_ready(server.address)
@@ -73,6 +83,8 @@ async def serve(config: ClusterConfig, on_ready: Callable[[str], None] | None = 
         if aborted:
             print(f"baton: aborted {aborted} requests after the grace period", flush=True)
     finally:
+        if http is not None:
+            await http.stop()
         if server is not None:
             await server.stop()
         await cluster.router.stop()
@@ -81,6 +93,31 @@ async def serve(config: ClusterConfig, on_ready: Callable[[str], None] | None = 
         cluster.shutdown()
     print("baton: stopped", flush=True)
     return 0
+
+
+def _http_server(config: ClusterConfig, router):
+    """The HTTP front end over ``router``, with the served model's chat template."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    from cluster.model_source import resolve_model_dir
+    from router.http.chat_template import ChatTemplate
+    from router.http.server import HttpServer
+
+    try:
+        baton_version = version("baton")
+    except PackageNotFoundError:  # run from a source tree that was never installed
+        baton_version = "0.0.0"
+    template = ChatTemplate.from_dir(resolve_model_dir(config.model.path))
+    if template is None:
+        print("baton: the model has no chat template: /v1/chat/completions answers 400", flush=True)
+    return HttpServer(
+        router,
+        config.router.host,
+        config.router.http_port,
+        chat_template=template,
+        api_key=config.router.api_key,
+        version=baton_version,
+    )
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -108,6 +108,7 @@ def cluster_config(model_dir: Path, **router) -> dict:
             # Any free port, bound by the router itself (a port picked here could be
             # taken by another process before the router binds it).
             "port": 0,
+            "http_port": 0,  # no HTTP unless a test asks (tests/e2e/test_openai_api.py)
             "policy": "kv_aware",
             "disaggregation": "always",
             "max_queued_requests": 48,

@@ -19,6 +19,8 @@ TORCH_FREE = (
     "router.router",
     "router.metrics",
     "router.status",
+    "router.http.app",
+    "router.http.server",
     "workers.protocol.wire",
     "workers.protocol.metrics",
     "cluster.client",
@@ -33,7 +35,7 @@ TORCH_FREE = (
     "workers.models.rank_layout",
 )
 # The flow a front end drives; the HTTP front end must not pull in gRPC through it.
-PROTOBUF_FREE = ("router.router", "router.status", "router.metrics")
+PROTOBUF_FREE = ("router.router", "router.status", "router.metrics", "router.http.server")
 
 
 def loaded(module: str, packages: tuple[str, ...]) -> list[str]:

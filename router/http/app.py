@@ -1,0 +1,198 @@
+"""The FastAPI app: OpenAI's routes over one :class:`~router.router.Router`.
+
+``POST /v1/completions``, ``POST /v1/chat/completions``, ``GET /v1/models``, ``GET /health``
+(503 while draining), ``GET /version``. Each generation route converts its body into the
+router's typed requests (``convert.py``), runs them through ``Router.generate`` like the
+gRPC servicer does (``streams.Choices``) and renders the events (``render.py``). Every
+error is OpenAI's shape (``errors.py``): a body pydantic refuses, malformed JSON, a body
+over the size limit and unknown routes included.
+
+Before any route, a pure-ASGI guard (``_Guard``) refuses what must not be read: a body
+over ``max_body_bytes`` (413, counted as it arrives, whatever Content-Length says) and,
+with an API key, a ``/v1`` request without ``Authorization: Bearer <key>`` (401; compared
+in constant time so that response times do not leak how much of a guess was right).
+"""
+
+from __future__ import annotations
+
+import hmac
+import logging
+import uuid
+
+from fastapi import FastAPI, HTTPException, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from router.errors import RouterError
+from router.http import render
+from router.http.chat_template import ChatTemplate
+from router.http.convert import Plan, chat_plan, completion_plan
+from router.http.errors import OpenAIError, from_router_error, model_not_found
+from router.http.schemas import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    HealthInfo,
+    ModelCard,
+    ModelList,
+    VersionInfo,
+)
+from router.http.streams import Choices, ClientGone, EventStreamResponse, unless_disconnected
+from router.metrics import RouterMetrics
+from router.router import Router
+
+logger = logging.getLogger(__name__)
+
+MAX_BODY_BYTES = 32 * 2**20  # a 1M-token prompt as JSON token ids fits (gRPC allows 64 MiB)
+_CLIENT_CLOSED = 499  # nginx's status for a client that went away; nobody receives it
+
+
+def create_app(
+    router: Router,
+    *,
+    chat_template: ChatTemplate | None = None,
+    api_key: str | None = None,
+    max_body_bytes: int = MAX_BODY_BYTES,
+    version: str = "0.0.0",
+) -> ASGIApp:
+    """The app (FastAPI behind the guard); it answers 503 once the router drains."""
+    app = FastAPI(title="Baton", version=version, docs_url=None, redoc_url=None)
+    model = router.config.model_name
+    metrics = RouterMetrics(model)
+
+    @app.exception_handler(OpenAIError)
+    async def _openai_error(request: Request, exc: OpenAIError) -> JSONResponse:
+        return exc.response()
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid_body(request: Request, exc: RequestValidationError) -> JSONResponse:
+        return _validation_error(exc).response()
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        return OpenAIError(exc.status_code, str(exc.detail)).response()
+
+    @app.exception_handler(Exception)
+    async def _bug(request: Request, exc: Exception) -> JSONResponse:
+        logger.error("request failed", exc_info=exc)
+        return OpenAIError(500, f"{type(exc).__name__}: {exc}", "internal_error").response()
+
+    @app.get("/health")
+    async def health() -> JSONResponse:
+        if router.is_draining or router.is_stopped:
+            return JSONResponse(HealthInfo(status="draining").model_dump(), status_code=503)
+        return JSONResponse(HealthInfo(status="ok").model_dump())
+
+    @app.get("/version")
+    async def get_version() -> VersionInfo:
+        return VersionInfo(version=version)
+
+    @app.get("/v1/models")
+    async def models() -> ModelList:
+        return ModelList(data=[ModelCard(id=model, max_model_len=router.config.max_model_len)])
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest, request: Request) -> Response:
+        _check_model(body.model, model)
+        answer_id = f"cmpl-{uuid.uuid4().hex}"
+        plan = completion_plan(body, answer_id, router.tokenizer)
+        return await _answer(request, plan, answer_id, body.stream, body.stream_options, chat=False)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
+        _check_model(body.model, model)
+        answer_id = f"chatcmpl-{uuid.uuid4().hex}"
+        plan = chat_plan(body, answer_id, chat_template, router.tokenizer)
+        return await _answer(request, plan, answer_id, body.stream, body.stream_options, chat=True)
+
+    async def _answer(request: Request, plan: Plan, answer_id, stream, options, chat) -> Response:
+        include_usage = bool(stream and options is not None and options.include_usage)
+        answer = render.Answer(answer_id, model, plan, router.tokenizer, include_usage)
+        choices = Choices(router, plan.requests, metrics)
+        try:
+            # Refusals come before the status line: every choice's first event first.
+            await unless_disconnected(request.receive, choices.start())
+            if stream:
+                events = render.chat_events if chat else render.completion_events
+                return EventStreamResponse(events(answer, choices))
+            respond = render.chat_response if chat else render.completion_response
+            try:
+                body = await unless_disconnected(request.receive, respond(answer, choices))
+            finally:
+                await choices.aclose()
+            return JSONResponse(body.model_dump())
+        except RouterError as exc:
+            raise from_router_error(exc, plan.names) from None
+        except ClientGone:
+            return Response(status_code=_CLIENT_CLOSED)
+
+    return _Guard(app, api_key, max_body_bytes)
+
+
+def _check_model(requested: str | None, served: str) -> None:
+    if requested and requested != served:
+        raise model_not_found(requested, served)
+
+
+def _validation_error(exc: RequestValidationError) -> OpenAIError:
+    """Pydantic's first complaint, naming the field as ``messages[0].role``."""
+    error = exc.errors()[0]
+    loc = [p for p in error.get("loc", ()) if p != "body"]
+    if error.get("type") == "json_invalid":
+        return OpenAIError(400, f"the body is not valid JSON: {error.get('msg')}")
+    param = ""
+    for part in loc:
+        if isinstance(part, int):
+            param += f"[{part}]"
+        elif not param:
+            param = str(part)
+        elif str(part).isidentifier():  # not a union member's type name (pydantic's loc)
+            param += f".{part}"
+    if not param:  # the body as a whole: not an object (or not sent as JSON)
+        return OpenAIError(400, f"the body must be a JSON object: {error.get('msg')}")
+    return OpenAIError(400, f"{param}: {error.get('msg')}", param=param)
+
+
+class _Guard:
+    """Pure ASGI, ahead of FastAPI: the body-size limit and the API key."""
+
+    def __init__(self, app: ASGIApp, api_key: str | None, max_body_bytes: int):
+        self.app = app
+        self.api_key = api_key.encode() if api_key else None
+        self.max_body_bytes = max_body_bytes
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        headers = dict(scope["headers"])
+        if self.api_key is not None and scope["path"].startswith("/v1"):
+            given = headers.get(b"authorization", b"")
+            scheme, _, token = given.partition(b" ")
+            if scheme.lower() != b"bearer" or not hmac.compare_digest(token, self.api_key):
+                error = OpenAIError(
+                    401, "missing or incorrect API key", code="invalid_api_key", param=None
+                )
+                await error.response()(scope, receive, send)
+                return
+        limit = self.max_body_bytes
+        length = headers.get(b"content-length", b"0")
+        if not length.isdigit() or int(length) > limit:
+            await _too_large(limit).response()(scope, receive, send)
+            return
+        received = 0
+
+        async def limited() -> Message:
+            nonlocal received
+            message = await receive()
+            received += len(message.get("body", b""))
+            if received > limit:  # a chunked body, or more than Content-Length said
+                raise HTTPException(413, _too_large(limit).info.message)
+            return message
+
+        await self.app(scope, limited, send)
+
+
+def _too_large(limit: int) -> OpenAIError:
+    return OpenAIError(413, f"the body is larger than {limit} bytes", code="request_too_large")

@@ -1,0 +1,199 @@
+"""OpenAI bodies -> the router's typed requests, and the router's output -> OpenAI's pieces.
+
+One HTTP request becomes one ``GenerateRequest`` per choice: ``n`` per prompt (a completion
+may carry a batch of prompts; choice ``index = prompt_index * n + i``, as OpenAI numbers
+them). With a ``seed``, choice ``i`` samples with ``seed + i``: the same seed for every
+choice would make them identical, since each choice is its own request with its own
+random stream (vLLM draws the n samples of one request from one stream instead).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from router.http.chat_template import ChatTemplate, ChatTemplateError
+from router.http.errors import bad_field, field_names
+from router.http.schemas import (
+    ChatCompletionRequest,
+    ChatLogprobs,
+    ChatTokenLogprob,
+    CompletionLogprobs,
+    CompletionRequest,
+    TopLogprob,
+)
+from router.requests import GenerateRequest, OutputOptions, SamplingOptions, StoppingOptions
+from workers.protocol.logprobs import TokenLogprobs
+from workers.text.tokenizer import Tokenizer
+
+
+@dataclass(frozen=True)
+class Plan:
+    """What one HTTP request asks of the router."""
+
+    requests: tuple[GenerateRequest, ...]  # choice i is requests[i]
+    n: int  # choices per prompt
+    names: dict[str, str]  # typed-request path -> OpenAI field, for error messages
+    echo_texts: tuple[str, ...] = ()  # completions with echo: each choice's prompt text
+
+
+def completion_plan(body: CompletionRequest, request_id: str, tokenizer: Tokenizer) -> Plan:
+    """Raises OpenAIError (400 naming the field) for what Baton does not do."""
+    if body.suffix:
+        raise bad_field("suffix", "not supported (no fill-in-the-middle)")
+    if body.best_of is not None and body.best_of != body.n:
+        raise bad_field("best_of", "only best_of == n is supported")
+    if body.logit_bias:
+        raise bad_field("logit_bias", "not supported")
+    if body.echo and body.logprobs is not None:
+        raise bad_field("echo", "echo with logprobs is not supported (no prompt logprobs)")
+    prompts = _prompts(body.prompt)
+    output = OutputOptions(logprobs=body.logprobs)
+    requests = tuple(
+        _request(body, prompt, f"{request_id}-{p * body.n + i}", i, body.max_tokens, output)
+        for p, prompt in enumerate(prompts)
+        for i in range(body.n)
+    )
+    echo: tuple[str, ...] = ()
+    if body.echo:
+        texts = [p if isinstance(p, str) else tokenizer.decode(p) for p in prompts]
+        echo = tuple(t for t in texts for _ in range(body.n))
+    names = field_names("prompt", "max_tokens", "logprobs")
+    return Plan(requests, body.n, names, echo)
+
+
+def chat_plan(
+    body: ChatCompletionRequest,
+    request_id: str,
+    template: ChatTemplate | None,
+    tokenizer: Tokenizer,
+) -> Plan:
+    """Renders the chat template and tokenizes (the template writes the special tokens, so
+    the tokenizer adds none). Raises OpenAIError (400 naming the field)."""
+    if template is None:
+        raise bad_field(
+            "messages",
+            "this model has no chat template (tokenizer_config.json 'chat_template' or "
+            "chat_template.jinja); use /v1/completions",
+        )
+    if body.tools:
+        raise bad_field("tools", "tool calling is not supported")
+    if body.logit_bias:
+        raise bad_field("logit_bias", "not supported")
+    if body.response_format and body.response_format.get("type") != "text":
+        raise bad_field("response_format", "only {'type': 'text'} is supported")
+    if body.top_logprobs is not None and not body.logprobs:
+        raise bad_field("top_logprobs", "needs logprobs: true")
+    messages = [
+        {"role": m.role, "content": _content(m.content), **({"name": m.name} if m.name else {})}
+        for m in body.messages
+    ]
+    try:
+        text = template.render(messages, add_generation_prompt=body.add_generation_prompt)
+    except ChatTemplateError as exc:
+        raise bad_field("messages", str(exc)) from None
+    prompt = tuple(tokenizer.encode(text, add_special_tokens=False))
+    max_tokens = body.max_completion_tokens
+    max_tokens_name = "max_completion_tokens"
+    if max_tokens is None:
+        max_tokens, max_tokens_name = body.max_tokens, "max_tokens"
+    logprobs = (body.top_logprobs or 0) if body.logprobs else None
+    output = OutputOptions(logprobs=logprobs)
+    requests = tuple(
+        _request(body, prompt, f"{request_id}-{i}", i, max_tokens, output) for i in range(body.n)
+    )
+    names = field_names("messages", max_tokens_name, "top_logprobs")
+    return Plan(requests, body.n, names)
+
+
+def _request(
+    body: CompletionRequest | ChatCompletionRequest,
+    prompt: str | tuple[int, ...],
+    request_id: str,
+    choice: int,
+    max_tokens: int | None,
+    output: OutputOptions,
+) -> GenerateRequest:
+    stop = (body.stop,) if isinstance(body.stop, str) else tuple(body.stop or ())
+    return GenerateRequest(
+        prompt=prompt,
+        request_id=request_id,
+        model=body.model or "",
+        sampling=SamplingOptions(
+            temperature=body.temperature,
+            top_p=body.top_p,
+            top_k=body.top_k,
+            min_p=body.min_p,
+            seed=None if body.seed is None else body.seed + choice,
+            repetition_penalty=body.repetition_penalty,
+            presence_penalty=body.presence_penalty,
+            frequency_penalty=body.frequency_penalty,
+        ),
+        stopping=StoppingOptions(
+            max_tokens=max_tokens,
+            min_tokens=body.min_tokens,
+            stop=stop,
+            stop_token_ids=tuple(body.stop_token_ids or ()),
+            ignore_eos=body.ignore_eos,
+        ),
+        output=output,
+        disaggregation=body.disaggregation,
+    )
+
+
+def _prompts(prompt: str | list) -> list[str | tuple[int, ...]]:
+    """A completion's prompt: text, token ids, or a batch of either."""
+    if isinstance(prompt, str):
+        return [prompt]
+    if not prompt:
+        raise bad_field("prompt", "the prompt is empty")
+    if all(isinstance(p, int) for p in prompt):
+        return [tuple(prompt)]
+    return [p if isinstance(p, str) else tuple(p) for p in prompt]
+
+
+def _content(content) -> str:
+    """A message's content as text: a string, or its text parts joined (vLLM's "string"
+    content format, what most templates expect)."""
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    return "".join(part.text for part in content)
+
+
+# ---- output ---------------------------------------------------------------------------
+
+
+def token_text(tokenizer: Tokenizer, token_id: int) -> str:
+    """One token's text, special tokens included (a partial UTF-8 character shows as U+FFFD)."""
+    return tokenizer.decode([token_id], skip_special_tokens=False)
+
+
+def completion_logprobs(
+    tokenizer: Tokenizer, logprobs: Sequence[TokenLogprobs], offset: int
+) -> CompletionLogprobs:
+    """Completions' parallel lists; ``offset`` is where the first token's text starts."""
+    out = CompletionLogprobs()
+    for lp in logprobs:
+        token = token_text(tokenizer, lp.token_id)
+        out.tokens.append(token)
+        out.token_logprobs.append(lp.logprob)
+        top = zip(lp.top_token_ids, lp.top_logprobs, strict=True)
+        out.top_logprobs.append({token_text(tokenizer, t): v for t, v in top})
+        out.text_offset.append(offset)
+        offset += len(token)
+    return out
+
+
+def chat_logprobs(tokenizer: Tokenizer, logprobs: Sequence[TokenLogprobs]) -> ChatLogprobs:
+    def top(token_id: int, logprob: float) -> TopLogprob:
+        token = token_text(tokenizer, token_id)
+        return TopLogprob(token=token, logprob=logprob, bytes=list(token.encode()))
+
+    content = []
+    for lp in logprobs:
+        sampled = top(lp.token_id, lp.logprob)
+        tops = [top(t, v) for t, v in zip(lp.top_token_ids, lp.top_logprobs, strict=True)]
+        content.append(ChatTokenLogprob(**sampled.model_dump(), top_logprobs=tops))
+    return ChatLogprobs(content=content)

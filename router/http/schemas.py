@@ -1,0 +1,250 @@
+"""Pydantic models of every HTTP body, field for field as OpenAI's API names them.
+
+Requests check only shapes and types (a wrong type is a 400 naming the field); values are
+judged by the router's validation (``router/validation.py``), as for gRPC. Unknown fields
+are ignored, as vLLM does, so that clients that send newer OpenAI fields keep working.
+Baton's own sampling and routing options are accepted as extra body fields (vLLM's names):
+``top_k``, ``min_p``, ``repetition_penalty``, ``ignore_eos``, ``min_tokens``,
+``stop_token_ids``, ``disaggregation``.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Literal
+
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    StrictBool,
+    StrictInt,
+    StrictStr,
+    model_serializer,
+)
+
+from router.requests import Disaggregation
+
+
+class _Request(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+
+class StreamOptions(_Request):
+    include_usage: StrictBool = False
+
+
+class _Sampling(_Request):
+    """The fields completions and chat share."""
+
+    model: StrictStr | None = None  # None: the served model
+    n: StrictInt = Field(1, ge=1, le=16)  # each choice is one request to the router
+    stream: StrictBool = False
+    stream_options: StreamOptions | None = None
+    stop: StrictStr | list[StrictStr] | None = None
+    seed: StrictInt | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    user: StrictStr | None = None  # accepted, unused
+    # Extras (vLLM's names).
+    top_k: StrictInt | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    ignore_eos: StrictBool = False
+    min_tokens: StrictInt | None = None
+    stop_token_ids: list[StrictInt] | None = None
+    disaggregation: Disaggregation | None = None
+
+
+TokenIds = list[StrictInt]
+Prompt = StrictStr | list[StrictStr] | TokenIds | list[TokenIds]
+
+
+class CompletionRequest(_Sampling):
+    prompt: Prompt
+    max_tokens: StrictInt | None = 16  # OpenAI's default for completions
+    logprobs: StrictInt | None = None  # top-k per token (OpenAI allows at most 5; we allow 20)
+    echo: StrictBool = False
+    suffix: StrictStr | None = None  # refused: no fill-in-the-middle
+    best_of: StrictInt | None = None  # refused unless equal to n
+    logit_bias: dict[str, float] | None = None  # refused when non-empty
+
+
+class TextPart(_Request):
+    type: Literal["text"]
+    text: StrictStr
+
+
+class ChatMessage(_Request):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: StrictStr | list[TextPart] | None = None
+    name: StrictStr | None = None
+
+
+class ChatCompletionRequest(_Sampling):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: StrictInt | None = None  # deprecated by OpenAI, still sent by many clients
+    max_completion_tokens: StrictInt | None = None
+    logprobs: StrictBool = False
+    top_logprobs: StrictInt | None = None
+    tools: list[dict] | None = None  # refused when non-empty: no tool calling
+    response_format: dict | None = None  # refused unless {"type": "text"}
+    logit_bias: dict[str, float] | None = None  # refused when non-empty
+    add_generation_prompt: StrictBool = True  # vLLM's extra: end with the assistant's header
+
+
+# ---- responses ------------------------------------------------------------------------
+
+
+def _now() -> int:
+    return int(time.time())
+
+
+class PromptTokensDetails(BaseModel):
+    cached_tokens: int
+
+
+class UsageInfo(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+    prompt_tokens_details: PromptTokensDetails | None = None
+
+
+class CompletionLogprobs(BaseModel):
+    """Completions' legacy logprobs: parallel lists, one entry per token."""
+
+    tokens: list[str] = Field(default_factory=list)
+    token_logprobs: list[float | None] = Field(default_factory=list)
+    top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
+    text_offset: list[int] = Field(default_factory=list)
+
+
+OpenAIFinishReason = Literal["stop", "length", "abort"] | None
+"""``abort`` (drained past the grace period, or aborted) is not OpenAI's; vLLM sends it too."""
+
+
+class CompletionChoice(BaseModel):
+    index: int
+    text: str
+    logprobs: CompletionLogprobs | None = None
+    finish_reason: OpenAIFinishReason = None
+    stop_reason: int | str | None = None  # vLLM's extra: the stop string or token id
+
+
+class CompletionResponse(BaseModel):
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int = Field(default_factory=_now)
+    model: str
+    choices: list[CompletionChoice]
+    usage: UsageInfo | None = None
+
+
+class TopLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int]
+
+
+class ChatTokenLogprob(TopLogprob):
+    top_logprobs: list[TopLogprob]
+
+
+class ChatLogprobs(BaseModel):
+    content: list[ChatTokenLogprob]
+
+
+class AssistantMessage(BaseModel):
+    role: Literal["assistant"] = "assistant"
+    content: str
+
+
+class ChatChoice(BaseModel):
+    index: int
+    message: AssistantMessage
+    logprobs: ChatLogprobs | None = None
+    finish_reason: OpenAIFinishReason = None
+    stop_reason: int | str | None = None
+
+
+class ChatCompletionResponse(BaseModel):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int = Field(default_factory=_now)
+    model: str
+    choices: list[ChatChoice]
+    usage: UsageInfo
+
+
+class ChatDelta(BaseModel):
+    """A chunk's delta carries only what it has (OpenAI's: the role once, then content)."""
+
+    role: Literal["assistant"] | None = None
+    content: str | None = None
+
+    @model_serializer(mode="wrap")
+    def _drop_unset(self, handler):
+        return {k: v for k, v in handler(self).items() if v is not None}
+
+
+class ChatChunkChoice(BaseModel):
+    index: int
+    delta: ChatDelta
+    logprobs: ChatLogprobs | None = None
+    finish_reason: OpenAIFinishReason = None
+    stop_reason: int | str | None = None
+
+
+class ChatCompletionChunk(BaseModel):
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int
+    model: str
+    choices: list[ChatChunkChoice]
+    usage: UsageInfo | None = None
+
+
+class CompletionChunk(BaseModel):
+    """A streamed completion chunk has the response's shape (``object`` too, as OpenAI)."""
+
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: UsageInfo | None = None
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int = Field(default_factory=_now)
+    owned_by: str = "baton"
+    max_model_len: int
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]
+
+
+class VersionInfo(BaseModel):
+    version: str
+
+
+class HealthInfo(BaseModel):
+    status: Literal["ok", "draining", "starting"]
+
+
+class ErrorInfo(BaseModel):
+    message: str
+    type: str
+    param: str | None = None
+    code: str | None = None
+
+
+class ErrorResponse(BaseModel):
+    error: ErrorInfo
