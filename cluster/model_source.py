@@ -9,6 +9,7 @@ from writing the same directory twice.
 from __future__ import annotations
 
 import fcntl
+import json
 import os
 from pathlib import Path
 
@@ -31,12 +32,21 @@ def resolve_model_dir(path: str | None) -> Path:
     model_dir.parent.mkdir(parents=True, exist_ok=True)
     with open(model_dir.parent / f".{DEFAULT_MODEL_NAME}.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
-        if not (model_dir / "model.safetensors").is_file():
+        if not _is_current(model_dir):
             from cluster.tools.make_model import make_model
 
             # model.safetensors is written last: its presence means the model is complete.
             make_model(model_dir, "llama", "small", overwrite=True)
     return model_dir.resolve()
+
+
+def _is_current(model_dir: Path) -> bool:
+    """Complete (model.safetensors is written last) and made by a make-model that writes a
+    chat template: a default made before that is made again, so that chat works."""
+    config = model_dir / "tokenizer_config.json"
+    if not (model_dir / "model.safetensors").is_file() or not config.is_file():
+        return False
+    return "chat_template" in json.loads(config.read_text())
 
 
 def served_name(name: str | None, model_dir: Path) -> str:

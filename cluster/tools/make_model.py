@@ -2,7 +2,9 @@
 
 The directory is what ``transformers`` would save for the architecture — config.json,
 generation_config.json, model.safetensors, tokenizer.json, tokenizer_config.json —
-so both ``AutoModelForCausalLM.from_pretrained`` and Baton's loader read it. The
+so both ``AutoModelForCausalLM.from_pretrained`` and Baton's loader read it. Llama and
+Qwen get their real chat template (Llama 3's, ChatML) in tokenizer_config.json, with
+Llama 3's header tokens, so the OpenAI API's chat route works on them; Mistral gets none. The
 tokenizer is a byte-level BPE trained on the spot on ``cluster.tools.corpus`` (deterministic),
 and the model's vocab_size is exactly the tokenizer's, so every sampled id decodes.
 
@@ -69,14 +71,39 @@ class _Family:
     eos: tuple[str, ...]  # generation_config eos_token_id (the first is config.json's)
     tokenizer_bos: str | None  # tokenizer_config bos_token; None: the tokenizer adds no BOS
     tokenizer_eos: str
+    chat_template: str | None = None  # tokenizer_config chat_template, the real model's
+
+
+# Meta-Llama-3-8B-Instruct's template, verbatim.
+LLAMA3_CHAT_TEMPLATE = (
+    "{% set loop_messages = messages %}{% for message in loop_messages %}"
+    "{% set content = '<|start_header_id|>' + message['role'] + '<|end_header_id|>\n\n'"
+    "+ message['content'] | trim + '<|eot_id|>' %}{% if loop.index0 == 0 %}"
+    "{% set content = bos_token + content %}{% endif %}{{ content }}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|start_header_id|>assistant<|end_header_id|>\n\n' }}"
+    "{% endif %}"
+)
+# ChatML, as Qwen2/Qwen3 use it (without their tool-calling branches).
+CHATML_TEMPLATE = (
+    "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\n' + "
+    "message['content'] + '<|im_end|>' + '\n' }}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
 
 
 _LLAMA3 = _Family(
-    special_tokens=("<|begin_of_text|>", "<|end_of_text|>", "<|eot_id|>"),
+    special_tokens=(
+        "<|begin_of_text|>",
+        "<|end_of_text|>",
+        "<|eot_id|>",
+        "<|start_header_id|>",
+        "<|end_header_id|>",
+    ),
     bos="<|begin_of_text|>",
     eos=("<|end_of_text|>", "<|eot_id|>"),
     tokenizer_bos="<|begin_of_text|>",
     tokenizer_eos="<|end_of_text|>",
+    chat_template=LLAMA3_CHAT_TEMPLATE,
 )
 _QWEN = _Family(
     special_tokens=("<|endoftext|>", "<|im_start|>", "<|im_end|>"),
@@ -84,6 +111,7 @@ _QWEN = _Family(
     eos=("<|im_end|>", "<|endoftext|>"),
     tokenizer_bos=None,
     tokenizer_eos="<|im_end|>",
+    chat_template=CHATML_TEMPLATE,
 )
 _MISTRAL = _Family(
     special_tokens=("<unk>", "<s>", "</s>"),
@@ -360,7 +388,9 @@ def _tokenizer_config(tokenizer: Tokenizer, family: _Family, config: Mapping[str
         }
         for token_id, token in sorted(tokenizer.get_added_tokens_decoder().items())
     }
+    chat = {"chat_template": family.chat_template} if family.chat_template else {}
     return {
+        **chat,
         "added_tokens_decoder": added,
         "bos_token": family.tokenizer_bos,
         "clean_up_tokenization_spaces": False,

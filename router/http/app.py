@@ -45,6 +45,8 @@ from router.router import Router
 logger = logging.getLogger(__name__)
 
 MAX_BODY_BYTES = 32 * 2**20  # a 1M-token prompt as JSON token ids fits (gRPC allows 64 MiB)
+# Starlette's own refusals (a body over the limit while it is read, unknown routes).
+_HTTP_CODES = {413: "request_too_large", 404: "not_found", 405: "method_not_allowed"}
 _CLIENT_CLOSED = 499  # nginx's status for a client that went away; nobody receives it
 
 
@@ -71,7 +73,8 @@ def create_app(
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
-        return OpenAIError(exc.status_code, str(exc.detail)).response()
+        code = _HTTP_CODES.get(exc.status_code)
+        return OpenAIError(exc.status_code, str(exc.detail), code=code).response()
 
     @app.exception_handler(Exception)
     async def _bug(request: Request, exc: Exception) -> JSONResponse:
@@ -145,13 +148,21 @@ def _validation_error(exc: RequestValidationError) -> OpenAIError:
     for part in loc:
         if isinstance(part, int):
             param += f"[{part}]"
-        elif not param:
-            param = str(part)
-        elif str(part).isidentifier():  # not a union member's type name (pydantic's loc)
-            param += f".{part}"
+        elif _is_union_tag(str(part)):
+            break  # pydantic names the union member it tried: no field of the body
+        else:
+            param += f".{part}" if param else str(part)
     if not param:  # the body as a whole: not an object (or not sent as JSON)
         return OpenAIError(400, f"the body must be a JSON object: {error.get('msg')}")
     return OpenAIError(400, f"{param}: {error.get('msg')}", param=param)
+
+
+def _is_union_tag(part: str) -> bool:
+    """A union member in pydantic's error location (``str``, ``list[int]``, ``TextPart``)."""
+    return part in _TYPE_NAMES or "[" in part or part[:1].isupper()
+
+
+_TYPE_NAMES = frozenset({"str", "int", "float", "bool", "list", "dict", "none"})
 
 
 class _Guard:
