@@ -1,4 +1,5 @@
-"""``baton bench --target HOST:PORT``: arguments, the run over one or more request rates,
+"""``baton bench --target HOST:PORT`` (gRPC) or ``baton bench --backend openai --base-url
+http://HOST:PORT`` (the OpenAI-compatible HTTP API): arguments, the run over one or more request rates,
 the printed summary, the JSON result and the charts."""
 
 from __future__ import annotations
@@ -7,8 +8,9 @@ import argparse
 import asyncio
 import json
 import math
+import os
 import sys
-from dataclasses import asdict
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 _DATASETS = ("random", "shared-prefix", "trace")
@@ -26,7 +28,16 @@ def _rates(text: str) -> list[float]:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--target", required=True, help="the router, HOST:PORT")
+    parser.add_argument("--target", help="grpc: the router, HOST:PORT")
+    parser.add_argument(
+        "--backend", choices=("grpc", "openai"), default="grpc", help="the API to drive (grpc)"
+    )
+    parser.add_argument(
+        "--base-url", help="openai: the server, http://HOST:PORT (the /v1 is optional)"
+    )
+    parser.add_argument(
+        "--api-key", default=None, help="openai: bearer token (default: $OPENAI_API_KEY)"
+    )
     parser.add_argument("--dataset", choices=_DATASETS, default="random", help="(random)")
     parser.add_argument("--num-prompts", type=int, default=100, help="requests per rate (100)")
     parser.add_argument("--input-len", type=int, default=256, help="prompt tokens (256)")
@@ -73,29 +84,28 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 _SWEEP_SEED_STEP = 1000  # rate i of a sweep draws its prompts with seed + 1000 i
 
 
+@dataclass(frozen=True)
+class _Model:
+    name: str
+    max_model_len: int
+    vocab_size: int
+
+
 def run(args: argparse.Namespace) -> int:
-    import grpc
-
-    from cluster.client import parse_target, wait_ready
     from cluster.loadgen.metrics import Slo, summarize
-    from proto.baton.v1 import inference_pb2 as pb
-    from proto.baton.v1 import inference_pb2_grpc as pb_grpc
 
-    target = parse_target(args.target)
     slo = Slo.parse(args.slo)
     for name in ("num_prompts", "input_len", "output_len"):
         if getattr(args, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')}: must be >= 1")
     if args.max_concurrency is not None and args.max_concurrency < 1:
         raise ValueError("--max-concurrency: must be >= 1")
-    with grpc.insecure_channel(target) as channel:
-        try:
-            wait_ready(channel, args.wait)
-            stub = pb_grpc.InferenceStub(channel)
-            info = stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=10)
-        except grpc.RpcError as exc:
-            print(f"baton: error: {target}: {exc.code().name}: {exc.details()}", file=sys.stderr)
-            return 1
+    target = _target(args)
+    try:
+        info = _model_info(args, target)
+    except ConnectionError as exc:
+        print(f"baton: error: {exc}", file=sys.stderr)
+        return 1
     requests = _dataset(args, info.vocab_size, args.seed)
     too_long = [r for r in requests if len(r.prompt_ids) + r.max_tokens > info.max_model_len]
     if too_long:
@@ -105,7 +115,7 @@ def run(args: argparse.Namespace) -> int:
         )
     if args.warmup:
         warm = _dataset(args, info.vocab_size, args.seed + 1)[: args.warmup]
-        _run_once(args, target, warm, [0.0] * len(warm), "warm-up")
+        _run_once(args, target, info.name, warm, [0.0] * len(warm), "warm-up")
     rates = args.rates or [args.request_rate]
     results, runs = [], []
     for index, rate in enumerate(rates):
@@ -115,7 +125,7 @@ def run(args: argparse.Namespace) -> int:
             # workers' prefix caches and would be served from there.
             requests = _dataset(args, info.vocab_size, args.seed + _SWEEP_SEED_STEP * index)
         offsets = _offsets(args, requests, rate)
-        records, duration = _run_once(args, target, requests, offsets, _label(rate))
+        records, duration = _run_once(args, target, info.name, requests, offsets, _label(rate))
         summary = {
             "request_rate": _rate_value(rate),
             **summarize(records, duration, slo),
@@ -129,7 +139,9 @@ def run(args: argparse.Namespace) -> int:
             "model": info.name,
             "dataset": args.dataset,
             "arguments": {
-                k: _plain(v) for k, v in vars(args).items() if k not in ("run", "command")
+                k: _plain(v)
+                for k, v in vars(args).items()
+                if k not in ("run", "command", "api_key")  # no secret in a result file
             },
             "runs": results,
         }
@@ -139,6 +151,48 @@ def run(args: argparse.Namespace) -> int:
         _plot(args.plot, runs, results)
     failed = sum(r["failed"] for r in results)
     return 1 if failed == sum(r["num_requests"] for r in results) else 0
+
+
+def _target(args: argparse.Namespace):
+    """The gRPC target "HOST:PORT", or the OpenAI backend's base URL ending in /v1."""
+    from cluster.client import parse_target
+    from cluster.loadgen.openai_runner import normalise_base_url
+
+    if args.backend == "openai":
+        if not args.base_url:
+            raise ValueError("--base-url: required with --backend openai")
+        if args.target:
+            raise ValueError("--target: gRPC only; with --backend openai use --base-url")
+        if args.api_key is None:
+            args.api_key = os.environ.get("OPENAI_API_KEY")
+        return normalise_base_url(args.base_url)
+    if not args.target:
+        raise ValueError("--target: required (or --backend openai --base-url URL)")
+    if args.base_url:
+        raise ValueError("--base-url: only with --backend openai")
+    return parse_target(args.target)
+
+
+def _model_info(args: argparse.Namespace, target: str) -> _Model:
+    """Raises ConnectionError when the server cannot be reached or refuses."""
+    if args.backend == "openai":
+        from cluster.loadgen.openai_runner import model_info
+
+        return _Model(*model_info(target, args.api_key, args.wait))
+    import grpc
+
+    from cluster.client import wait_ready
+    from proto.baton.v1 import inference_pb2 as pb
+    from proto.baton.v1 import inference_pb2_grpc as pb_grpc
+
+    with grpc.insecure_channel(target) as channel:
+        try:
+            wait_ready(channel, args.wait)
+            stub = pb_grpc.InferenceStub(channel)
+            info = stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=10)
+        except grpc.RpcError as exc:
+            raise ConnectionError(f"{target}: {exc.code().name}: {exc.details()}") from None
+    return _Model(info.name, info.max_model_len, info.vocab_size)
 
 
 def _dataset(args: argparse.Namespace, vocab_size: int, seed: int):
@@ -170,21 +224,23 @@ def _label(rate: float | None) -> str:
     return "trace timing" if rate is None else f"{rate:g} req/s"
 
 
-def _run_once(args, target: str, requests, offsets: list[float], label: str):
+def _run_once(args, target: str, model: str, requests, offsets: list[float], label: str):
     from tqdm import tqdm
 
+    from cluster.loadgen.openai_runner import OpenAITarget, run_requests_openai
     from cluster.loadgen.runner import run_requests
 
     # disable=None: a bar on a terminal, nothing in logs and CI.
     with tqdm(total=len(requests), desc=label, unit="req", file=sys.stderr, disable=None) as bar:
-        return asyncio.run(
-            run_requests(
-                target, requests, offsets,
-                max_concurrency=args.max_concurrency, ignore_eos=args.ignore_eos,
-                disaggregation=args.disaggregation, timeout_s=args.timeout,
-                on_done=lambda _: bar.update(1),
-            )
+        options = dict(
+            max_concurrency=args.max_concurrency, ignore_eos=args.ignore_eos,
+            disaggregation=args.disaggregation, timeout_s=args.timeout,
+            on_done=lambda _: bar.update(1),
         )  # fmt: skip
+        if args.backend == "openai":
+            http = OpenAITarget(target, model, args.api_key)
+            return asyncio.run(run_requests_openai(http, requests, offsets, **options))
+        return asyncio.run(run_requests(target, requests, offsets, **options))
 
 
 def _plot(directory: Path, runs, results) -> None:

@@ -14,7 +14,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
 import grpc
@@ -99,23 +99,39 @@ async def run_requests(
 ) -> tuple[list[RequestRecord], float]:
     """Send every request at its offset; returns the records (in request order) and the
     run's duration (start → the last request's end)."""
+    async with grpc.aio.insecure_channel(target) as channel:
+        stub = pb_grpc.InferenceStub(channel)
+
+        async def one(req: BenchRequest, record: RequestRecord, start: float) -> None:
+            await _one(stub, req, record, start, ignore_eos, disaggregation, timeout_s)
+
+        return await drive(requests, offsets, one, max_concurrency, on_done)
+
+
+SendOne = Callable[[BenchRequest, RequestRecord, float], Awaitable[None]]
+
+
+async def drive(
+    requests: list[BenchRequest],
+    offsets: list[float],
+    one: SendOne,
+    max_concurrency: int | None,
+    on_done: Callable[[RequestRecord], None] | None,
+) -> tuple[list[RequestRecord], float]:
+    """Send request i with ``one`` at ``offsets[i]`` (after a slot frees, with
+    ``max_concurrency``); every backend's schedule. Returns the records and the duration."""
     if len(offsets) != len(requests):
         raise ValueError("one arrival offset per request")
     slots = asyncio.Semaphore(max_concurrency) if max_concurrency else None
     records = [RequestRecord(i, len(r.prompt_ids), r.max_tokens) for i, r in enumerate(requests)]
-    async with grpc.aio.insecure_channel(target) as channel:
-        stub = pb_grpc.InferenceStub(channel)
-        start = time.perf_counter()
+    start = time.perf_counter()
 
-        async def send(i: int) -> None:
-            await asyncio.sleep(max(0.0, start + offsets[i] - time.perf_counter()))
-            async with slots or contextlib.nullcontext():
-                await _one(
-                    stub, requests[i], records[i], start, ignore_eos, disaggregation, timeout_s
-                )
-            if on_done is not None:
-                on_done(records[i])
+    async def send(i: int) -> None:
+        await asyncio.sleep(max(0.0, start + offsets[i] - time.perf_counter()))
+        async with slots or contextlib.nullcontext():
+            await one(requests[i], records[i], start)
+        if on_done is not None:
+            on_done(records[i])
 
-        await asyncio.gather(*(send(i) for i in range(len(requests))))
-        duration = time.perf_counter() - start
-    return records, duration
+    await asyncio.gather(*(send(i) for i in range(len(requests))))
+    return records, time.perf_counter() - start

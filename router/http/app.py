@@ -93,7 +93,9 @@ def create_app(
 
     @app.get("/v1/models")
     async def models() -> ModelList:
-        return ModelList(data=[ModelCard(id=model, max_model_len=router.config.max_model_len)])
+        cfg = router.config
+        card = ModelCard(id=model, max_model_len=cfg.max_model_len, vocab_size=cfg.vocab_size)
+        return ModelList(data=[card])
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request) -> Response:

@@ -223,7 +223,8 @@ class ModelCard(BaseModel):
     object: Literal["model"] = "model"
     created: int = Field(default_factory=_now)
     owned_by: str = "baton"
-    max_model_len: int
+    max_model_len: int  # vLLM's extra
+    vocab_size: int  # Baton's extra: what `baton bench --backend openai` draws token ids from
 
 
 class ModelList(BaseModel):

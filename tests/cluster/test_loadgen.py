@@ -122,3 +122,26 @@ def test_summary_of_known_records():
     assert tpot_s(records[2]) is None
     empty = summarize([records[3]], 1.0, Slo())
     assert empty["ttft_ms"] == {"mean": None, "median": None, "std": None, "p90": None, "p99": None}
+
+
+@pytest.mark.parametrize(
+    ("argv", "named"),
+    [
+        (["--backend", "openai"], "--base-url: required"),
+        (["--backend", "openai", "--base-url", "http://h:1", "--target", "h:2"], "--target:"),
+        (["--base-url", "http://h:1"], "--target: required"),
+        (["--target", "h:2", "--base-url", "http://h:1"], "--base-url: only with"),
+    ],
+)
+def test_backend_arguments_are_named(argv, named, capsys):
+    from cluster.cli import main as baton
+
+    assert baton(["bench", *argv]) == 2
+    assert named in capsys.readouterr().err
+
+
+def test_base_url_gets_its_v1():
+    from cluster.loadgen.openai_runner import normalise_base_url
+
+    assert normalise_base_url("http://h:8000") == "http://h:8000/v1"
+    assert normalise_base_url("http://h:8000/v1/") == "http://h:8000/v1"

@@ -8,6 +8,7 @@ no KV block in use. The last test drains the cluster with SIGTERM.
 
 from __future__ import annotations
 
+import json
 import signal
 import socket
 import threading
@@ -202,6 +203,33 @@ def test_a_client_timeout_leaves_no_block_in_use(served):
     with pytest.raises(openai.APITimeoutError):
         c.completions.create(model="tiny", prompt=PROMPTS[2], max_tokens=450, **GREEDY)
     wait_blocks_released(served.stub())
+
+
+def test_bench_drives_the_http_api_like_grpc(served, tmp_path):
+    """``baton bench --backend openai``: every request completes with its max_tokens, the
+    shared prefix is served from the cache, as the gRPC backend's run of the same workload."""
+    from cluster.cli import main as baton
+
+    args = [
+        "--dataset", "shared-prefix", "--num-groups", "2", "--prefix-len", "32",
+        "--num-prompts", "8", "--input-len", "8", "--output-len", "6", "--ignore-eos",
+        "--max-concurrency", "4",
+    ]  # fmt: skip
+    runs = {}
+    for backend, where in (
+        ("openai", ["--base-url", served.base_url.removesuffix("/v1"), "--api-key", API_KEY]),
+        ("grpc", ["--target", served.address, "--seed", "1"]),
+    ):
+        out = tmp_path / f"{backend}.json"
+        code = baton(["bench", "--backend", backend, *where, "--result-json", str(out), *args])
+        assert code == 0
+        [runs[backend]] = json.loads(out.read_text())["runs"]
+    for run in runs.values():
+        assert run["completed"] == 8 and run["failed"] == 0
+        assert all(r["output_len"] == r["max_tokens"] == 6 for r in run["requests"])
+        assert all(r["ttft_s"] > 0 and len(r["itl_s"]) >= 1 for r in run["requests"])
+        assert run["cached_prompt_tokens"] > 0  # 6 of 8 prompts share a cached prefix
+    assert "api_key" not in json.loads((tmp_path / "openai.json").read_text())["arguments"]
 
 
 def test_sigterm_health_503_and_new_requests_503(served):
