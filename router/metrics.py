@@ -1,8 +1,11 @@
 """The router's Prometheus metrics (docs/metrics.md): latency as clients see it, outcomes.
 
-Measured at the front end, around ``Router.generate``: what a client of ``Generate``
-experiences, queueing in the router included. Series carry ``role="router"``, ``model``
-and ``instance="router"``. The node's exporter serves them with the workers' series
+Measured at the front end, around ``Router.generate``: what a client of ``Generate`` (gRPC)
+or of ``/v1/completions`` and ``/v1/chat/completions`` (HTTP, one call per choice)
+experiences, queueing in the router included. Series carry ``role="router"``, ``model``,
+``instance="router"`` and ``frontend`` (``grpc`` | ``http``), except the running gauge,
+a family shared with the workers (``baton_num_requests_running{role="router"}``: both
+front ends' calls). The node's exporter serves them with the workers' series
 (``workers/serving/metrics_node.py``).
 
 Outcomes, one per call:
@@ -48,6 +51,8 @@ _PER_TOKEN = (
     1.0,
     2.5,
 )
+# The router's own families are told apart by front end too.
+_LABELS = (*LABELS, "frontend")
 _REJECTIONS = frozenset(
     {ErrorCode.INVALID_ARGUMENT, ErrorCode.RESOURCE_EXHAUSTED, ErrorCode.UNAVAILABLE}
 )
@@ -55,45 +60,47 @@ _REJECTIONS = frozenset(
 TTFT = Histogram(
     "baton_time_to_first_token_seconds",
     "From the Generate call to its first output token",
-    LABELS,
+    _LABELS,
     buckets=_LATENCY,
 )
 ITL = Histogram(
     "baton_inter_token_latency_seconds",
     "Between successive streamed chunks of a request (a chunk is one engine step's tokens)",
-    LABELS,
+    _LABELS,
     buckets=_PER_TOKEN,
 )
 TPOT = Histogram(
     "baton_time_per_output_token_seconds",
     "Per request: (end-to-end - time to first token) / (output tokens - 1)",
-    LABELS,
+    _LABELS,
     buckets=_PER_TOKEN,
 )
 E2E = Histogram(
     "baton_e2e_request_latency_seconds",
     "From the Generate call to its Final",
-    LABELS,
+    _LABELS,
     buckets=_LATENCY,
 )
 FINISHED = Counter(
-    "baton_requests_finished", "Requests ended with a Final", (*LABELS, "finish_reason")
+    "baton_requests_finished", "Requests ended with a Final", (*_LABELS, "finish_reason")
 )
-REJECTED = Counter("baton_requests_rejected", "Requests refused at admission", (*LABELS, "code"))
-FAILED = Counter("baton_requests_failed", "Requests ended by an error", (*LABELS, "code"))
+REJECTED = Counter("baton_requests_rejected", "Requests refused at admission", (*_LABELS, "code"))
+FAILED = Counter("baton_requests_failed", "Requests ended by an error", (*_LABELS, "code"))
 ABORTED = Counter(
-    "baton_requests_aborted", "Requests aborted or cancelled before their end", (*LABELS, "reason")
+    "baton_requests_aborted",
+    "Requests aborted or cancelled before their end",
+    (*_LABELS, "reason"),
 )
-PROMPT_TOKENS = Counter("baton_prompt_tokens", "Prompt tokens of finished requests", LABELS)
-GENERATION_TOKENS = Counter("baton_generation_tokens", "Tokens generated (streamed)", LABELS)
+PROMPT_TOKENS = Counter("baton_prompt_tokens", "Prompt tokens of finished requests", _LABELS)
+GENERATION_TOKENS = Counter("baton_generation_tokens", "Tokens generated (streamed)", _LABELS)
 
 
 class RouterMetrics:
     """The router's series for one served model; ``call()`` follows one Generate."""
 
-    def __init__(self, model: str, instance: str = "router"):
-        self.labels = ("router", model, instance)
-        self.running = RUNNING.labels(*self.labels)
+    def __init__(self, model: str, frontend: str = "grpc", instance: str = "router"):
+        self.labels = ("router", model, instance, frontend)
+        self.running = RUNNING.labels("router", model, instance)
         self.ttft = TTFT.labels(*self.labels)
         self.itl = ITL.labels(*self.labels)
         self.tpot = TPOT.labels(*self.labels)

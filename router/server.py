@@ -37,7 +37,7 @@ class InferenceServicer(pb_grpc.InferenceServicer):
     def __init__(self, router: Router, tp_pp: dict[str, tuple[int, int]] | None = None):
         self.router = router
         self.tp_pp = tp_pp or {}
-        self.metrics = RouterMetrics(router.config.model_name)
+        self.metrics = RouterMetrics(router.config.model_name, frontend="grpc")
 
     async def Generate(self, request, context):
         call = self.metrics.call()

@@ -61,7 +61,7 @@ def create_app(
     """The app (FastAPI behind the guard); it answers 503 once the router drains."""
     app = FastAPI(title="Baton", version=version, docs_url=None, redoc_url=None)
     model = router.config.model_name
-    metrics = RouterMetrics(model)
+    metrics = RouterMetrics(model, frontend="http")
 
     @app.exception_handler(OpenAIError)
     async def _openai_error(request: Request, exc: OpenAIError) -> JSONResponse:

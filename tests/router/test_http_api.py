@@ -14,6 +14,7 @@ import json
 import httpx2 as httpx
 import openai
 import pytest
+from prometheus_client import REGISTRY
 
 from cluster.tools.make_model import LLAMA3_CHAT_TEMPLATE, build_tokenizer
 from router.http.chat_template import ChatTemplate
@@ -106,6 +107,19 @@ def test_n_choices_with_seeds_and_a_prompt_batch(served):
     seeds = sorted(item.params.seed for item in served.decode.items[-4:])
     assert seeds == [7, 7, 8, 8]  # choice i of each prompt samples with seed + i
     assert out.usage.completion_tokens == 12
+
+
+def test_metrics_count_each_choice_under_the_http_front_end(served):
+    def finished(frontend: str) -> float:
+        labels = {"role": "router", "model": "tiny", "instance": "router", "frontend": frontend}
+        value = REGISTRY.get_sample_value(
+            "baton_requests_finished_total", {**labels, "finish_reason": "length"}
+        )
+        return value or 0.0
+
+    before = finished("http"), finished("grpc")
+    client(served).completions.create(model="tiny", prompt=PROMPT, max_tokens=2, n=3)
+    assert (finished("http") - before[0], finished("grpc") - before[1]) == (3, 0)
 
 
 def test_echo_prepends_the_prompt(served, tokenizer):

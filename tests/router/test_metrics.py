@@ -10,6 +10,9 @@ from router.metrics import RouterMetrics
 
 
 def sample(name: str, model: str, **labels) -> float:
+    """A router series of the gRPC front end (the running gauge has no front end label)."""
+    if name != "baton_num_requests_running":
+        labels = {"frontend": "grpc", **labels}
     value = REGISTRY.get_sample_value(
         name, {"role": "router", "model": model, "instance": "router", **labels}
     )
