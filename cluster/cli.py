@@ -15,6 +15,8 @@ printed as ``baton: error: ...``), 130 interrupted.
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import os
 import sys
 import time
 from collections.abc import Callable
@@ -247,6 +249,12 @@ def _add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         help="cluster config YAML (default: the embedded default: local Ray, a small "
         "random model, 1 prefill + 1 decode worker)",
     )
+    parser.add_argument(
+        "--api-key",
+        default=None,
+        help="bearer token the HTTP API's /v1 routes require (over router.api_key; "
+        "default: $BATON_API_KEY)",
+    )
 
 
 def _run_serve(args: argparse.Namespace) -> int:
@@ -257,6 +265,12 @@ def _run_serve(args: argparse.Namespace) -> int:
 
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s: %(message)s")
     config = load_config(args.config)  # ConfigError is a ValueError: exit 2, key path named
+    # A key on the command line or in the environment keeps it out of the config file.
+    api_key = args.api_key or os.environ.get("BATON_API_KEY")
+    if api_key:
+        config = dataclasses.replace(
+            config, router=dataclasses.replace(config.router, api_key=api_key)
+        )
     try:
         return run(config)
     except RuntimeError as exc:  # bring-up failed (a worker did not start, no resources)

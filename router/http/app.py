@@ -191,7 +191,10 @@ class _Guard:
                 return
         limit = self.max_body_bytes
         length = headers.get(b"content-length", b"0")
-        if not length.isdigit() or int(length) > limit:
+        if not length.isdigit():
+            await OpenAIError(400, "Content-Length: not a number").response()(scope, receive, send)
+            return
+        if int(length) > limit:
             await _too_large(limit).response()(scope, receive, send)
             return
         received = 0

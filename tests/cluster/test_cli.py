@@ -189,3 +189,16 @@ def test_python_m_cluster_refuses_a_bad_config(tmp_path):
     )
     assert proc.returncode == 2
     assert "decode.replicaz: unknown key" in proc.stderr
+
+
+def test_serve_api_key_from_the_command_line_or_the_environment(monkeypatch):
+    import cluster.serve
+
+    served = []
+    monkeypatch.setattr(cluster.serve, "run", lambda config: served.append(config) or 0)
+    monkeypatch.delenv("BATON_API_KEY", raising=False)
+    assert cli.main(["serve"]) == 0
+    assert cli.main(["serve", "--api-key", "from-flag"]) == 0
+    monkeypatch.setenv("BATON_API_KEY", "from-env")
+    assert cli.main(["serve"]) == 0
+    assert [c.router.api_key for c in served] == [None, "from-flag", "from-env"]
