@@ -36,6 +36,7 @@ from router.http.schemas import (
     HealthInfo,
     ModelCard,
     ModelList,
+    StreamOptions,
     VersionInfo,
 )
 from router.http.streams import Choices, ClientGone, EventStreamResponse, unless_disconnected
@@ -111,7 +112,15 @@ def create_app(
         plan = chat_plan(body, answer_id, chat_template, router.tokenizer)
         return await _answer(request, plan, answer_id, body.stream, body.stream_options, chat=True)
 
-    async def _answer(request: Request, plan: Plan, answer_id, stream, options, chat) -> Response:
+    async def _answer(
+        request: Request,
+        plan: Plan,
+        answer_id: str,
+        stream: bool,
+        options: StreamOptions | None,
+        chat: bool,
+    ) -> Response:
+        """Run the plan's choices; one JSON answer, or an event stream."""
         include_usage = bool(stream and options is not None and options.include_usage)
         answer = render.Answer(answer_id, model, plan, router.tokenizer, include_usage)
         choices = Choices(router, plan.requests, metrics)

@@ -125,6 +125,13 @@ def test_the_head_serves_the_rendered_config_with_grpc_probes(example):
     service = objects[("Service", f"{NAME}-router")]
     assert service["spec"]["selector"] == {"ray.io/cluster": NAME, "ray.io/node-type": "head"}
     assert service["spec"]["ports"][0]["targetPort"] == "grpc"
+    http_port = user["router"].get("http_port", RouterSection().http_port)
+    if http_port:
+        assert {"name": "http", "containerPort": http_port} in head["ports"]
+        assert service["spec"]["ports"][1]["port"] == http_port
+        assert service["spec"]["ports"][1]["targetPort"] == "http"
+    else:
+        assert [p["name"] for p in service["spec"]["ports"]] == ["grpc"]
     assert service["spec"]["ports"][0]["port"] == values["service"]["port"]
     assert service["spec"]["type"] == values["service"]["type"]
     cluster = objects[("RayCluster", NAME)]
@@ -187,11 +194,20 @@ def test_the_charts_fallbacks_are_the_configs_defaults():
     assert parse_config(config).router.port == RouterSection().port
     head = head_container(objects)
     assert head["readinessProbe"]["grpc"]["port"] == RouterSection().port
+    assert {"name": "http", "containerPort": RouterSection().http_port} in head["ports"]
     pod = objects[("RayCluster", NAME)]["spec"]["headGroupSpec"]["template"]["spec"]
     assert pod["terminationGracePeriodSeconds"] == RouterSection().drain_grace_seconds + 30
     groups = objects[("RayCluster", NAME)]["spec"]["workerGroupSpecs"]
     assert [g["replicas"] for g in groups] == [PoolSection().replicas] * 2
     assert {f.name for f in fields(ClusterConfig)} >= set(config)
+
+
+def test_http_port_0_opens_no_http_port():
+    config = '{"router":{"host":"0.0.0.0","http_port":0},"metrics":{"host":"0.0.0.0"}}'
+    objects = render("--set", "model.hostPath.path=/m", "--set-json", f"config={config}")
+    assert "http" not in [p["name"] for p in head_container(objects)["ports"]]
+    service = objects[("Service", f"{NAME}-router")]
+    assert [p["name"] for p in service["spec"]["ports"]] == ["grpc"]
 
 
 def test_ray_token_from_an_existing_secret():

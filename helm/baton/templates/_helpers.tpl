@@ -40,6 +40,14 @@ The router's port: the config's router.port (cluster/config.py's default when un
 {{- end -}}
 
 {{/*
+The router's OpenAI-compatible HTTP port: the config's router.http_port (cluster/config.py's
+default when unset); 0 = no HTTP API (no container port, no Service port).
+*/}}
+{{- define "baton.httpPort" -}}
+{{- int (dig "router" "http_port" 8000 .Values.config) -}}
+{{- end -}}
+
+{{/*
 A pool's shape, as YAML (use with fromYaml): ranks per replica, GPUs per pod, pods, and
 the Ray resource (and units of it per pod) that pins the pool's ranks to its worker
 group. A pod holds whole pipeline stages (a stage's tensor-parallel ranks share a node);
