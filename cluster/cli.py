@@ -15,8 +15,6 @@ printed as ``baton: error: ...``), 130 interrupted.
 from __future__ import annotations
 
 import argparse
-import dataclasses
-import os
 import sys
 import time
 from collections.abc import Callable
@@ -261,16 +259,11 @@ def _run_serve(args: argparse.Namespace) -> int:
     import logging
 
     from cluster.config import load_config
-    from cluster.serve import run
+    from cluster.serve import run, with_api_key
 
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s: %(message)s")
     config = load_config(args.config)  # ConfigError is a ValueError: exit 2, key path named
-    # A key on the command line or in the environment keeps it out of the config file.
-    api_key = args.api_key or os.environ.get("BATON_API_KEY")
-    if api_key:
-        config = dataclasses.replace(
-            config, router=dataclasses.replace(config.router, api_key=api_key)
-        )
+    config = with_api_key(config, args.api_key)
     try:
         return run(config)
     except RuntimeError as exc:  # bring-up failed (a worker did not start, no resources)

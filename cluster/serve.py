@@ -14,7 +14,9 @@ shut down, so nothing is left running.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
+import os
 import signal
 import sys
 from collections.abc import Callable
@@ -120,6 +122,16 @@ def _http_server(config: ClusterConfig, router):
     )
 
 
+def with_api_key(config: ClusterConfig, api_key: str | None = None) -> ClusterConfig:
+    """``config`` with the HTTP API key ``api_key`` (``baton serve --api-key``), else
+    ``$BATON_API_KEY``, over ``router.api_key``: either keeps the secret out of the config
+    file (and a Kubernetes Secret can reach the head as an environment variable)."""
+    api_key = api_key or os.environ.get("BATON_API_KEY")
+    if not api_key:
+        return config
+    return dataclasses.replace(config, router=dataclasses.replace(config.router, api_key=api_key))
+
+
 def main(argv: list[str] | None = None) -> int:
     """``python -m cluster [CONFIG]``: the Ray job entry point."""
     from cluster.config import load_config
@@ -136,7 +148,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"baton: error: {exc}", file=sys.stderr)
         return 2
     try:
-        return run(config)
+        return run(with_api_key(config))
     except (ValueError, RuntimeError) as exc:
         print(f"baton: error: {exc}", file=sys.stderr)
         return 1
