@@ -12,6 +12,8 @@ repeats of each backend, and its ratio HTTP / gRPC; TTFT and ITL medians beside 
 
 The client runs on the same machine as the cluster (both backends'), so its cost is in the
 figure too: an SSE chunk is parsed as JSON by aiohttp's client, a gRPC message by grpcio's.
+The front end's own cost is measured apart: the CPU time of the serving process (the
+router, both front ends; the workers are Ray's processes) per output token.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
 import signal
 import socket
 import subprocess
@@ -99,6 +102,13 @@ def cluster_config(model_dir: str, http_port: int, args: argparse.Namespace) -> 
     }
 
 
+def cpu_s(pid: int) -> float:
+    """User + system CPU seconds of process ``pid`` so far (all its threads)."""
+    stat = Path(f"/proc/{pid}/stat").read_text()
+    fields = stat[stat.rindex(")") + 2 :].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def bench_once(backend: str, served: Served, http_url: str, seed: int, args, out: Path) -> dict:
     where = ["--target", served.address]
     if backend == "openai":
@@ -109,7 +119,11 @@ def bench_once(backend: str, served: Served, http_url: str, seed: int, args, out
         "--output-len", str(args.output_len), "--max-concurrency", str(args.concurrency),
         "--ignore-eos", "--seed", str(seed), "--result-json", str(out),
     ]  # fmt: skip
+    router_cpu = cpu_s(served.process.pid)
+    client_cpu = _children_cpu_s()
     subprocess.run(command, check=True, cwd=ROOT, stdout=subprocess.DEVNULL)
+    router_cpu = cpu_s(served.process.pid) - router_cpu
+    client_cpu = _children_cpu_s() - client_cpu
     [run] = json.loads(out.read_text())["runs"]
     if run["failed"]:
         raise RuntimeError(f"{backend}: {run['errors']}")
@@ -119,7 +133,15 @@ def bench_once(backend: str, served: Served, http_url: str, seed: int, args, out
         "itl_median_ms": run["itl_ms"]["median"],
         "tpot_median_ms": run["tpot_ms"]["median"],
         "duration_s": run["duration_s"],
+        "router_cpu_us_per_token": 1e6 * router_cpu / run["total_output_tokens"],
+        "client_cpu_us_per_token": 1e6 * client_cpu / run["total_output_tokens"],
     }
+
+
+def _children_cpu_s() -> float:
+    """CPU seconds of this process's waited-for children (the baton bench clients)."""
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -159,6 +181,8 @@ def main(argv: list[str] | None = None) -> int:
                 print(
                     f"{backend:>6} #{repeat}: {run['output_throughput']:.1f} tok/s, "
                     f"TTFT {run['ttft_median_ms']:.1f} ms, ITL {run['itl_median_ms']:.2f} ms, "
+                    f"router {run['router_cpu_us_per_token']:.0f} CPU-us/token, "
+                    f"client {run['client_cpu_us_per_token']:.0f} CPU-us/token, "
                     f"others used {run['foreign_core_s']:.1f} core-s",
                     flush=True,
                 )
@@ -171,7 +195,9 @@ def main(argv: list[str] | None = None) -> int:
     for backend, m in medians.items():
         print(
             f"median {backend:>6}: {m['output_throughput']:.1f} tok/s, TTFT "
-            f"{m['ttft_median_ms']:.1f} ms, ITL {m['itl_median_ms']:.2f} ms"
+            f"{m['ttft_median_ms']:.1f} ms, ITL {m['itl_median_ms']:.2f} ms, router "
+            f"{m['router_cpu_us_per_token']:.0f} CPU-us/token, client "
+            f"{m['client_cpu_us_per_token']:.0f} CPU-us/token"
         )
     print(f"HTTP / gRPC output tokens/s: {ratio:.3f}")
     if args.json:
