@@ -25,7 +25,7 @@ from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from router.errors import RouterError
+from router.errors import ErrorCode, RouterError
 from router.http import render
 from router.http.chat_template import ChatTemplate
 from router.http.convert import Plan, chat_plan, completion_plan
@@ -48,7 +48,10 @@ logger = logging.getLogger(__name__)
 MAX_BODY_BYTES = 32 * 2**20  # a 1M-token prompt as JSON token ids fits (gRPC allows 64 MiB)
 # Starlette's own refusals (a body over the limit while it is read, unknown routes).
 _HTTP_CODES = {413: "request_too_large", 404: "not_found", 405: "method_not_allowed"}
-_CLIENT_CLOSED = 499  # nginx's status for a client that went away; nobody receives it
+_CLIENT_CLOSED = 499
+_GENERATION_ROUTES = frozenset(
+    {"/v1/completions", "/v1/chat/completions"}
+)  # nginx's status for a client that went away; nobody receives it
 
 
 def create_app(
@@ -64,12 +67,22 @@ def create_app(
     model = router.config.model_name
     metrics = RouterMetrics(model, frontend="http")
 
+    def count_refusal(request: Request) -> None:
+        """A generation request the adapter refused before the router saw it (a body
+        pydantic refused, an unknown model, an option Baton lacks): counted as the router
+        counts its own refusals, as gRPC's INVALID_ARGUMENT."""
+        if request.url.path in _GENERATION_ROUTES:
+            metrics.call().error(ErrorCode.INVALID_ARGUMENT)
+
     @app.exception_handler(OpenAIError)
     async def _openai_error(request: Request, exc: OpenAIError) -> JSONResponse:
+        if not exc.is_from_router:
+            count_refusal(request)
         return exc.response()
 
     @app.exception_handler(RequestValidationError)
     async def _invalid_body(request: Request, exc: RequestValidationError) -> JSONResponse:
+        count_refusal(request)
         return _validation_error(exc).response()
 
     @app.exception_handler(StarletteHTTPException)

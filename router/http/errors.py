@@ -74,6 +74,7 @@ class OpenAIError(Exception):
         super().__init__(message)
         self.status = status
         self.info = ErrorInfo(message=message, type=type, param=param, code=code)
+        self.is_from_router = False  # a RouterError's: the router's metrics counted it
 
     def response(self) -> JSONResponse:
         body = ErrorResponse(error=self.info).model_dump()
@@ -96,7 +97,9 @@ def from_router_error(exc: RouterError, names: Mapping[str, str]) -> OpenAIError
             message = f"{param}: {rest}"
         if "max_model_len" in rest:  # validation.check_length: the context is too short
             code = "context_length_exceeded"
-    return OpenAIError(status, message, kind, param, code)
+    error = OpenAIError(status, message, kind, param, code)
+    error.is_from_router = True
+    return error
 
 
 def model_not_found(model: str, served: str) -> OpenAIError:

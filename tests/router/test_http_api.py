@@ -117,9 +117,20 @@ def test_metrics_count_each_choice_under_the_http_front_end(served):
         )
         return value or 0.0
 
-    before = finished("http"), finished("grpc")
+    def rejected() -> float:
+        labels = {"role": "router", "model": "tiny", "instance": "router", "frontend": "http"}
+        value = REGISTRY.get_sample_value(
+            "baton_requests_rejected_total", {**labels, "code": "INVALID_ARGUMENT"}
+        )
+        return value or 0.0
+
+    before = finished("http"), finished("grpc"), rejected()
     client(served).completions.create(model="tiny", prompt=PROMPT, max_tokens=2, n=3)
     assert (finished("http") - before[0], finished("grpc") - before[1]) == (3, 0)
+    # Refused by pydantic, by the adapter (model), by the router (top_p): each counted once.
+    for body in ({"prompt": 5}, {"prompt": "x", "model": "other"}, {"prompt": "x", "top_p": 9}):
+        assert httpx.post(served.url + "/v1/completions", json=body, timeout=30).status_code >= 400
+    assert rejected() - before[2] == 3
 
 
 def test_echo_prepends_the_prompt(served, tokenizer):
