@@ -1,4 +1,6 @@
-"""The disaggregated request flow: validate, route, hand off, stream, abort (docs/serving.md, "A request").
+"""The disaggregated request flow: validate, route, hand off, stream, abort.
+
+docs/serving.md ("A request") walks through it.
 
 ``Router.generate`` takes a typed :class:`~router.requests.GenerateRequest` and is an async
 generator of :class:`~router.events.GenerateEvent`; errors are :class:`RouterError` with
