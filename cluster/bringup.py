@@ -39,6 +39,7 @@ from cluster.replicas import (
 )
 from cluster.restart import RayRestarter
 from router.config import RouterConfig
+from router.policy import KVWeights
 from router.recovery import RestartPolicy
 from router.router import Router
 from workers.models.arch_config import ArchConfig
@@ -161,6 +162,11 @@ def bring_up(config: ClusterConfig) -> Cluster:
                 disaggregation=config.router.disaggregation,
                 auto_local_prefill_tokens=config.router.auto_local_prefill_tokens,
                 saturated_queue=config.router.auto_saturated_queue,
+                kv_weights=KVWeights(
+                    overlap_weight=config.router.kv_overlap_weight,
+                    balance_abs_requests=config.router.kv_balance_abs_requests,
+                    balance_rel=config.router.kv_balance_rel,
+                ),
                 max_queued_requests=config.router.max_queued_requests,
                 kv_transfer_backend=config.kv_transfer.backend,
             ),

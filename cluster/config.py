@@ -125,6 +125,21 @@ class RouterSection:
     auto_saturated_queue: int = option(
         8, "auto: also prefill locally when every prefill worker has this many waiting", ge=1
     )
+    kv_overlap_weight: float = option(
+        1.0,
+        "kv_aware: cost of a prompt block to compute against a KV block in use (cost = this "
+        "x prefill blocks + decode blocks; Dynamo's overlap_score_weight)",
+        ge=0.0,
+    )
+    kv_balance_abs_requests: int = option(
+        4,
+        "kv_aware: load wins over cache hits when the most loaded worker has more than this "
+        "many requests over the least loaded ...",
+        ge=0,
+    )
+    kv_balance_rel: float = option(
+        1.5, "... and more than this times the least loaded's (SGLang's balance test)", ge=1.0
+    )
     max_queued_requests: int = option(
         1024, "Requests admitted but not finished; beyond: RESOURCE_EXHAUSTED", ge=1
     )
