@@ -126,9 +126,10 @@ class RouterSection:
         8, "auto: also prefill locally when every prefill worker has this many waiting", ge=1
     )
     kv_overlap_weight: float = option(
-        1.0,
+        2.0,
         "kv_aware: cost of a prompt block to compute against a KV block in use (cost = this "
-        "x prefill blocks + decode blocks; Dynamo's overlap_score_weight)",
+        "x prefill blocks + decode blocks; Dynamo's overlap_score_weight; measured in "
+        "bench/RESULTS.md)",
         ge=0.0,
     )
     kv_balance_abs_requests: int = option(

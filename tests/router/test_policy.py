@@ -44,7 +44,7 @@ def test_exact_ties_go_round_robin_over_the_tied_not_by_name():
 
 def test_kv_aware_prefers_the_cached_prefix_over_a_little_load():
     # c holds 7 of 10 blocks; its 6 blocks in use cost less than the 7 blocks a would
-    # prefill again (weight 1).
+    # prefill again (weight 2: 14).
     pool = [holding("a", 0), holding("b", 7, kv_blocks_used=9), holding("c", 7, kv_blocks_used=6)]
     assert pick("kv_aware", pool, REQ, 0).name == "c"
     # A later block alone does not count: the prefix must be contiguous from the start.
@@ -59,9 +59,8 @@ def test_kv_aware_counts_prompt_tokens_already_queued_and_the_overlap_weight():
     # a holds the prompt and 15 blocks in use; b would prefill 10 blocks: weighed 1x b is
     # cheaper (10 < 15), weighed 2x a is (15 < 20).
     pool = [holding("a", 10, kv_blocks_used=15), holding("b", 0)]
-    assert pick("kv_aware", pool, REQ, 0).name == "b"
-    req = replace(REQ, weights=KVWeights(overlap_weight=2.0))
-    assert pick("kv_aware", pool, req, 0).name == "a"
+    weighed = [replace(REQ, weights=KVWeights(overlap_weight=w)) for w in (1.0, 2.0)]
+    assert [pick("kv_aware", pool, req, 0).name for req in weighed] == ["b", "a"]
 
 
 def test_kv_aware_lets_load_win_past_the_balance_threshold():
