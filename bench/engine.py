@@ -44,18 +44,19 @@ def make_workload(num: int, vocab: int, seed: int) -> list[tuple[list[int], int]
     return work
 
 
-def run_baton(llm: LLM, work: list[tuple[list[int], int]]) -> tuple[float, int]:
+def run_baton(llm: LLM, work: list[tuple[list[int], int]]) -> tuple[float, int, float]:
+    """(wall seconds, tokens produced, CPU seconds of this process) of one repeat."""
     params = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for _, n in work]
     # Every repeat starts cold: the prompts are the same each time, and a prefix-cache hit
     # would skip prefill work that transformers has to do.
     llm.engine.block_manager.evict()
-    start = time.perf_counter()
+    start, start_cpu = time.perf_counter(), time.process_time()
     outs = llm.generate([p for p, _ in work], params)
-    elapsed = time.perf_counter() - start
+    elapsed, cpu = time.perf_counter() - start, time.process_time() - start_cpu
     produced = sum(len(o.token_ids) for o in outs)
     assert produced == sum(n for _, n in work), "engine produced the wrong number of tokens"
     assert all(o.num_cached_tokens == 0 for o in outs), "a prompt was served from the cache"
-    return elapsed, produced
+    return elapsed, produced, cpu
 
 
 def run_transformers(model, work: list[tuple[list[int], int]], batch: int, pad_id: int):
@@ -161,11 +162,16 @@ def main() -> None:
                 )
         run_transformers(hf_onednn, [([11, 12, 13], 4)], 1, 0)  # warm-up
 
-    baton_tps, hf_tps, ratios, onednn_tps = [], [], [], []
+    baton_tps, hf_tps, ratios, onednn_tps, baton_cpu_tps = [], [], [], [], []
     for r in range(args.repeats):
-        seconds, produced = run_baton(llm, work)
+        seconds, produced, cpu = run_baton(llm, work)
         baton_tps.append(produced / seconds)
-        line = f"run {r}: baton {produced / seconds:8.1f} tok/s ({seconds:.1f} s)"
+        # Tokens per CPU-second of the process: on a shared machine, wall time also counts
+        # the time other processes held the cores; CPU time much less so (with one torch
+        # thread, none of OpenMP's spin-waiting either).
+        baton_cpu_tps.append(produced / cpu)
+        line = f"run {r}: baton {produced / seconds:8.1f} tok/s ({seconds:.1f} s"
+        line += f", {produced / cpu:.1f} tok per CPU-s)"
         if hf_model is not None:
             hf_seconds, useful = run_transformers(hf_model, work, args.max_num_seqs, 0)
             hf_tps.append(useful / hf_seconds)
@@ -191,6 +197,8 @@ def main() -> None:
         "output_tokens": sum(n for _, n in work),
         "prompt_tokens": sum(len(p) for p, _ in work),
         "baton_tok_s": baton_tps,
+        "baton_tok_per_cpu_s": baton_cpu_tps,
+        "median_baton_tok_per_cpu_s": statistics.median(baton_cpu_tps),
         "transformers_tok_s": hf_tps,
         "ratio": ratios,
         "median_baton_tok_s": statistics.median(baton_tps),

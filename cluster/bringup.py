@@ -22,7 +22,7 @@ from dataclasses import dataclass, field, replace
 
 import ray
 
-from cluster.config import ClusterConfig, PoolSection, engine_config
+from cluster.config import ClusterConfig, PoolSection, engine_config, transfer_config
 from cluster.metrics_exporter import NodeExporters, replica_nodes
 from cluster.model_source import resolve_model_dir, served_name
 from cluster.parallel_check import check_pool_parallel
@@ -39,6 +39,7 @@ from cluster.replicas import (
 )
 from cluster.restart import RayRestarter
 from router.config import RouterConfig
+from router.policy import KVWeights
 from router.recovery import RestartPolicy
 from router.router import Router
 from workers.models.arch_config import ArchConfig
@@ -161,6 +162,11 @@ def bring_up(config: ClusterConfig) -> Cluster:
                 disaggregation=config.router.disaggregation,
                 auto_local_prefill_tokens=config.router.auto_local_prefill_tokens,
                 saturated_queue=config.router.auto_saturated_queue,
+                kv_weights=KVWeights(
+                    overlap_weight=config.router.kv_overlap_weight,
+                    balance_abs_requests=config.router.kv_balance_abs_requests,
+                    balance_rel=config.router.kv_balance_rel,
+                ),
                 max_queued_requests=config.router.max_queued_requests,
                 kv_transfer_backend=config.kv_transfer.backend,
             ),
@@ -205,11 +211,7 @@ def _spec(
         role=role,
         model_id=name,
         engine=engine_config(config, pool, model=model_dir, device=device),
-        kv_backend=config.kv_transfer.backend,
-        kv_direction=config.kv_transfer.direction,
-        lease_seconds=config.kv_transfer.lease_seconds,
-        transfer_timeout_s=config.kv_transfer.timeout_seconds,
-        on_failure=config.kv_transfer.on_failure,
+        kv_transfer=transfer_config(config),
         num_threads=threads if device == "cpu" else 0,
         tensor_parallel=pool.tensor_parallel,
         pipeline_parallel=pool.pipeline_parallel,

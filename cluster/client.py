@@ -193,7 +193,9 @@ def format_status(status: pb.ClusterStatus) -> str:
     ]
     if not status.pools:
         lines += ["", "(no pools)"]
-    header = ("WORKER", "ROLE", "HEALTHY", "TP", "PP", "RUNNING", "WAITING")
+    # INCOMING: routed here by the router and not yet arrived (a decode worker's requests
+    # still in prefill); the policy already counts them.
+    header = ("WORKER", "ROLE", "HEALTHY", "TP", "PP", "RUNNING", "WAITING", "INCOMING")
     header += ("KV USED", "KV CACHED", "KV TOTAL")
     for pool in status.pools:
         lines += ["", f"{pool.role} pool: {pool.healthy_replicas}/{pool.replicas} healthy"]
@@ -251,6 +253,7 @@ def _worker_row(worker: pb.WorkerStatus) -> tuple[str, ...]:
         str(worker.pipeline_parallel),
         str(worker.num_running),
         str(worker.num_waiting),
+        str(worker.num_incoming),
         _blocks(worker.kv_blocks_used, total),
         _blocks(worker.kv_blocks_cached, total),
         str(total),

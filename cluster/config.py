@@ -7,6 +7,8 @@ load time with the key path in the message (``router.port: must be <= 65535, got
 Engine settings are declared once, in ``workers/engine/config.py``: a section's field made
 with :func:`engine_option` takes its default, doc and bounds from that ``EngineConfig``
 field, and :func:`engine_config` gathers them back into an ``EngineConfig`` for a worker.
+The KV hand-off's settings likewise come from ``kvtransfer.KVTransferConfig``
+(:func:`transfer_option`, :func:`transfer_config`).
 """
 
 from __future__ import annotations
@@ -19,17 +21,29 @@ from typing import Any, Literal
 import yaml
 
 from cluster.config_schema import ConfigError, json_schema, load_section, option, section
+from kvtransfer import KVTransferConfig
 from workers.engine.config import Dtype, EngineConfig
 
 _ENGINE_FIELDS = {f.name: f for f in dataclasses.fields(EngineConfig)}
+_TRANSFER_FIELDS = {f.name: f for f in dataclasses.fields(KVTransferConfig)}
+
+
+def _declared_option(declared: dataclasses.Field, tag: str, name: str) -> Any:
+    # The metadata tag ("engine" / "transfer") names the declaration the field sets.
+    meta = {**declared.metadata, tag: name}
+    return dataclasses.field(default=declared.default, metadata=meta)
 
 
 def engine_option(name: str) -> Any:
     """A config field that sets the engine setting ``name``, with its default, doc and
     bounds (the field's own name is its YAML key, which may differ from ``name``)."""
-    setting = _ENGINE_FIELDS[name]
-    meta = {**setting.metadata, "engine": name}
-    return dataclasses.field(default=setting.default, metadata=meta)
+    return _declared_option(_ENGINE_FIELDS[name], "engine", name)
+
+
+def transfer_option(name: str) -> Any:
+    """A config field that sets ``KVTransferConfig.name``, with its default, doc and
+    bounds (the field's own name is its YAML key, which may differ from ``name``)."""
+    return _declared_option(_TRANSFER_FIELDS[name], "transfer", name)
 
 
 @dataclass(frozen=True)
@@ -77,19 +91,22 @@ class KVCacheSection:
 
 @dataclass(frozen=True)
 class KVTransferSection:
-    backend: Literal["nixl", "local"] = option(
-        "nixl", "How KV blocks move from prefill to decode; local = in-process (tests)"
-    )
-    direction: Literal["auto", "pull", "push"] = option(
-        "auto", "pull = decode reads, push = prefill writes; auto = the faster for the transport"
-    )
-    lease_seconds: float = option(
-        30.0, "Prefill frees KV blocks not pulled within this time", gt=0.0
-    )
-    timeout_seconds: float = option(10.0, "Deadline of one request's KV transfer", gt=0.0)
-    on_failure: Literal["recompute", "fail"] = option(
-        "recompute", "A failed transfer: recompute the prompt on decode, or fail the request"
-    )
+    # The choices are narrowed here for the YAML edge and the schema; KVTransferConfig
+    # checks the same ones for callers that build it directly.
+    backend: Literal["nixl", "local"] = transfer_option("backend")
+    direction: Literal["auto", "pull", "push"] = transfer_option("direction")
+    lease_seconds: float = transfer_option("lease_seconds")
+    timeout_seconds: float = transfer_option("transfer_timeout_s")
+    on_failure: Literal["recompute", "fail"] = transfer_option("on_failure")
+
+    def __post_init__(self) -> None:
+        # KVTransferConfig refuses this too, but in its own field names and only once a
+        # worker is being built: say it at load time, in the YAML's keys.
+        if self.timeout_seconds >= self.lease_seconds:
+            raise ValueError(
+                f"timeout_seconds ({self.timeout_seconds}) must be below lease_seconds "
+                f"({self.lease_seconds}): a transfer may not outlive the lease"
+            )
 
 
 @dataclass(frozen=True)
@@ -117,6 +134,22 @@ class RouterSection:
     )
     auto_saturated_queue: int = option(
         8, "auto: also prefill locally when every prefill worker has this many waiting", ge=1
+    )
+    kv_overlap_weight: float = option(
+        2.0,
+        "kv_aware: cost of a prompt block to compute against a KV block in use (cost = this "
+        "x prefill blocks + decode blocks; Dynamo's overlap_score_weight; measured in "
+        "bench/RESULTS.md)",
+        ge=0.0,
+    )
+    kv_balance_abs_requests: int = option(
+        4,
+        "kv_aware: load wins over cache hits when the most loaded worker has more than this "
+        "many requests over the least loaded ...",
+        ge=0,
+    )
+    kv_balance_rel: float = option(
+        1.5, "... and more than this times the least loaded's (SGLang's balance test)", ge=1.0
     )
     max_queued_requests: int = option(
         1024, "Requests admitted but not finished; beyond: RESOURCE_EXHAUSTED", ge=1
@@ -184,6 +217,15 @@ def engine_config(config: ClusterConfig, pool: PoolSection, **per_worker: Any) -
     # running request needs a token each step), where the engine refuses one.
     values["max_num_batched_tokens"] = max(values["max_num_batched_tokens"], values["max_num_seqs"])
     return EngineConfig(**{**values, **per_worker})
+
+
+def transfer_config(config: ClusterConfig) -> KVTransferConfig:
+    """The KV hand-off settings of every worker: each ``transfer_option`` of the
+    ``kv_transfer`` section, the rest at ``KVTransferConfig``'s defaults."""
+    sec = config.kv_transfer
+    return KVTransferConfig(
+        **{f.metadata["transfer"]: getattr(sec, f.name) for f in dataclasses.fields(sec)}
+    )
 
 
 def parse_config(data: Any) -> ClusterConfig:

@@ -16,7 +16,7 @@ from cluster.config import ClusterConfig
 HEADER = """# Cluster config reference
 
 Generated from `cluster/config.py` (the engine settings' defaults, docs and bounds from
-`workers/engine/config.py`) by `python -m cluster.config_docs > docs/config.md`; a test
+`workers/engine/config.py`, the KV hand-off's from `kvtransfer/backend.py`) by `python -m cluster.config_docs > docs/config.md`; a test
 fails when this file is stale. Every key is optional. Unknown keys and bad values are
 refused at load time with the key path in the message. Example: `configs/example.yaml`.
 """

@@ -8,30 +8,52 @@ backend needs no locking of its own (NIXL agents are not thread-safe by default)
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 from kvtransfer.layout import KVLayout
 from kvtransfer.tp_mapping import Segment
 
 DIRECTIONS = ("auto", "pull", "push")
 BACKENDS = ("nixl", "local")
+ON_FAILURE = ("recompute", "fail")
+
+
+def _setting(default: Any, doc: str, *, gt: float | None = None) -> Any:
+    """A hand-off setting the cluster YAML exposes: its default and its one-line doc and
+    bound, in the metadata keys of ``cluster.config_schema.option`` (kvtransfer/ may not
+    import cluster/), so the YAML edge checks and documents it from here."""
+    meta = {"doc": doc, "ge": None, "le": None, "gt": gt, "lt": None}
+    return dataclasses.field(default=default, metadata=meta)
 
 
 @dataclass(frozen=True)
 class KVTransferConfig:
-    """Knobs of the KV hand-off (the cluster YAML's ``kv_transfer`` section maps onto this)."""
+    """Knobs of the KV hand-off: the one declaration of the cluster YAML's ``kv_transfer``
+    settings (the fields made with ``_setting``); the others are internal tuning."""
 
-    backend: str = "nixl"
+    backend: str = _setting(
+        "nixl", "How KV blocks move from prefill to decode; local = in-process (tests)"
+    )
     """Transport: "nixl" (UCX: RDMA/NVLink/shared memory/TCP) or "local" (in-process, tests)."""
-    direction: str = "auto"
+    direction: str = _setting(
+        "auto", "pull = decode reads, push = prefill writes; auto = the faster for the transport"
+    )
     """How the decode side gets the KV: "pull" (it READs), "push" (prefill WRITEs into
     blocks decode reserved) or "auto" (the faster for the backend, resolved at start-up)."""
-    lease_seconds: float = 30.0
+    lease_seconds: float = _setting(
+        30.0, "Prefill frees KV blocks not pulled within this time", gt=0.0
+    )
     """Prefill frees un-read blocks after this."""
-    transfer_timeout_s: float = 10.0
+    transfer_timeout_s: float = _setting(10.0, "Deadline of one request's KV transfer", gt=0.0)
     """Deadline of one request's transfer (decode side); must be well below lease_seconds."""
+    on_failure: str = _setting(
+        "recompute", "A failed transfer: recompute the prompt on decode, or fail the request"
+    )
+    """What the decode worker does when a transfer fails (the connector itself never reads
+    it): recompute the prompt into the same blocks, or fail the request."""
     handshake_timeout_s: float = 10.0
     """Deadline of adding a peer (loading its metadata, preparing descriptor lists)."""
     idle_poll_s: float = 0.01
@@ -49,6 +71,10 @@ class KVTransferConfig:
         if self.direction not in DIRECTIONS:
             raise ValueError(
                 f"kv_transfer.direction must be one of {DIRECTIONS}, got {self.direction!r}"
+            )
+        if self.on_failure not in ON_FAILURE:
+            raise ValueError(
+                f"kv_transfer.on_failure must be one of {ON_FAILURE}, got {self.on_failure!r}"
             )
         for name in (
             "lease_seconds",

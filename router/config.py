@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+
+from router.policy import KVWeights
 
 
 @dataclass(frozen=True)
@@ -19,3 +21,4 @@ class RouterConfig:
     saturated_queue: int = 8
     max_queued_requests: int = 1024
     kv_transfer_backend: str = "nixl"
+    kv_weights: KVWeights = field(default_factory=KVWeights)  # kv_aware's constants

@@ -34,6 +34,7 @@ class Pending:
         self.events: asyncio.Queue[tuple[str, TokenEvent | None]] = asyncio.Queue()
         self.owner: WorkerView | None = None  # the worker whose final event ends it there
         self.decode: WorkerView | None = None
+        self.routed: list[WorkerView] = []  # the workers counting it (WorkerView.expect)
         # A prefill worker's handle that no decode worker took: it must be declined.
         self.unread_handles: tuple[bytes, ...] = ()  # one per prefill rank
         self.submit: asyncio.Future | None = None  # the last submit call in flight
@@ -66,7 +67,7 @@ class Pending:
         except asyncio.CancelledError:
             raise
         except Exception as exc:
-            worker.active.discard(stream.request_id)
+            worker.end(stream.request_id)
             self.owner = None
             raise RouterError(ErrorCode.UNAVAILABLE, f"worker {worker.name}: {exc}") from None
         while True:
@@ -80,9 +81,11 @@ class Pending:
                 continue
             if source != worker.name:
                 continue  # a late event from the previous owner
+            if event.token_ids:
+                worker.prefilled(stream.request_id)
             if event.finished:
                 # Its end on this worker (a handle event ends the prefill worker's part).
-                worker.active.discard(stream.request_id)
+                worker.end(stream.request_id)
                 if not event.kv_handles:
                     self.owner = None
                 if event.error:
@@ -102,6 +105,11 @@ class Pending:
         owner's final event, so that the id is not reused while a worker still runs it.
         """
         request_id = self.stream.request_id
+        # The workers it was routed to but will not run on stop counting it at once; the
+        # owner, once its final event came (below) or when the wait gives up.
+        for view in self.routed:
+            if view is not self.owner:
+                view.end(request_id)
         try:
             if self.submit is not None:  # let a submit in flight land before its abort
                 await asyncio.wait([self.submit], timeout=SETTLE_TIMEOUT_S)
@@ -124,9 +132,9 @@ class Pending:
                     continue
                 if source != owner.name or event is None or not event.finished:
                     continue
-                owner.active.discard(request_id)
+                owner.end(request_id)
                 if event.kv_handles:  # prefill finished before the abort came
                     await decline(event.kv_handles, self.decode, decode)
         finally:
-            if self.owner is not None:
-                self.owner.active.discard(request_id)
+            for view in [*self.routed, *([self.owner] if self.owner else [])]:
+                view.end(request_id)

@@ -1,14 +1,24 @@
 """Routing policy: pure functions from cluster state to a decision (no I/O, no clocks).
 
 For each request the router asks :func:`route` for a decode worker and, when the request
-is to be disaggregated, a prefill worker. Inputs are snapshots the workers report
-(load, health, which prefix-block hashes their caches hold); the only state a policy keeps
-across requests is the round-robin cursor, passed in and returned.
+is to be disaggregated, a prefill worker. A worker's state is its last report (load,
+health, KV blocks, which prefix-block hashes its cache holds) *plus* what the router has
+routed to it since and not yet seen end (``router/workers.py``): under a burst every
+request is routed before any report could count the previous ones, so the report alone
+sends the whole burst to one worker. The only state a policy keeps across requests is
+the cursor, passed in and returned: one step per request.
 
 - ``round_robin``: the next healthy worker after the cursor.
-- ``least_loaded``: fewest running + waiting requests, then lowest KV usage, then name.
-- ``kv_aware``: longest cached prefix of the prompt (counted in leading full blocks whose
-  chained hash the worker holds), ties broken as ``least_loaded``.
+- ``least_loaded``: fewest running + waiting + incoming requests, then the lowest KV usage.
+- ``kv_aware``: the lowest cost ``overlap_weight × prefill blocks + decode blocks`` (as
+  Dynamo's KV router): the prompt blocks the worker would still compute (its cached prefix
+  does not count) plus the prompt tokens already queued there, and the KV blocks in use
+  there (reported, plus the routed requests' expected ones). When the pool's load is out
+  of balance (most - least loaded > ``balance_abs_requests`` and most > ``balance_rel`` ×
+  least, SGLang's cache-aware test), load wins: ``least_loaded`` decides.
+
+Exact ties go round robin over the tied workers (by the cursor), never by name: a burst
+onto idle equal workers spreads from its first request.
 
 Disaggregation ``auto`` prefills on the decode worker when the part of the prompt that
 worker has not cached is at most ``auto_local_prefill_tokens``, or when every prefill
@@ -20,8 +30,8 @@ the router answers with UNAVAILABLE.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 from typing import Literal
 
 Policy = Literal["round_robin", "least_loaded", "kv_aware"]
@@ -34,18 +44,36 @@ class NoHealthyWorker(Exception):
 
 @dataclass(frozen=True)
 class WorkerState:
-    """What a worker last reported about itself."""
+    """A worker as the policy sees it: its last report plus what was routed to it since."""
 
     name: str
     healthy: bool = True
     num_running: int = 0
     num_waiting: int = 0
-    kv_usage: float = 0.0  # blocks in use / total
+    num_incoming: int = 0  # routed here, not yet submitted here (decode: still in prefill)
+    num_prefill_tokens: int = 0  # prompt tokens routed here and not yet computed
+    kv_blocks_used: int = 0  # reported, plus the incoming requests' prompt blocks
+    kv_blocks_total: int = 0
     cached_hashes: frozenset[int] = frozenset()  # prefix-block hashes its cache holds
 
     @property
     def load(self) -> int:
-        return self.num_running + self.num_waiting
+        return self.num_running + self.num_waiting + self.num_incoming
+
+    @property
+    def kv_usage(self) -> float:
+        return self.kv_blocks_used / self.kv_blocks_total if self.kv_blocks_total else 0.0
+
+
+@dataclass(frozen=True)
+class KVWeights:
+    """``kv_aware``'s constants (``router.kv_*`` in the config; docs/config.md)."""
+
+    # Defaults measured (bench/RESULTS.md, "Routing under bursts"): 2.0 kept each shared
+    # prefix on one worker more often than Dynamo's 1.0 did, with a lower TTFT p99.
+    overlap_weight: float = 2.0  # a prefill block against a decode block in use
+    balance_abs_requests: int = 4  # load wins past this spread (requests) ...
+    balance_rel: float = 1.5  # ... when the most loaded also has this × the least's
 
 
 @dataclass(frozen=True)
@@ -53,6 +81,7 @@ class RouteRequest:
     num_prompt_tokens: int
     block_hashes: tuple[int, ...]  # chained hashes of the prompt's full blocks, in order
     block_size: int
+    weights: KVWeights = field(default_factory=KVWeights)
 
 
 @dataclass(frozen=True)
@@ -74,26 +103,54 @@ def cached_prefix_blocks(worker: WorkerState, block_hashes: Sequence[int]) -> in
 
 
 def pick(
-    policy: Policy, workers: Sequence[WorkerState], req: RouteRequest, cursor: int
-) -> tuple[WorkerState, int]:
-    """Choose one healthy worker of a pool; returns it and the new round-robin cursor."""
+    policy: Policy,
+    workers: Sequence[WorkerState],
+    req: RouteRequest,
+    cursor: int,
+    *,
+    prefills: bool = True,
+) -> WorkerState:
+    """Choose one healthy worker of a pool. ``prefills``: the chosen worker computes the
+    prompt (kv_aware then counts its cache hits; a decode worker fed by a prefill worker
+    gets every block over the wire, so its cache does not matter)."""
     healthy = [w for w in workers if w.healthy]
     if not healthy:
         raise NoHealthyWorker("no healthy worker in the pool")
     if policy == "round_robin":
-        chosen = healthy[cursor % len(healthy)]
-        return chosen, cursor + 1
-    if policy == "least_loaded":
-        return min(healthy, key=_load_key), cursor
+        return healthy[cursor % len(healthy)]
+    if policy == "least_loaded" or (policy == "kv_aware" and _out_of_balance(healthy, req)):
+        return _lowest(healthy, _load_key, cursor)
     if policy == "kv_aware":
-        return min(
-            healthy, key=lambda w: (-cached_prefix_blocks(w, req.block_hashes), *_load_key(w))
-        ), cursor
+        return _lowest(healthy, lambda w: _cost(w, req, prefills), cursor)
     raise ValueError(f"unknown policy {policy!r}")
 
 
-def _load_key(worker: WorkerState) -> tuple[int, float, str]:
-    return (worker.load, worker.kv_usage, worker.name)
+def _lowest(workers: list[WorkerState], key: Callable, cursor: int) -> WorkerState:
+    """The worker with the lowest key; exact ties round robin by the cursor."""
+    best = min(key(w) for w in workers)
+    tied = [w for w in workers if key(w) == best]
+    return tied[cursor % len(tied)]
+
+
+def _load_key(worker: WorkerState) -> tuple[int, float]:
+    return (worker.load, worker.kv_usage)
+
+
+def _out_of_balance(workers: list[WorkerState], req: RouteRequest) -> bool:
+    loads = [w.load for w in workers]
+    most, least = max(loads), min(loads)
+    w = req.weights
+    return most - least > w.balance_abs_requests and most > w.balance_rel * least
+
+
+def _cost(worker: WorkerState, req: RouteRequest, prefills: bool) -> float:
+    """Dynamo's ``overlap_weight × prefill blocks + decode blocks``, in blocks."""
+    new_tokens = 0
+    if prefills:
+        cached = cached_prefix_blocks(worker, req.block_hashes) * req.block_size
+        new_tokens = req.num_prompt_tokens - cached
+    prefill_blocks = (worker.num_prefill_tokens + new_tokens) / req.block_size
+    return req.weights.overlap_weight * prefill_blocks + worker.kv_blocks_used
 
 
 def route(
@@ -108,10 +165,11 @@ def route(
     cursor: int = 0,
 ) -> RouteDecision:
     """Pick the decode worker, and the prefill worker when the request is handed off."""
-    # Round robin: request n goes to decode worker n and prefill worker n (each modulo
-    # its pool): one cursor step per request. (Stepping it for each pool would send
-    # every request to the same decode worker when the pools add up to an even step.)
-    decode, next_cursor = pick(policy, decode_pool, req, cursor)
+    # One cursor step per request: request n goes to decode worker n and prefill worker n
+    # (each modulo its pool, or among its tied). Stepping it for each pool would send
+    # every request to the same decode worker when the pools add up to an even step.
+    next_cursor = cursor + 1
+    decode = pick(policy, decode_pool, req, cursor, prefills=disaggregation != "always")
     local_cached = cached_prefix_blocks(decode, req.block_hashes) * req.block_size
     if disaggregation == "never":
         return RouteDecision(decode.name, None, local_cached, next_cursor)
@@ -121,6 +179,6 @@ def route(
         saturated = all(w.num_waiting >= saturated_queue for w in healthy_prefill)
         if uncached <= auto_local_prefill_tokens or saturated:
             return RouteDecision(decode.name, None, local_cached, next_cursor)
-    prefill, _ = pick(policy, healthy_prefill, req, cursor)
+    prefill = pick(policy, healthy_prefill, req, cursor)
     cached = cached_prefix_blocks(prefill, req.block_hashes) * req.block_size
     return RouteDecision(decode.name, prefill.name, cached, next_cursor)

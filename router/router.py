@@ -1,4 +1,6 @@
-"""The disaggregated request flow: validate, route, hand off, stream, abort (docs/serving.md, "A request").
+"""The disaggregated request flow: validate, route, hand off, stream, abort.
+
+docs/serving.md ("A request") walks through it.
 
 ``Router.generate`` takes a typed :class:`~router.requests.GenerateRequest` and is an async
 generator of :class:`~router.events.GenerateEvent`; errors are :class:`RouterError` with
@@ -36,7 +38,7 @@ from router.recovery import Recovery, Restarter, RestartPolicy
 from router.requests import GenerateRequest
 from router.stream import RequestStream
 from router.validation import InvalidRequest, ValidRequest, prompt_token_ids, validate
-from router.workers import WorkerClient, WorkerView, decline
+from router.workers import Expected, WorkerClient, WorkerView, decline
 from workers.protocol.block_hashes import hash_prompt_blocks
 from workers.protocol.wire import OutputBatch, WorkItem
 from workers.text.tokenizer import Tokenizer
@@ -110,7 +112,7 @@ class Router:
         view.client.close()  # the dead one's channel, if it is still open
         view.client = client
         view.report, view.hashes, view.error = None, frozenset(), ""
-        view.active.clear()  # their requests ended when the worker died
+        view.forget_all()  # their requests ended when the worker died
         view.is_alive = True
         self._listen(view)
 
@@ -199,10 +201,11 @@ class Router:
         stream = pending.stream
         decision = self._route(valid, token_ids)
         decode = pending.decode = self._by_name[decision.decode]
+        prefill = self._by_name[decision.prefill] if decision.prefill is not None else None
+        self._expect(pending, len(token_ids), decision.cached_tokens, decode, prefill)
         stream.stamps.decode_worker = decode.name
         item = WorkItem(stream.request_id, tuple(token_ids), valid.params, "full")
-        if decision.prefill is not None:
-            prefill = self._by_name[decision.prefill]
+        if prefill is not None:
             stream.stamps.prefill_worker = prefill.name
             handle_event = None
             async for out, event in pending.stream_from(prefill, replace(item, mode="prefill")):
@@ -234,6 +237,27 @@ class Router:
             if out is not None:
                 yield out
 
+    def _expect(
+        self,
+        pending: Pending,
+        num_prompt_tokens: int,
+        num_cached_tokens: int,
+        decode: WorkerView,
+        prefill: WorkerView | None,
+    ) -> None:
+        """Count the request against its workers from now on, before either has it: the
+        next request of a burst must see it (Pending.settle drops it on every end path)."""
+        request_id = pending.stream.request_id
+        num_blocks = -(-num_prompt_tokens // self.config.block_size)
+        uncached = num_prompt_tokens - num_cached_tokens
+        if prefill is not None:
+            prefill.expect(request_id, Expected(uncached, num_blocks))
+            pending.routed.append(prefill)
+        # A decode worker fed by a prefill worker receives the prompt's blocks; it computes
+        # none of them.
+        decode.expect(request_id, Expected(0 if prefill else uncached, num_blocks))
+        pending.routed.append(decode)
+
     def _route(self, valid: ValidRequest, token_ids: list[int]):
         cfg = self.config
         disaggregation = valid.disaggregation or cfg.disaggregation
@@ -241,6 +265,7 @@ class Router:
             num_prompt_tokens=len(token_ids),
             block_hashes=tuple(hash_prompt_blocks(token_ids, cfg.block_size)),
             block_size=cfg.block_size,
+            weights=cfg.kv_weights,
         )
         try:
             decision = route(
@@ -303,6 +328,6 @@ class Router:
             pending = self._requests.get(request_id)
             if pending is not None and pending.owner is view:
                 pending.events.put_nowait((view.name, None))
-        view.active.clear()
+        view.forget_all()
         if self.recovery is not None:
             self.recovery.worker_lost(view.name)

@@ -36,6 +36,7 @@ class WorkerStatus:
     pipeline_parallel: int
     num_running: int
     num_waiting: int
+    num_incoming: int  # routed here and not yet arrived (decode: still in prefill)
     kv_blocks_total: int
     kv_blocks_used: int
     kv_blocks_cached: int
@@ -120,6 +121,7 @@ def _pool(
                 pipeline_parallel=pp,
                 num_running=report.num_running if report else 0,
                 num_waiting=report.num_waiting if report else 0,
+                num_incoming=view.num_incoming,
                 kv_blocks_total=report.kv_blocks_total if report else 0,
                 kv_blocks_used=report.kv_blocks_used if report else 0,
                 kv_blocks_cached=report.kv_blocks_cached if report else 0,

@@ -48,14 +48,32 @@ class WorkerClient(Protocol):
         """Close the event channel."""
 
 
+@dataclass(frozen=True)
+class Expected:
+    """What a request routed to a worker will cost it, counted from the moment of routing."""
+
+    num_prefill_tokens: int  # prompt tokens it will compute there (0 once computed, or
+    # for a decode worker fed by a prefill worker)
+    num_blocks: int  # KV blocks its prompt takes there
+
+
 @dataclass
 class WorkerView:
+    """The router's side of one worker: its last report, and the requests it routed there.
+
+    ``routed`` holds every request from the moment the policy chose this worker until its
+    part here ended (its final event, an abort or failure settled, the worker lost);
+    ``active`` those of them submitted and not yet finished. A routed request not yet
+    active is *incoming*: a decode worker's request still in prefill elsewhere.
+    """
+
     client: WorkerClient
     report: WorkerReport | None = None
     hashes: frozenset[int] = frozenset()
     is_alive: bool = True
     error: str = ""  # why the worker was declared dead
     active: set[str] = field(default_factory=set)  # request ids sent and not yet finished
+    routed: dict[str, Expected] = field(default_factory=dict)
 
     @property
     def name(self) -> str:
@@ -70,17 +88,50 @@ class WorkerView:
     def is_healthy(self) -> bool:
         return self.is_alive and self.report is not None and self.report.healthy
 
+    @property
+    def num_incoming(self) -> int:
+        """Requests routed here and not yet submitted here."""
+        return sum(1 for rid in self.routed if rid not in self.active)
+
+    def expect(self, request_id: str, expected: Expected) -> None:
+        """Router: count ``request_id`` against this worker (it was just routed here)."""
+        self.routed[request_id] = expected
+
+    def prefilled(self, request_id: str) -> None:
+        """Router: the request's prompt is computed here (its first token came)."""
+        expected = self.routed.get(request_id)
+        if expected is not None and expected.num_prefill_tokens:
+            self.routed[request_id] = Expected(0, expected.num_blocks)
+
+    def end(self, request_id: str) -> None:
+        """Router: the request's part on this worker is over (whatever ended it)."""
+        self.active.discard(request_id)
+        self.routed.pop(request_id, None)
+
+    def forget_all(self) -> None:
+        """The worker died or was replaced: nothing routed to it runs there any more."""
+        self.active.clear()
+        self.routed.clear()
+
     def state(self) -> WorkerState:
-        """The policy's view: the worker's report, plus what the router sent since."""
+        """The policy's view: the worker's report, plus what the router routed since."""
         report = self.report
-        used = report.kv_blocks_used / report.kv_blocks_total if report else 0.0
+        incoming = [e for rid, e in self.routed.items() if rid not in self.active]
+        submitted = [e for rid, e in self.routed.items() if rid in self.active]
+        # The router's own count is fresher than the last report under a burst; the
+        # report knows better once it has caught up (blocks grow with the output).
+        num_waiting = report.num_waiting if report else 0
+        num_running = max(len(self.active) - num_waiting, report.num_running if report else 0)
+        used = max(report.kv_blocks_used if report else 0, sum(e.num_blocks for e in submitted))
         return WorkerState(
             name=self.name,
             healthy=self.is_healthy,
-            # The router's own count is fresher than the last report under a burst.
-            num_running=max(len(self.active), report.num_running if report else 0),
-            num_waiting=report.num_waiting if report else 0,
-            kv_usage=used,
+            num_running=num_running,
+            num_waiting=num_waiting,
+            num_incoming=len(incoming),
+            num_prefill_tokens=sum(e.num_prefill_tokens for e in self.routed.values()),
+            kv_blocks_used=used + sum(e.num_blocks for e in incoming),
+            kv_blocks_total=report.kv_blocks_total if report else 0,
             cached_hashes=self.hashes,
         )
 

@@ -38,6 +38,8 @@ class RequestRecord:
     e2e_s: float | None = None
     output_len: int = 0
     cached_prompt_tokens: int = 0
+    prefill_worker: str = ""  # empty: prefilled on the decode worker
+    decode_worker: str = ""  # where the router sent it (spread across replicas)
     error: str = ""  # the gRPC status code name; empty = completed
 
     @property
@@ -60,6 +62,7 @@ async def _one(
         temperature=0.0,
         ignore_eos=ignore_eos,
         disaggregation=disaggregation,
+        return_timing=True,  # the workers it ran on
     )
     sent = time.perf_counter()
     record.send_s = sent - start
@@ -78,6 +81,8 @@ async def _one(
             if resp.HasField("final"):
                 record.e2e_s = now - sent
                 record.cached_prompt_tokens = resp.final.usage.cached_prompt_tokens
+                record.prefill_worker = resp.final.timing.prefill_worker
+                record.decode_worker = resp.final.timing.decode_worker
                 if resp.final.finish_reason == pb.FINISH_REASON_ABORT:
                     record.error = "ABORTED"
     except grpc.aio.AioRpcError as exc:

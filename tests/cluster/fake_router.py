@@ -52,6 +52,7 @@ STATUS = pb.ClusterStatus(
                     tensor_parallel=1,
                     pipeline_parallel=1,
                     num_running=17,
+                    num_incoming=5,
                     kv_blocks_total=400,
                     kv_blocks_used=100,
                 ),

@@ -140,12 +140,14 @@ def test_format_status():
     assert "prefill pool: 1/1 healthy" in text and "decode pool: 1/2 healthy" in text
     (prefill_row,) = [line for line in lines if "prefill-0" in line]
     assert prefill_row.split() == [
-        *("prefill-0", "prefill", "yes", "2", "1", "3", "1"),
+        *("prefill-0", "prefill", "yes", "2", "1", "3", "1", "0"),
         *("128", "(12.5%)", "256", "(25.0%)", "1024"),
     ]
+    (decode_row,) = [line for line in lines if "decode-0" in line]
+    assert decode_row.split()[5:8] == ["17", "0", "5"]  # running, waiting, incoming
     (sick_row,) = [line for line in lines if "decode-1" in line]
     assert sick_row.split() == [
-        *("decode-1", "decode", "NO", "0", "0", "0", "0"),
+        *("decode-1", "decode", "NO", "0", "0", "0", "0", "0"),
         *("0", "(-)", "0", "(-)", "0"),
     ]
     # Columns line up: names start, and right-aligned numbers end, at the same offsets.

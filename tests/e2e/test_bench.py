@@ -93,6 +93,8 @@ def test_shared_prefix_workload_hits_the_prefix_cache(cluster, tmp_path):
     cached = [r["cached_prompt_tokens"] for r in run["requests"]]
     assert cached[:2] == [0, 0] and all(c >= 64 for c in cached[2:]), cached
     assert run["cached_prompt_tokens"] == sum(cached)
+    # Each record names the worker it decoded on (the only one here).
+    assert {r["decode_worker"] for r in run["requests"]} == {"decode-0"}
 
 
 def test_trace_requests_go_no_earlier_than_their_timestamps(cluster, tmp_path):

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
-from router.policy import NoHealthyWorker, RouteRequest, WorkerState, pick, route
+from router.policy import KVWeights, NoHealthyWorker, RouteRequest, WorkerState, pick, route
 from workers.protocol.block_hashes import hash_prompt_blocks
 
 BS = 4
@@ -19,29 +21,87 @@ def holding(name: str, num_blocks: int, **kw) -> WorkerState:
 
 def test_round_robin_cycles_over_healthy_workers_only():
     pool = [WorkerState("a"), WorkerState("b", healthy=False), WorkerState("c")]
-    cursor, names = 0, []
-    for _ in range(4):
-        worker, cursor = pick("round_robin", pool, REQ, cursor)
-        names.append(worker.name)
+    names = [pick("round_robin", pool, REQ, cursor).name for cursor in range(4)]
     assert names == ["a", "c", "a", "c"]
 
 
-def test_least_loaded_breaks_ties_by_kv_usage_then_name():
+def test_least_loaded_counts_incoming_and_breaks_ties_by_kv_usage():
     pool = [
-        WorkerState("a", num_running=3),
-        WorkerState("b", num_running=1, num_waiting=1, kv_usage=0.5),
-        WorkerState("c", num_running=2, kv_usage=0.2),
-        WorkerState("d", num_running=2, kv_usage=0.2),
+        WorkerState("a", num_running=1, num_incoming=2),
+        WorkerState("b", num_running=1, num_waiting=1, kv_blocks_used=32, kv_blocks_total=64),
+        WorkerState("c", num_running=2, kv_blocks_used=8, kv_blocks_total=64),
+        WorkerState("d", num_running=2, kv_blocks_used=16, kv_blocks_total=64),
     ]
-    assert pick("least_loaded", pool, REQ, 0)[0].name == "c"
+    assert pick("least_loaded", pool, REQ, 0).name == "c"
 
 
-def test_kv_aware_prefers_longest_cached_prefix_then_load():
-    pool = [holding("a", 3), holding("b", 7, num_running=5), holding("c", 7, num_running=1)]
-    assert pick("kv_aware", pool, REQ, 0)[0].name == "c"
+def test_exact_ties_go_round_robin_over_the_tied_not_by_name():
+    pool = [WorkerState("z", num_running=1, kv_blocks_used=4), WorkerState("b"), WorkerState("a")]
+    for policy in ("least_loaded", "kv_aware"):
+        names = [pick(policy, pool, REQ, cursor).name for cursor in range(4)]
+        assert names == ["b", "a", "b", "a"], policy
+
+
+def test_kv_aware_prefers_the_cached_prefix_over_a_little_load():
+    # c holds 7 of 10 blocks; its 6 blocks in use cost less than the 7 blocks a would
+    # prefill again (weight 2: 14).
+    pool = [holding("a", 0), holding("b", 7, kv_blocks_used=9), holding("c", 7, kv_blocks_used=6)]
+    assert pick("kv_aware", pool, REQ, 0).name == "c"
     # A later block alone does not count: the prefix must be contiguous from the start.
     gap = WorkerState("gap", cached_hashes=frozenset(REQ.block_hashes[1:]))
-    assert pick("kv_aware", [gap, holding("one", 1, num_running=9)], REQ, 0)[0].name == "one"
+    assert pick("kv_aware", [gap, holding("one", 1, kv_blocks_used=0)], REQ, 0).name == "one"
+
+
+def test_kv_aware_counts_prompt_tokens_already_queued_and_the_overlap_weight():
+    # b holds the whole prompt but has 12 blocks' worth of prompts to compute first.
+    pool = [holding("a", 0), holding("b", 10, num_prefill_tokens=12 * BS)]
+    assert pick("kv_aware", pool, REQ, 0).name == "a"
+    # a holds the prompt and 15 blocks in use; b would prefill 10 blocks: weighed 1x b is
+    # cheaper (10 < 15), weighed 2x a is (15 < 20).
+    pool = [holding("a", 10, kv_blocks_used=15), holding("b", 0)]
+    weighed = [replace(REQ, weights=KVWeights(overlap_weight=w)) for w in (1.0, 2.0)]
+    assert [pick("kv_aware", pool, req, 0).name for req in weighed] == ["b", "a"]
+
+
+def test_kv_aware_lets_load_win_past_the_balance_threshold():
+    cached = holding("cached", 10, num_running=6)
+    idle = holding("idle", 0, num_running=1)
+    weights = KVWeights(balance_abs_requests=4, balance_rel=1.5)
+    assert pick("kv_aware", [cached, idle], replace(REQ, weights=weights), 0).name == "idle"
+    # Within the threshold (spread 5, not above 5) the cache wins.
+    lenient = KVWeights(balance_abs_requests=5, balance_rel=1.5)
+    assert pick("kv_aware", [cached, idle], replace(REQ, weights=lenient), 0).name == "cached"
+    # Both tests must hold: 6 is not above 6 x 1.
+    strict_rel = KVWeights(balance_abs_requests=4, balance_rel=6.0)
+    assert pick("kv_aware", [cached, idle], replace(REQ, weights=strict_rel), 0).name == "cached"
+
+
+@pytest.mark.parametrize("policy", ["least_loaded", "kv_aware"])
+@pytest.mark.parametrize("num_workers,num_requests", [(2, 6), (3, 7), (4, 9)])
+def test_a_burst_spreads_within_one_across_equal_workers(policy, num_workers, num_requests):
+    """N routes with no report in between: each counts against its worker at once (as
+    WorkerView does: one more incoming request, its prompt's blocks), so the next sees it."""
+    decode = {f"d{i}": WorkerState(f"d{i}", kv_blocks_total=256) for i in range(num_workers)}
+    prefill = [WorkerState("p0")]
+    cursor, counts = 0, dict.fromkeys(decode, 0)
+    for _ in range(num_requests):
+        d = route(
+            REQ,
+            prefill,
+            list(decode.values()),
+            policy=policy,
+            disaggregation="always",
+            auto_local_prefill_tokens=0,
+            saturated_queue=1,
+            cursor=cursor,
+        )
+        cursor = d.round_robin_cursor
+        counts[d.decode] += 1
+        w = decode[d.decode]
+        decode[d.decode] = replace(
+            w, num_incoming=w.num_incoming + 1, kv_blocks_used=w.kv_blocks_used + 10
+        )
+    assert max(counts.values()) - min(counts.values()) <= 1, counts
 
 
 def test_no_healthy_worker_raises():

@@ -225,7 +225,9 @@ def test_kv_aware_sends_a_shared_prefix_to_the_worker_that_holds_it(model_dir):
         view = next(v for v in router.decode if v.name == holder)
         while len(view.hashes) < 2:  # the holder's report (with its hashes) reaches the router
             await asyncio.sleep(0.01)
-        # Load the holder with a long unrelated request: least_loaded would now avoid it.
+        # Exact ties go round robin: a short unrelated request to the other worker, so that
+        # the next one loads the holder (least_loaded would then avoid it).
+        await collect(router, req("filler " * 5, max_tokens=1, request_id="filler"))
         busy = asyncio.ensure_future(
             collect(router, req("unrelated " * 5, max_tokens=230, request_id="busy"))
         )
@@ -240,8 +242,9 @@ def test_kv_aware_sends_a_shared_prefix_to_the_worker_that_holds_it(model_dir):
         return holder, busy_worker, second, was_busy
 
     holder, busy_worker, second, was_busy = run(cluster, body)
-    assert was_busy  # the holder was the more loaded worker when the second request came
-    assert busy_worker == holder  # ties go to the first worker; it is now the loaded one
+    # The holder was the more loaded worker when the second request came; its cached
+    # prefix (11 blocks) outweighs the busy request's few blocks in use.
+    assert was_busy and busy_worker == holder
     assert second[2].timing.decode_worker == holder
     assert second[2].usage.cached_prompt_tokens >= 16
 

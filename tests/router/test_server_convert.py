@@ -147,13 +147,14 @@ def test_status_snapshots_mirror_their_messages(snapshot, message):
 
 
 def test_cluster_status_converts():
-    worker = status.WorkerStatus("decode-0", "decode", True, "serving", 1, 2, 1, 3, 4, 64, 8, 5)
+    worker = status.WorkerStatus("decode-0", "decode", True, "serving", 1, 2, 1, 3, 4, 2, 64, 8, 5)
     pool = status.PoolStatus("decode", 1, 1, (worker,))
     snapshot = status.ClusterStatus("tiny", (pool,), "nixl", "kv_aware", "auto", True)
     message = server.cluster_status_message(snapshot)
     assert message.draining and message.pools[0].workers[0].state == "serving"
     assert message.pools[0].workers[0].kv_blocks_total == 64
     assert message.pools[0].workers[0].restarts == 1
+    assert message.pools[0].workers[0].num_incoming == 2
     info = server.model_info_message(
         status.ModelInfo("tiny", "LlamaForCausalLM", "bf16", 256, 512, (2,))
     )

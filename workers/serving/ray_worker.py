@@ -105,7 +105,7 @@ class WorkerActor:
             spec.name,
             spec.role,
             connector_factory(spec, 0),
-            on_failure=spec.on_failure,
+            on_failure=spec.kv_transfer.on_failure,
             replica=replica,
             metrics=_worker_metrics(spec),
         )

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING
 
 import msgpack
 
+from kvtransfer.backend import KVTransferConfig  # torch-free
 from workers.engine.config import EngineConfig  # torch-free
 
 if TYPE_CHECKING:  # the driver imports this module without torch
@@ -29,11 +30,7 @@ class WorkerSpec:
     role: str  # prefill | decode
     model_id: str  # served name: part of the KV layout fingerprint
     engine: EngineConfig  # model = the resolved directory, device = cpu | cuda
-    kv_backend: str = "nixl"
-    kv_direction: str = "auto"
-    lease_seconds: float = 30.0
-    transfer_timeout_s: float = 10.0
-    on_failure: str = "recompute"
+    kv_transfer: KVTransferConfig = dataclasses.field(default_factory=KVTransferConfig)
     num_threads: int = 0  # torch intra-op threads on CPU; 0 = torch's default
     tensor_parallel: int = 1  # tensor-parallel ranks of each pipeline stage
     pipeline_parallel: int = 1  # pipeline stages of this replica
@@ -49,7 +46,13 @@ class WorkerSpec:
     @classmethod
     def from_bytes(cls, data: bytes) -> WorkerSpec:
         fields = msgpack.unpackb(data, raw=False)
-        return cls(**{**fields, "engine": EngineConfig(**fields["engine"])})
+        return cls(
+            **{
+                **fields,
+                "engine": EngineConfig(**fields["engine"]),
+                "kv_transfer": KVTransferConfig(**fields["kv_transfer"]),
+            }
+        )
 
     @property
     def num_ranks(self) -> int:
@@ -87,14 +90,9 @@ def build_engine(spec: WorkerSpec, parallel=None, before_forward=None, agree=Non
 def connector_factory(spec: WorkerSpec, rank: int) -> Callable:
     """``(engine, on_release) -> KVConnector`` for one rank: its heads of its stage's
     layers, its own agent."""
-    from kvtransfer import KVLayout, KVTransferConfig, create_connector
+    from kvtransfer import KVLayout, create_connector
 
-    transfer = KVTransferConfig(
-        backend=spec.kv_backend,
-        direction=spec.kv_direction,
-        lease_seconds=spec.lease_seconds,
-        transfer_timeout_s=spec.transfer_timeout_s,
-    )
+    transfer = spec.kv_transfer
 
     def make(engine: LLMEngine, on_release):
         parallel = engine.parallel

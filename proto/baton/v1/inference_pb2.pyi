@@ -222,7 +222,7 @@ class GetClusterStatusRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class WorkerStatus(_message.Message):
-    __slots__ = ("name", "role", "healthy", "tensor_parallel", "pipeline_parallel", "num_running", "num_waiting", "kv_blocks_total", "kv_blocks_used", "kv_blocks_cached", "state", "restarts")
+    __slots__ = ("name", "role", "healthy", "tensor_parallel", "pipeline_parallel", "num_running", "num_waiting", "kv_blocks_total", "kv_blocks_used", "kv_blocks_cached", "state", "restarts", "num_incoming")
     NAME_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
     HEALTHY_FIELD_NUMBER: _ClassVar[int]
@@ -235,6 +235,7 @@ class WorkerStatus(_message.Message):
     KV_BLOCKS_CACHED_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
     RESTARTS_FIELD_NUMBER: _ClassVar[int]
+    NUM_INCOMING_FIELD_NUMBER: _ClassVar[int]
     name: str
     role: str
     healthy: bool
@@ -247,7 +248,8 @@ class WorkerStatus(_message.Message):
     kv_blocks_cached: int
     state: str
     restarts: int
-    def __init__(self, name: _Optional[str] = ..., role: _Optional[str] = ..., healthy: _Optional[bool] = ..., tensor_parallel: _Optional[int] = ..., pipeline_parallel: _Optional[int] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., kv_blocks_total: _Optional[int] = ..., kv_blocks_used: _Optional[int] = ..., kv_blocks_cached: _Optional[int] = ..., state: _Optional[str] = ..., restarts: _Optional[int] = ...) -> None: ...
+    num_incoming: int
+    def __init__(self, name: _Optional[str] = ..., role: _Optional[str] = ..., healthy: _Optional[bool] = ..., tensor_parallel: _Optional[int] = ..., pipeline_parallel: _Optional[int] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., kv_blocks_total: _Optional[int] = ..., kv_blocks_used: _Optional[int] = ..., kv_blocks_cached: _Optional[int] = ..., state: _Optional[str] = ..., restarts: _Optional[int] = ..., num_incoming: _Optional[int] = ...) -> None: ...
 
 class PoolStatus(_message.Message):
     __slots__ = ("role", "replicas", "healthy_replicas", "workers")
