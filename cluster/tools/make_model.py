@@ -28,6 +28,7 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, 
 from tqdm import tqdm
 
 from cluster.tools.corpus import corpus_lines
+from cluster.tools.families import FAMILIES, Family
 
 ARCHS = ("llama", "qwen2", "qwen3", "mistral")
 SIZES = ("tiny", "small")
@@ -61,66 +62,6 @@ _SHAPES = {
     "small": _Shape(768, 10, 12, 4, 2048, 8192, 4096, qwen3_head_dim=128, dtype="bfloat16"),
 }
 
-
-@dataclass(frozen=True)
-class _Family:
-    """Special tokens of an architecture's tokenizer, as its real checkpoints have them."""
-
-    special_tokens: tuple[str, ...]  # ids 0.. in this order
-    bos: str
-    eos: tuple[str, ...]  # generation_config eos_token_id (the first is config.json's)
-    tokenizer_bos: str | None  # tokenizer_config bos_token; None: the tokenizer adds no BOS
-    tokenizer_eos: str
-    chat_template: str | None = None  # tokenizer_config chat_template, the real model's
-
-
-# Meta-Llama-3-8B-Instruct's template, verbatim.
-LLAMA3_CHAT_TEMPLATE = (
-    "{% set loop_messages = messages %}{% for message in loop_messages %}"
-    "{% set content = '<|start_header_id|>' + message['role'] + '<|end_header_id|>\n\n'"
-    "+ message['content'] | trim + '<|eot_id|>' %}{% if loop.index0 == 0 %}"
-    "{% set content = bos_token + content %}{% endif %}{{ content }}{% endfor %}"
-    "{% if add_generation_prompt %}{{ '<|start_header_id|>assistant<|end_header_id|>\n\n' }}"
-    "{% endif %}"
-)
-# ChatML, as Qwen2/Qwen3 use it (without their tool-calling branches).
-CHATML_TEMPLATE = (
-    "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\n' + "
-    "message['content'] + '<|im_end|>' + '\n' }}{% endfor %}"
-    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
-)
-
-
-_LLAMA3 = _Family(
-    special_tokens=(
-        "<|begin_of_text|>",
-        "<|end_of_text|>",
-        "<|eot_id|>",
-        "<|start_header_id|>",
-        "<|end_header_id|>",
-    ),
-    bos="<|begin_of_text|>",
-    eos=("<|end_of_text|>", "<|eot_id|>"),
-    tokenizer_bos="<|begin_of_text|>",
-    tokenizer_eos="<|end_of_text|>",
-    chat_template=LLAMA3_CHAT_TEMPLATE,
-)
-_QWEN = _Family(
-    special_tokens=("<|endoftext|>", "<|im_start|>", "<|im_end|>"),
-    bos="<|endoftext|>",
-    eos=("<|im_end|>", "<|endoftext|>"),
-    tokenizer_bos=None,
-    tokenizer_eos="<|im_end|>",
-    chat_template=CHATML_TEMPLATE,
-)
-_MISTRAL = _Family(
-    special_tokens=("<unk>", "<s>", "</s>"),
-    bos="<s>",
-    eos=("</s>",),
-    tokenizer_bos="<s>",
-    tokenizer_eos="</s>",
-)
-_FAMILIES = {"llama": _LLAMA3, "qwen2": _QWEN, "qwen3": _QWEN, "mistral": _MISTRAL}
 
 # Init scales (see the module docstring). Input projections: std = 1/sqrt(fan_in), which
 # keeps unit-variance activations; norms: 1 + noise, so a loader that skips one is caught.
@@ -162,7 +103,7 @@ def make_model(
             path.unlink(missing_ok=True)
     out.mkdir(parents=True, exist_ok=True)
 
-    family = _FAMILIES[arch]
+    family = FAMILIES[arch]
     tokenizer = build_tokenizer(arch, config["vocab_size"])
     tokenizer.save(str(out / "tokenizer.json"))
     _write_json(out / "tokenizer_config.json", _tokenizer_config(tokenizer, family, config))
@@ -186,7 +127,7 @@ def make_config(arch: str, size: str, dtype: str | None = None) -> dict[str, Any
     dtype = dtype or shape.dtype
     if dtype not in DTYPES:
         raise ValueError(f"unknown dtype {dtype!r}; choose one of {', '.join(DTYPES)}")
-    family = _FAMILIES[arch]
+    family = FAMILIES[arch]
     eos_ids = [family.special_tokens.index(token) for token in family.eos]
     config: dict[str, Any] = {
         "architectures": [_ARCHITECTURES[arch]],
@@ -257,7 +198,7 @@ def build_tokenizer(arch: str, vocab_size: int) -> Tokenizer:
     Special tokens take ids 0..; llama and mistral add BOS in the post-processor, qwen
     adds nothing (as their real tokenizers do).
     """
-    family = _FAMILIES[arch]
+    family = FAMILIES[arch]
     tokenizer = Tokenizer(models.BPE())
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tokenizer.decoder = decoders.ByteLevel()
@@ -376,7 +317,7 @@ def _random_weights(
     return tensors
 
 
-def _tokenizer_config(tokenizer: Tokenizer, family: _Family, config: Mapping[str, Any]) -> dict:
+def _tokenizer_config(tokenizer: Tokenizer, family: Family, config: Mapping[str, Any]) -> dict:
     added = {
         str(token_id): {
             "content": token.content,
@@ -402,7 +343,7 @@ def _tokenizer_config(tokenizer: Tokenizer, family: _Family, config: Mapping[str
 
 
 def _generation_config(config: Mapping[str, Any]) -> dict[str, Any]:
-    family = _FAMILIES[config["model_type"]]
+    family = FAMILIES[config["model_type"]]
     eos_ids = [family.special_tokens.index(token) for token in family.eos]
     return {
         "bos_token_id": config["bos_token_id"],

@@ -16,7 +16,8 @@ import openai
 import pytest
 from prometheus_client import REGISTRY
 
-from cluster.tools.make_model import LLAMA3_CHAT_TEMPLATE, build_tokenizer
+from cluster.tools.families import LLAMA3_CHAT_TEMPLATE
+from cluster.tools.make_model import build_tokenizer
 from router.http.chat_template import ChatTemplate
 from tests.router.http_harness import endless_router, serve
 from tests.router.test_typed_flow import OUTPUT, PROMPT, make_router

@@ -1,0 +1,67 @@
+"""The tokenizer families of the architectures `baton make-model` writes: special tokens,
+BOS/EOS and chat template, as the real checkpoints of each architecture have them."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Family:
+    """Special tokens of an architecture's tokenizer, as its real checkpoints have them."""
+
+    special_tokens: tuple[str, ...]  # ids 0.. in this order
+    bos: str
+    eos: tuple[str, ...]  # generation_config eos_token_id (the first is config.json's)
+    tokenizer_bos: str | None  # tokenizer_config bos_token; None: the tokenizer adds no BOS
+    tokenizer_eos: str
+    chat_template: str | None = None  # tokenizer_config chat_template, the real model's
+
+
+# Meta-Llama-3-8B-Instruct's template, verbatim.
+LLAMA3_CHAT_TEMPLATE = (
+    "{% set loop_messages = messages %}{% for message in loop_messages %}"
+    "{% set content = '<|start_header_id|>' + message['role'] + '<|end_header_id|>\n\n'"
+    "+ message['content'] | trim + '<|eot_id|>' %}{% if loop.index0 == 0 %}"
+    "{% set content = bos_token + content %}{% endif %}{{ content }}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|start_header_id|>assistant<|end_header_id|>\n\n' }}"
+    "{% endif %}"
+)
+# ChatML, as Qwen2/Qwen3 use it (without their tool-calling branches).
+CHATML_TEMPLATE = (
+    "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\n' + "
+    "message['content'] + '<|im_end|>' + '\n' }}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+
+
+_LLAMA3 = Family(
+    special_tokens=(
+        "<|begin_of_text|>",
+        "<|end_of_text|>",
+        "<|eot_id|>",
+        "<|start_header_id|>",
+        "<|end_header_id|>",
+    ),
+    bos="<|begin_of_text|>",
+    eos=("<|end_of_text|>", "<|eot_id|>"),
+    tokenizer_bos="<|begin_of_text|>",
+    tokenizer_eos="<|end_of_text|>",
+    chat_template=LLAMA3_CHAT_TEMPLATE,
+)
+_QWEN = Family(
+    special_tokens=("<|endoftext|>", "<|im_start|>", "<|im_end|>"),
+    bos="<|endoftext|>",
+    eos=("<|im_end|>", "<|endoftext|>"),
+    tokenizer_bos=None,
+    tokenizer_eos="<|im_end|>",
+    chat_template=CHATML_TEMPLATE,
+)
+_MISTRAL = Family(
+    special_tokens=("<unk>", "<s>", "</s>"),
+    bos="<s>",
+    eos=("</s>",),
+    tokenizer_bos="<s>",
+    tokenizer_eos="</s>",
+)
+FAMILIES = {"llama": _LLAMA3, "qwen2": _QWEN, "qwen3": _QWEN, "mistral": _MISTRAL}
