@@ -19,6 +19,7 @@ import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 
 from cluster.cli_terminal import (
     EXIT_FAILURE,
@@ -88,6 +89,48 @@ def _run_make_model(args: argparse.Namespace) -> int:
     print(
         f"wrote {args.arch} {args.size} ({num_parameters(config) / 1e6:.1f}M parameters, "
         f"{config['dtype']}, vocab {config['vocab_size']}) to {out}"
+    )
+    return 0
+
+
+# ---- train-model ----------------------------------------------------------------------
+
+_TRAIN_RECIPES = ("test", "bench")  # cluster.tools.train.RECIPES
+
+
+def _add_train_model_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "dir",
+        metavar="DIR",
+        nargs="?",
+        help="empty directory to write DIR/target, DIR/draft, DIR/report.json to "
+        "(default: the cache, ~/.cache/baton/trained; reused when already trained)",
+    )
+    parser.add_argument(
+        "--recipe",
+        choices=_TRAIN_RECIPES,
+        default="test",
+        help="test: ~1.7M parameters in minutes; bench: a ~20M target (test)",
+    )
+
+
+def _run_train_model(args: argparse.Namespace) -> int:
+    import json
+
+    from cluster.tools.train import RECIPES, train_pair, trained_pair
+
+    if args.dir is None:
+        target, _ = trained_pair(args.recipe)
+        pair = target.parent
+    else:
+        train_pair(RECIPES[args.recipe], args.dir, progress=True)
+        pair = args.dir
+    report = json.loads((Path(pair) / "report.json").read_text())
+    held_out = report["held_out"]
+    print(
+        f"{pair}: held-out perplexity target {held_out['target_ppl']:.2f}, "
+        f"draft {held_out['draft_ppl']:.2f}; draft/target greedy agreement "
+        f"{held_out['agreement']:.1%}"
     )
     return 0
 
@@ -283,6 +326,12 @@ _COMMANDS = (
         "write a random-weight Hugging Face model directory (offline)",
         _add_make_model_arguments,
         _run_make_model,
+    ),
+    _Command(
+        "train-model",
+        "train a small Llama target + draft pair on the Python standard library (CPU)",
+        _add_train_model_arguments,
+        _run_train_model,
     ),
     _Command(
         "generate",

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -192,8 +192,9 @@ _ARCHITECTURES = {
 }
 
 
-def build_tokenizer(arch: str, vocab_size: int) -> Tokenizer:
-    """Train the byte-level BPE tokenizer of ``arch`` with exactly ``vocab_size`` ids.
+def build_tokenizer(arch: str, vocab_size: int, lines: Iterable[str] | None = None) -> Tokenizer:
+    """Train the byte-level BPE tokenizer of ``arch`` with exactly ``vocab_size`` ids on
+    ``lines`` (default: ``cluster.tools.corpus``).
 
     Special tokens take ids 0..; llama and mistral add BOS in the post-processor, qwen
     adds nothing (as their real tokenizers do).
@@ -208,7 +209,7 @@ def build_tokenizer(arch: str, vocab_size: int) -> Tokenizer:
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
-    tokenizer.train_from_iterator(corpus_lines(), trainer)
+    tokenizer.train_from_iterator(corpus_lines() if lines is None else lines, trainer)
     if tokenizer.get_vocab_size() != vocab_size:
         raise RuntimeError(
             f"the corpus yields {tokenizer.get_vocab_size()} tokens, fewer than {vocab_size}"

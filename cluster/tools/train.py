@@ -1,0 +1,231 @@
+"""``baton train-model``: a small Llama pair (target + draft) that has actually learned text.
+
+Random-weight models cannot show speculative decoding (nothing a random draft proposes is
+accepted) nor what quantization costs in accuracy. This trains, on CPU in minutes, a
+target Llama on the Python standard library's source (``train_corpus``) and a smaller draft
+distilled from it, both with one byte-level BPE tokenizer trained on the same training
+files, and writes each as a Hugging Face ``LlamaForCausalLM`` directory (config.json,
+generation_config.json, model.safetensors, tokenizer.json, tokenizer_config.json) that
+Baton's loader and ``transformers`` both read. Same recipe and seed, same machine and
+thread count: the same files. The pair directory also gets ``report.json``: held-out
+perplexities and the draft's greedy agreement with the target.
+
+Recipes: ``test`` (a few MB, committed under tests/data/trained) and ``bench`` (a target
+big enough that a batch-1 CPU decode step is bound by reading its weights, for the
+speculative-decoding benchmark; cached under ~/.cache/baton/trained). ``trained_pair``
+is the API the rest of the project calls.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+import platform
+import shutil
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+
+from cluster.tools.families import FAMILIES
+from cluster.tools.make_model import (
+    _generation_config,
+    _tokenizer_config,
+    _write_json,
+    build_tokenizer,
+    make_config,
+)
+from cluster.tools.train_corpus import eval_windows, stdlib_split, token_stream
+from cluster.tools.train_llama import RMS_NORM_EPS, ROPE_THETA, LlamaShape, TrainableLlama
+from cluster.tools.train_loop import Schedule, distill_draft, held_out, log_to_stderr, train_target
+
+FORMAT_VERSION = 1  # bump when a change of this code changes what a recipe produces
+TEST_PAIR_DIR = Path(__file__).resolve().parents[2] / "tests" / "data" / "trained"
+
+
+@dataclass(frozen=True)
+class Recipe:
+    """Everything that determines a trained pair (its hash names the cache directory)."""
+
+    name: str
+    vocab_size: int
+    target: LlamaShape
+    draft: LlamaShape
+    target_schedule: Schedule
+    draft_schedule: Schedule
+    max_train_bytes: int | None  # of stdlib source; None: all of it
+    eval_tokens: int  # held-out tokens measured
+    dtype: str  # of the stored weights
+    max_position_embeddings: int = 2048
+    seed: int = 0
+    num_threads: int = 2  # part of the recipe: float sums differ by thread count
+
+    def digest(self) -> str:
+        key = {
+            "recipe": dataclasses.asdict(self),
+            "format": FORMAT_VERSION,
+            # The corpus is this Python's standard library.
+            "python": platform.python_version_tuple()[:2],
+        }
+        return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:12]
+
+
+RECIPES = {
+    # ~1.4M + ~0.3M parameters in float16: about 3.5 MB, committed as test data.
+    "test": Recipe(
+        name="test",
+        vocab_size=2048,
+        target=LlamaShape(128, 4, 4, 2, 384),
+        draft=LlamaShape(64, 2, 2, 1, 192),
+        target_schedule=Schedule(steps=300, lr=3e-3, batch_size=16, seq_len=128),
+        draft_schedule=Schedule(steps=150, lr=3e-3, batch_size=16, seq_len=128),
+        max_train_bytes=4_000_000,
+        eval_tokens=32_768,
+        dtype="float16",
+    ),
+    # Target ~20M parameters (hidden 512, 6 layers), draft ~1.2M: 1/16 of its FLOPs per token.
+    "bench": Recipe(
+        name="bench",
+        vocab_size=2048,
+        target=LlamaShape(512, 6, 8, 4, 1408),
+        draft=LlamaShape(192, 2, 6, 2, 512),
+        target_schedule=Schedule(steps=350, lr=2e-3, batch_size=8, seq_len=256),
+        draft_schedule=Schedule(steps=250, lr=3e-3, batch_size=8, seq_len=256),
+        max_train_bytes=None,
+        eval_tokens=32_768,
+        dtype="float32",
+    ),
+}
+
+
+def trained_pair(kind: str = "test") -> tuple[Path, Path]:
+    """``(target_dir, draft_dir)`` of the ``kind`` ("test" or "bench") trained pair.
+
+    "test" is the committed pair under tests/data/trained when this is a source checkout;
+    otherwise (and for "bench") the pair is trained on first use, minutes on CPU, and cached
+    under ``$XDG_CACHE_HOME/baton/trained`` (default ~/.cache) by the recipe's hash.
+    """
+    if kind not in RECIPES:
+        raise ValueError(f"unknown pair {kind!r}; choose one of {', '.join(RECIPES)}")
+    if kind == "test" and (TEST_PAIR_DIR / "target" / "model.safetensors").is_file():
+        return TEST_PAIR_DIR / "target", TEST_PAIR_DIR / "draft"
+    recipe = RECIPES[kind]
+    pair = cache_root() / f"{recipe.name}-{recipe.digest()}"
+    if not (pair / "report.json").is_file():
+        pair.parent.mkdir(parents=True, exist_ok=True)
+        # Train into a temporary sibling, then rename: a reader never sees half a pair, and
+        # two processes racing both finish with one complete directory.
+        tmp = Path(tempfile.mkdtemp(prefix=f".{pair.name}-", dir=pair.parent))
+        try:
+            train_pair(recipe, tmp, progress=True)
+            os.rename(tmp, pair)
+        except OSError:
+            if not (pair / "report.json").is_file():
+                raise
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+    return pair / "target", pair / "draft"
+
+
+def cache_root() -> Path:
+    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(base) / "baton" / "trained"
+
+
+def train_pair(recipe: Recipe, out_dir: str | Path, *, progress: bool = False) -> dict:
+    """Train ``recipe``'s pair into ``out_dir``/target and /draft; write and return the
+    report (held-out perplexities, agreement, sizes, seconds). ``out_dir`` must be empty."""
+    out = Path(out_dir)
+    if out.is_dir() and any(out.iterdir()):
+        raise ValueError(f"{out} exists and is not empty")
+    log = log_to_stderr if progress else None
+    threads = torch.get_num_threads()
+    torch.set_num_threads(recipe.num_threads)
+    try:
+        start = time.perf_counter()
+        split = stdlib_split(recipe.max_train_bytes)
+        tokenizer = build_tokenizer("llama", recipe.vocab_size, split.train)
+        eos_id = FAMILIES["llama"].special_tokens.index(FAMILIES["llama"].eos[0])
+
+        def encode_batch(texts: list[str]) -> list[list[int]]:
+            return [e.ids for e in tokenizer.encode_batch(texts)]
+
+        train_stream = token_stream(encode_batch, split.train, eos_id)
+        eval_stream = token_stream(encode_batch, split.held_out, eos_id)
+        windows = eval_windows(eval_stream, recipe.target_schedule.seq_len, recipe.eval_tokens)
+        if log:
+            log(f"corpus: {train_stream.numel()} train / {eval_stream.numel()} held-out tokens")
+
+        target = TrainableLlama(recipe.target, recipe.vocab_size, seed=recipe.seed)
+        draft = TrainableLlama(recipe.draft, recipe.vocab_size, seed=recipe.seed + 1)
+        untrained = held_out(target, draft, windows)
+        train_target(target, train_stream, recipe.target_schedule, recipe.seed, log)
+        _round_to(target, recipe.dtype)  # the draft learns (and we measure) what is stored
+        distill_draft(draft, target, train_stream, recipe.draft_schedule, recipe.seed + 1, log)
+        _round_to(draft, recipe.dtype)
+        trained = held_out(target, draft, windows)
+        seconds = time.perf_counter() - start
+
+        for name, model in (("target", target), ("draft", draft)):
+            _write_model(out / name, model, recipe, tokenizer)
+        report = {
+            "recipe": recipe.name,
+            "digest": recipe.digest(),
+            "python": platform.python_version(),
+            "train_tokens": train_stream.numel(),
+            "train_seconds": round(seconds, 1),
+            "num_params": {"target": _num_params(target), "draft": _num_params(draft)},
+            "held_out": dataclasses.asdict(trained),
+            "untrained_held_out": dataclasses.asdict(untrained),
+        }
+        _write_json(out / "report.json", report)
+        return report
+    finally:
+        torch.set_num_threads(threads)
+
+
+def hf_config(recipe: Recipe, shape: LlamaShape) -> dict:
+    """config.json of one model of ``recipe``: make-model's llama config, resized, plain RoPE."""
+    config = make_config("llama", "tiny", dtype=recipe.dtype)
+    config |= {
+        "head_dim": shape.head_dim,
+        "hidden_size": shape.hidden_size,
+        "intermediate_size": shape.intermediate_size,
+        "max_position_embeddings": recipe.max_position_embeddings,
+        "num_attention_heads": shape.num_attention_heads,
+        "num_hidden_layers": shape.num_hidden_layers,
+        "num_key_value_heads": shape.num_key_value_heads,
+        "rms_norm_eps": RMS_NORM_EPS,
+        "rope_parameters": {"rope_theta": ROPE_THETA, "rope_type": "default"},
+        "vocab_size": recipe.vocab_size,
+    }
+    return dict(sorted(config.items()))
+
+
+def _write_model(out: Path, model: TrainableLlama, recipe: Recipe, tokenizer) -> None:
+    out.mkdir(parents=True)
+    config = hf_config(recipe, model.shape)
+    tokenizer.save(str(out / "tokenizer.json"))
+    _write_json(
+        out / "tokenizer_config.json", _tokenizer_config(tokenizer, FAMILIES["llama"], config)
+    )
+    _write_json(out / "config.json", config)
+    _write_json(out / "generation_config.json", _generation_config(config))
+    dtype = getattr(torch, recipe.dtype)
+    tensors = {name: t.detach().to(dtype).contiguous() for name, t in model.state_dict().items()}
+    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+
+
+def _round_to(model: TrainableLlama, dtype: str) -> None:
+    with torch.no_grad():
+        for param in model.parameters():
+            param.copy_(param.to(getattr(torch, dtype)).float())
+
+
+def _num_params(model: TrainableLlama) -> int:
+    return sum(p.numel() for p in model.parameters())

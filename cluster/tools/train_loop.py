@@ -1,0 +1,158 @@
+"""The optimisation loops of ``baton train-model`` and the held-out measurements.
+
+The target learns the text (next-token cross-entropy); the draft learns the target
+(distillation: cross-entropy against the target's full next-token distribution on the same
+windows), which is what speculative decoding rewards: a draft token is accepted when it is
+what the target would have produced, not when it is what the text says. Every random draw
+(initial weights, window offsets) comes from generators seeded by the caller, and the
+windows are drawn in a fixed order, so a run is a function of its seed.
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from cluster.tools.train_corpus import random_windows
+from cluster.tools.train_llama import TrainableLlama
+
+
+@dataclass(frozen=True)
+class Schedule:
+    """How one model is optimised: AdamW, linear warm-up then cosine decay to 10%."""
+
+    steps: int
+    lr: float
+    batch_size: int
+    seq_len: int
+    warmup_steps: int = 20
+    weight_decay: float = 0.01
+    grad_clip: float = 1.0
+
+
+@dataclass(frozen=True)
+class HeldOut:
+    """Held-out measurements: perplexities and the draft's greedy agreement with the target."""
+
+    num_tokens: int
+    target_ppl: float
+    draft_ppl: float
+    agreement: float  # share of positions where argmax(draft) == argmax(target)
+
+
+def train_target(
+    model: TrainableLlama,
+    stream: torch.Tensor,
+    schedule: Schedule,
+    seed: int,
+    log: Callable[[str], None] | None = None,
+) -> None:
+    """Train ``model`` in place on windows of the token ``stream`` (cross-entropy)."""
+
+    def loss_of(windows: torch.Tensor) -> torch.Tensor:
+        logits = model(windows[:, :-1])
+        return F.cross_entropy(logits.flatten(0, 1), windows[:, 1:].flatten())
+
+    _optimise(model, stream, schedule, seed, loss_of, "target", log)
+
+
+def distill_draft(
+    draft: TrainableLlama,
+    target: TrainableLlama,
+    stream: torch.Tensor,
+    schedule: Schedule,
+    seed: int,
+    log: Callable[[str], None] | None = None,
+) -> None:
+    """Train ``draft`` in place to match ``target``'s next-token distributions."""
+    target.eval()
+
+    def loss_of(windows: torch.Tensor) -> torch.Tensor:
+        inputs = windows[:, :-1]
+        with torch.no_grad():
+            teacher = F.softmax(target(inputs).flatten(0, 1), dim=-1)
+        student = F.log_softmax(draft(inputs).flatten(0, 1), dim=-1)
+        return -(teacher * student).sum(-1).mean()
+
+    _optimise(draft, stream, schedule, seed, loss_of, "draft", log)
+
+
+def _optimise(
+    model: TrainableLlama,
+    stream: torch.Tensor,
+    schedule: Schedule,
+    seed: int,
+    loss_of: Callable[[torch.Tensor], torch.Tensor],
+    label: str,
+    log: Callable[[str], None] | None,
+) -> None:
+    model.train()
+    decay = [p for p in model.parameters() if p.dim() >= 2]
+    no_decay = [p for p in model.parameters() if p.dim() < 2]
+    optimizer = torch.optim.AdamW(
+        [
+            {"params": decay, "weight_decay": schedule.weight_decay},
+            {"params": no_decay, "weight_decay": 0.0},
+        ],
+        lr=schedule.lr,
+        betas=(0.9, 0.95),
+    )
+    generator = torch.Generator().manual_seed(seed)
+    start = time.perf_counter()
+    for step in range(schedule.steps):
+        for group in optimizer.param_groups:
+            group["lr"] = schedule.lr * _lr_factor(step, schedule)
+        windows = random_windows(stream, schedule.seq_len, schedule.batch_size, generator)
+        loss = loss_of(windows)
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), schedule.grad_clip)
+        optimizer.step()
+        if log is not None and (step % 25 == 0 or step == schedule.steps - 1):
+            elapsed = time.perf_counter() - start
+            log(
+                f"{label} step {step + 1}/{schedule.steps} loss {loss.item():.3f} ({elapsed:.0f} s)"
+            )
+    model.eval()
+
+
+def _lr_factor(step: int, schedule: Schedule) -> float:
+    if step < schedule.warmup_steps:
+        return (step + 1) / schedule.warmup_steps
+    span = max(1, schedule.steps - schedule.warmup_steps)
+    progress = (step - schedule.warmup_steps) / span
+    return 0.1 + 0.9 * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+
+@torch.no_grad()
+def held_out(target: TrainableLlama, draft: TrainableLlama, windows: torch.Tensor) -> HeldOut:
+    """Perplexity of both models and their greedy agreement over held-out ``windows``
+    (``[num, seq_len + 1]``; every position but the first of a window is predicted)."""
+    target.eval()
+    draft.eval()
+    nll_target = nll_draft = 0.0
+    num_agree = num_tokens = 0
+    for chunk in windows.split(8):
+        inputs, labels = chunk[:, :-1], chunk[:, 1:].flatten()
+        logits_t = target(inputs).flatten(0, 1)
+        logits_d = draft(inputs).flatten(0, 1)
+        nll_target += F.cross_entropy(logits_t, labels, reduction="sum").item()
+        nll_draft += F.cross_entropy(logits_d, labels, reduction="sum").item()
+        num_agree += int((logits_t.argmax(-1) == logits_d.argmax(-1)).sum())
+        num_tokens += labels.numel()
+    return HeldOut(
+        num_tokens=num_tokens,
+        target_ppl=math.exp(nll_target / num_tokens),
+        draft_ppl=math.exp(nll_draft / num_tokens),
+        agreement=num_agree / num_tokens,
+    )
+
+
+def log_to_stderr(line: str) -> None:
+    print(line, file=sys.stderr, flush=True)

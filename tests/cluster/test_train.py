@@ -1,0 +1,163 @@
+"""The trained model pair (``cluster.tools.train``): the committed test pair has learned
+the held-out text, Baton and transformers read it alike, and training is deterministic."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import pytest
+import torch
+import transformers
+from safetensors.torch import load_file
+
+from cluster import cli
+from cluster.tools.train import RECIPES, TEST_PAIR_DIR, train_pair, trained_pair
+from cluster.tools.train_corpus import eval_windows, stdlib_split, token_stream
+from cluster.tools.train_llama import LlamaShape, TrainableLlama
+from cluster.tools.train_loop import Schedule, held_out
+from workers import LLM, SamplingParams
+from workers.text.tokenizer import Tokenizer
+
+NUM_NEW = 24
+
+
+@pytest.fixture(scope="module")
+def pair():
+    return trained_pair("test")
+
+
+@pytest.fixture(scope="module")
+def held_out_stream(pair):
+    """Held-out stdlib text (files never trained on) in the pair's tokens."""
+    tokenizer = Tokenizer.from_dir(pair[0])
+    split = stdlib_split(RECIPES["test"].max_train_bytes)
+    eos = tokenizer.token_to_id("<|end_of_text|>")
+    return token_stream(lambda texts: [tokenizer.encode(t) for t in texts], split.held_out, eos)
+
+
+def _load(model_dir) -> TrainableLlama:
+    config = json.loads((model_dir / "config.json").read_text())
+    shape = LlamaShape(
+        config["hidden_size"],
+        config["num_hidden_layers"],
+        config["num_attention_heads"],
+        config["num_key_value_heads"],
+        config["intermediate_size"],
+    )
+    model = TrainableLlama(shape, config["vocab_size"], seed=0)
+    weights = {k: v.float() for k, v in load_file(model_dir / "model.safetensors").items()}
+    model.load_state_dict(weights)
+    return model
+
+
+def test_committed_pair_is_the_test_pair(pair):
+    assert pair == (TEST_PAIR_DIR / "target", TEST_PAIR_DIR / "draft")
+    size = sum(p.stat().st_size for d in pair for p in d.iterdir())
+    assert size < 8_000_000  # small enough to live in git
+
+
+def test_target_has_learned_held_out_text(pair, held_out_stream):
+    windows = eval_windows(held_out_stream, 128, 8192)
+    target, draft = _load(pair[0]), _load(pair[1])
+    trained = held_out(target, draft, windows)
+    untrained = held_out(
+        TrainableLlama(target.shape, target.lm_head.out_features, seed=0),
+        TrainableLlama(draft.shape, draft.lm_head.out_features, seed=1),
+        windows,
+    )
+    vocab_size = target.lm_head.out_features
+    assert untrained.target_ppl > vocab_size / 2  # an untrained model is near uniform
+    assert trained.target_ppl < vocab_size / 10
+    assert trained.target_ppl < untrained.target_ppl / 20
+    assert trained.draft_ppl < vocab_size / 10
+    # The draft proposes what the target would: the premise of speculative decoding.
+    assert trained.agreement > 0.5
+    assert trained.agreement > 5 * untrained.agreement
+
+
+@pytest.mark.parametrize("which", [0, 1], ids=["target", "draft"])
+def test_baton_and_transformers_agree_on_held_out_text(pair, held_out_stream, which):
+    model_dir = pair[which]
+    hf = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    hf_tokenizer = transformers.AutoTokenizer.from_pretrained(model_dir)
+    text = "    def __repr__(self):\n        return f'{type(self).__name__}("
+    assert hf_tokenizer(text)["input_ids"] == Tokenizer.from_dir(model_dir).encode(text)
+
+    llm = LLM(str(model_dir), dtype="float32", block_size=16)
+    prompts = [held_out_stream[start : start + 40].tolist() for start in (0, 1000, 5000)]
+    params = SamplingParams(max_tokens=NUM_NEW, temperature=0.0, ignore_eos=True, logprobs=1)
+    outputs = llm.generate(prompts, params)
+    for prompt, out in zip(prompts, outputs, strict=True):
+        want = _hf_greedy(hf, prompt, NUM_NEW)
+        with torch.no_grad():
+            ref = torch.log_softmax(hf(torch.tensor([prompt])).logits[0, -1], dim=-1)
+        assert list(out.token_ids) == want
+        assert abs(out.logprobs[0].logprob - float(ref[want[0]])) < 1e-4
+    # Trained output is not one token repeated (a random or collapsed model's failure).
+    assert len({t for out in outputs for t in out.token_ids}) > 8
+
+
+@torch.no_grad()
+def _hf_greedy(model, prompt: list[int], num_new: int) -> list[int]:
+    """transformers' greedy decoding, step by step over its KV cache (EOS not special)."""
+    out: list[int] = []
+    past, ids = None, torch.tensor([prompt])
+    for _ in range(num_new):
+        step = model(input_ids=ids, past_key_values=past, use_cache=True)
+        past = step.past_key_values
+        out.append(int(step.logits[0, -1].argmax()))
+        ids = torch.tensor([[out[-1]]])
+    return out
+
+
+def _mini_recipe(seed: int):
+    return dataclasses.replace(
+        RECIPES["test"],
+        name="mini",
+        vocab_size=512,
+        target=LlamaShape(64, 2, 4, 2, 128),
+        draft=LlamaShape(32, 1, 2, 1, 64),
+        target_schedule=Schedule(steps=3, lr=3e-3, batch_size=4, seq_len=32),
+        draft_schedule=Schedule(steps=2, lr=3e-3, batch_size=4, seq_len=32),
+        max_train_bytes=150_000,
+        eval_tokens=256,
+        dtype="float32",
+        seed=seed,
+    )
+
+
+def test_training_is_deterministic_and_is_a_llama(tmp_path):
+    reports = [train_pair(_mini_recipe(0), tmp_path / name) for name in ("a", "b")]
+    other = train_pair(_mini_recipe(1), tmp_path / "c")
+    for name in ("target", "draft"):
+        for file in ("model.safetensors", "tokenizer.json", "config.json"):
+            assert (tmp_path / "a" / name / file).read_bytes() == (
+                tmp_path / "b" / name / file
+            ).read_bytes()
+        a = (tmp_path / "a" / name / "model.safetensors").read_bytes()
+        assert a != (tmp_path / "c" / name / "model.safetensors").read_bytes()
+    assert reports[0]["held_out"] == reports[1]["held_out"] != other["held_out"]
+
+    # The training model computes what transformers' LlamaForCausalLM computes.
+    model_dir = tmp_path / "a" / "target"
+    hf = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    ids = torch.randint(0, 512, (2, 40), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        torch.testing.assert_close(_load(model_dir)(ids), hf(ids).logits, rtol=1e-5, atol=1e-5)
+
+
+def test_train_pair_refuses_a_non_empty_directory(tmp_path):
+    (tmp_path / "x").write_text("")
+    with pytest.raises(ValueError, match="not empty"):
+        train_pair(_mini_recipe(0), tmp_path)
+    with pytest.raises(ValueError, match="unknown pair"):
+        trained_pair("huge")
+
+
+def test_cli_reports_the_committed_pair(capsys):
+    assert cli.main(["train-model", "--recipe", "test"]) == 0
+    out = capsys.readouterr().out
+    report = json.loads((TEST_PAIR_DIR / "report.json").read_text())
+    assert f"target {report['held_out']['target_ppl']:.2f}" in out
+    assert tuple(RECIPES) == cli._TRAIN_RECIPES
