@@ -12,11 +12,14 @@ from __future__ import annotations
 
 import asyncio
 
+import openai
+import pytest
 from prometheus_client import REGISTRY
 
 from router.config import RouterConfig
 from router.router import Router
-from tests.router.test_typed_flow import ScriptedWorker, collect, request, run, settled
+from tests.router.http_harness import serve
+from tests.router.test_typed_flow import PROMPT, ScriptedWorker, collect, request, run, settled
 from tests.router.test_typed_flow import tokenizer as tokenizer
 from workers.protocol.wire import WorkItem
 
@@ -171,3 +174,23 @@ def test_a_retryable_failure_of_a_live_worker_migrates_as_transfer_failed(tokeni
     assert tokens_of(events) == OUTPUT_IDS[:6]
     assert is_alive  # not a death: the worker stays in routing
     assert migrations("transfer_failed") == before + 1
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+def test_the_http_front_end_gets_the_whole_output_too(tokenizer, stream):
+    dead = Worker("decode-0", "decode", die_after=4, how="engine")
+    other = Worker("decode-1", "decode")
+    router = make_router(tokenizer, [dead, other])
+    before = migrations("decode_worker_died")
+    with serve((router, None, dead, OUTPUT_IDS)) as served:
+        client = openai.OpenAI(base_url=served.url + "/v1", api_key="none", max_retries=0)
+        out = client.completions.create(
+            model="tiny", prompt=PROMPT, max_tokens=10, temperature=0.0, stream=stream
+        )
+        chunks = list(out) if stream else [out]
+        served.wait_settled()
+    text = "".join(c.choices[0].text for c in chunks if c.choices)
+    assert text == tokenizer.decode(OUTPUT_IDS[:10])
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+    assert other.items[0].output_token_ids == tuple(OUTPUT_IDS[:4])
+    assert migrations("decode_worker_died") == before + 1
