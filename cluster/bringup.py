@@ -168,6 +168,7 @@ def bring_up(config: ClusterConfig) -> Cluster:
                     balance_rel=config.router.kv_balance_rel,
                 ),
                 max_queued_requests=config.router.max_queued_requests,
+                migration_limit=config.router.migration_limit,
                 kv_transfer_backend=config.kv_transfer.backend,
             ),
             Tokenizer.from_dir(model_dir),

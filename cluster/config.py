@@ -154,6 +154,12 @@ class RouterSection:
     max_queued_requests: int = option(
         1024, "Requests admitted but not finished; beyond: RESOURCE_EXHAUSTED", ge=1
     )
+    migration_limit: int = option(
+        3,
+        "Times a request may move to another worker when its worker dies mid-request "
+        "(its stream continues there); 0 = fail such requests with UNAVAILABLE",
+        ge=0,
+    )
     drain_grace_seconds: float = option(
         30.0, "On SIGTERM, how long in-flight requests may take to finish", ge=0.0
     )

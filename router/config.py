@@ -20,5 +20,6 @@ class RouterConfig:
     auto_local_prefill_tokens: int = 256
     saturated_queue: int = 8
     max_queued_requests: int = 1024
+    migration_limit: int = 3  # per request (router/migration.py); 0 = never migrate
     kv_transfer_backend: str = "nixl"
     kv_weights: KVWeights = field(default_factory=KVWeights)  # kv_aware's constants

@@ -16,6 +16,11 @@ Outcomes, one per call:
 - ``baton_requests_failed_total{code}``: an error after output began, or an INTERNAL one;
 - ``baton_requests_aborted_total{reason}``: ``abort`` (a Final with ABORT: the Abort call,
   or a drain past its grace) or ``cancelled`` (the client cancelled or its deadline passed).
+
+And one the router core counts, for both front ends (no ``frontend`` label):
+``baton_router_migrations_total{cause}``, requests moved off a lost worker
+(``router/migration.py``: ``decode_worker_died``, ``prefill_worker_died``,
+``transfer_failed``, ``submit_failed``).
 """
 
 from __future__ import annotations
@@ -93,6 +98,11 @@ ABORTED = Counter(
 )
 PROMPT_TOKENS = Counter("baton_prompt_tokens", "Prompt tokens of finished requests", _LABELS)
 GENERATION_TOKENS = Counter("baton_generation_tokens", "Tokens generated (streamed)", _LABELS)
+MIGRATIONS = Counter(
+    "baton_router_migrations",
+    "Requests migrated to another worker after theirs was lost, by cause",
+    (*LABELS, "cause"),
+)
 
 
 class RouterMetrics:

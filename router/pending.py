@@ -5,7 +5,9 @@ worker's KV handle on to the decode worker; a :class:`Pending` carries the reque
 state between those steps: its event queue (filled by the router as worker batches
 arrive), the worker that currently owns it, and a prefill worker's handle that no decode
 worker has taken yet. :meth:`Pending.settle` runs after the client's stream ended,
-whatever ended it, and makes sure the worker side ended too.
+whatever ended it, and makes sure the worker side ended too. A worker lost mid-request
+raises :class:`~router.migration.WorkerLost` (``router/migration.py``), and
+:meth:`Pending.migrated` clears what the lost attempt left before the next.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from collections.abc import AsyncIterator, Sequence
 
 from router.errors import ErrorCode, RouterError
 from router.events import GenerateEvent
+from router.migration import WorkerLost, died
 from router.stream import RequestStream
 from router.workers import WorkerView, abort_on, decline
 from workers.protocol.wire import TokenEvent, WorkItem
@@ -39,14 +42,34 @@ class Pending:
         self.unread_handles: tuple[bytes, ...] = ()  # one per prefill rank
         self.submit: asyncio.Future | None = None  # the last submit call in flight
         self.is_aborted = False
+        self.num_migrations = 0
+
+    def migrated(self) -> tuple[bytes, ...]:
+        """Router, after a :class:`WorkerLost`: forget the lost attempt before the next.
+
+        Its workers stop counting the request; the events still queued from it (a dead
+        worker's failed event is followed by its death notice) are dropped, an Abort's
+        wake-up kept in ``is_aborted``. Returns a prefill worker's handle that no decode
+        worker took, for the caller to decline.
+        """
+        request_id = self.stream.request_id
+        for view in [*self.routed, *([self.owner] if self.owner else [])]:
+            view.end(request_id)
+        self.routed.clear()
+        self.owner = None
+        self.events = asyncio.Queue()  # the router looks the queue up per event
+        handles, self.unread_handles = self.unread_handles, ()
+        return handles
 
     async def stream_from(
         self, worker: WorkerView, item: WorkItem
     ) -> AsyncIterator[tuple[GenerateEvent | None, TokenEvent | None]]:
         """Submit ``item`` to ``worker`` and yield (client event, worker event) until the end."""
         stream = self.stream
+        role = worker.client.role
         if not worker.is_healthy:
-            raise RouterError(ErrorCode.UNAVAILABLE, f"worker {worker.name} is not healthy")
+            cause = "submit_failed" if worker.is_alive else died(role)
+            raise WorkerLost(worker.name, cause, worker.error or "not healthy")
         self.owner = worker
         worker.active.add(stream.request_id)
         if not stream.stamps.submitted:
@@ -69,12 +92,15 @@ class Pending:
         except Exception as exc:
             worker.end(stream.request_id)
             self.owner = None
-            raise RouterError(ErrorCode.UNAVAILABLE, f"worker {worker.name}: {exc}") from None
+            cause = "submit_failed" if worker.is_alive else died(role)
+            raise WorkerLost(worker.name, cause, f"{type(exc).__name__}: {exc}") from None
         while True:
             source, event = await self.events.get()
             if event is None:
-                if source:  # the worker died
-                    raise RouterError(ErrorCode.INTERNAL, f"worker {source} failed: {worker.error}")
+                if source == worker.name:  # the worker died
+                    raise WorkerLost(worker.name, died(role), worker.error or "gone")
+                if source:
+                    continue  # a previous owner's death notice
                 if self.is_aborted:  # Abort
                     yield stream.abort_event(), None
                     return
@@ -88,6 +114,11 @@ class Pending:
                 worker.end(stream.request_id)
                 if not event.kv_handles:
                     self.owner = None
+                if event.error and event.is_retryable:
+                    # Its engine loop died (the report that says so came with it), or a
+                    # KV transfer failed: not the request's fault.
+                    cause = "transfer_failed" if worker.is_alive else died(role)
+                    raise WorkerLost(worker.name, cause, event.error)
                 if event.error:
                     raise RouterError(ErrorCode.INTERNAL, f"worker {worker.name}: {event.error}")
             if event.kv_handles:

@@ -1,7 +1,8 @@
 """Bringing a dead worker back: when to restart it, how often to try, when to give up.
 
 When the router declares a worker dead (its event channel closed, or its engine loop
-failed), its requests have already ended with ``INTERNAL`` and it is out of routing.
+failed), it is out of routing and its requests have migrated to other workers
+(``router/migration.py``).
 :class:`Recovery` then asks the cluster's :class:`Restarter` for a fresh replica under the
 same name and hands it to the router (``Router.replace_worker``), which routes to it
 again once it has reported healthy. A failed attempt is retried after a backoff that

@@ -32,8 +32,10 @@ from functools import partial
 from router.config import RouterConfig
 from router.errors import ErrorCode, RouterError
 from router.events import GenerateEvent
+from router.metrics import MIGRATIONS
+from router.migration import WorkerLost, check_limit, no_worker_left
 from router.pending import SETTLE_TIMEOUT_S, Pending
-from router.policy import NoHealthyWorker, RouteRequest, route
+from router.policy import NoHealthyWorker, RouteDecision, RouteRequest, route
 from router.recovery import Recovery, Restarter, RestartPolicy
 from router.requests import GenerateRequest
 from router.stream import RequestStream
@@ -198,13 +200,67 @@ class Router:
     async def _run(
         self, pending: Pending, valid: ValidRequest, token_ids: list[int]
     ) -> AsyncIterator[GenerateEvent]:
-        stream = pending.stream
+        """The request on its workers; a lost worker's request migrates (router/migration.py)."""
         decision = self._route(valid, token_ids)
+        while True:
+            try:
+                async for out in self._attempt(pending, valid, token_ids, decision):
+                    yield out
+                return
+            except WorkerLost as lost:
+                decision = self._migrate(pending, valid, token_ids, lost)
+                if decision is None:  # aborted meanwhile
+                    yield pending.stream.abort_event()
+                    return
+
+    def _migrate(
+        self, pending: Pending, valid: ValidRequest, token_ids: list[int], lost: WorkerLost
+    ) -> RouteDecision | None:
+        """Where the request continues after ``lost``; None if it was aborted meanwhile.
+        Raises UNAVAILABLE past ``router.migration_limit`` or with nowhere to go."""
+        stream = pending.stream
+        handles = pending.migrated()
+        if handles:  # P's KV that no decode worker will read now: free it
+            self._spawn(decline(handles, None, self.decode))
+        pending.num_migrations += 1
+        check_limit(lost, pending.num_migrations, self.config.migration_limit)
+        if pending.is_aborted:
+            return None
+        outputs = stream.output_token_ids
+        try:
+            if outputs:
+                # Recomputed on a decode worker: the KV of the output so far is nowhere else.
+                decision = self._route(valid, token_ids + outputs, "never")
+            else:
+                try:
+                    decision = self._route(valid, token_ids)
+                except RouterError:  # no prefill worker left: prefill on a decode worker
+                    decision = self._route(valid, token_ids, "never")
+        except RouterError as exc:
+            raise no_worker_left(lost, exc.message) from None
+        MIGRATIONS.labels("router", self.config.model_name, "router", lost.cause).inc()
+        logger.warning(
+            "%s: worker %s lost (%s: %s); migrating to %s after %d tokens (%d/%d)",
+            *(stream.request_id, lost.worker, lost.cause, lost.error, decision.decode),
+            *(len(outputs), pending.num_migrations, self.config.migration_limit),
+        )
+        return decision
+
+    async def _attempt(
+        self, pending: Pending, valid: ValidRequest, token_ids: list[int], decision: RouteDecision
+    ) -> AsyncIterator[GenerateEvent]:
+        """One try at the request on the workers ``decision`` chose, after the output the
+        client already has (a migration's)."""
+        stream = pending.stream
+        outputs = tuple(stream.output_token_ids)
         decode = pending.decode = self._by_name[decision.decode]
         prefill = self._by_name[decision.prefill] if decision.prefill is not None else None
-        self._expect(pending, len(token_ids), decision.cached_tokens, decode, prefill)
+        num_tokens = len(token_ids) + len(outputs)
+        self._expect(pending, num_tokens, decision.cached_tokens, decode, prefill)
         stream.stamps.decode_worker = decode.name
         item = WorkItem(stream.request_id, tuple(token_ids), valid.params, "full")
+        if outputs:
+            item = replace(item, output_token_ids=outputs)
         if prefill is not None:
             stream.stamps.prefill_worker = prefill.name
             handle_event = None
@@ -258,9 +314,11 @@ class Router:
         decode.expect(request_id, Expected(0 if prefill else uncached, num_blocks))
         pending.routed.append(decode)
 
-    def _route(self, valid: ValidRequest, token_ids: list[int]):
+    def _route(
+        self, valid: ValidRequest, token_ids: list[int], disaggregation: str | None = None
+    ) -> RouteDecision:
         cfg = self.config
-        disaggregation = valid.disaggregation or cfg.disaggregation
+        disaggregation = disaggregation or valid.disaggregation or cfg.disaggregation
         request = RouteRequest(
             num_prompt_tokens=len(token_ids),
             block_hashes=tuple(hash_prompt_blocks(token_ids, cfg.block_size)),

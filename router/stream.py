@@ -54,12 +54,16 @@ class RequestStream:
         self.return_text = return_text
         self.return_timing = return_timing
         self.stamps = Stamps()
-        self.num_output_tokens = 0
+        self.output_token_ids: list[int] = []  # sent to the client (a migration resumes here)
         self.num_cached_tokens = 0
         self.is_finished = False
         self._detok = IncrementalDetokenizer(
             tokenizer, prompt_token_ids, params.stop, params.skip_special_tokens
         )
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
 
     def on_event(self, event: TokenEvent) -> GenerateEvent | None:
         """The client event for one worker event (None when it carries nothing to send).
@@ -71,7 +75,9 @@ class RequestStream:
             return None
         if self.num_output_tokens == 0 and event.token_ids:
             self.stamps.first_token = time.monotonic()
-        self.num_cached_tokens = max(self.num_cached_tokens, event.num_cached_tokens)
+        # A migrated request's worker may have found its earlier output cached too.
+        num_cached = min(event.num_cached_tokens, len(self.prompt_token_ids))
+        self.num_cached_tokens = max(self.num_cached_tokens, num_cached)
         self.stamps.kv_transfer_seconds += event.kv_transfer_seconds
         self.stamps.kv_transfer_bytes += event.kv_transfer_bytes
         token_ids: list[int] = []
@@ -79,7 +85,7 @@ class RequestStream:
         stop_string = None
         for token_id in event.token_ids:
             token_ids.append(token_id)
-            self.num_output_tokens += 1
+            self.output_token_ids.append(token_id)
             # Stop strings count once min_tokens are out, as in the engine.
             check_stop = self.num_output_tokens >= self.params.min_tokens
             step = self._detok.step([token_id], check_stop=check_stop)

@@ -198,6 +198,11 @@ async def _decode_worker_lost(router, prefill, decode):
     (worker,) = [w for w in decode if w.name in {v.name for v in router.decode if v.routed}]
     worker.on_lost("connection closed")
     prefill.send(TokenEvent("r", (5,), True, kv_handles=(b"kv",)))
+    # The request migrates to the other decode worker (router/migration.py): counted there.
+    (other,) = [w for w in decode if w is not worker]
+    await until(lambda: "r" in other.items, "the migrated submit")
+    assert counted(router)[other.name] == {"r"} and counted(router)[worker.name] == set()
+    other.send(TokenEvent("r", (6,), True, "length"))
 
 
 async def _decode_worker_restarted(router, prefill, decode):
@@ -216,8 +221,8 @@ async def _decode_worker_restarted(router, prefill, decode):
         (_abort_in_prefill, "abort"),
         (_abort_in_decode, "abort"),
         (_failure_on_prefill, "INTERNAL"),
-        (_refused_decode_submit, "UNAVAILABLE"),
-        (_decode_worker_lost, "UNAVAILABLE"),
+        (_refused_decode_submit, "UNAVAILABLE"),  # every decode worker, up to the limit
+        (_decode_worker_lost, "length"),
         (_decode_worker_restarted, "abort"),
     ],
 )

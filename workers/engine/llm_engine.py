@@ -31,6 +31,7 @@ from workers.engine.kv_cache import allocate_kv_cache
 from workers.engine.model_runner import ModelRunner
 from workers.engine.outputs import StreamDelta
 from workers.engine.request import Request, check_stop
+from workers.engine.resume import resume_outputs
 from workers.engine.sampler import Sampler, SamplerOutput, SamplingRow, make_generator
 from workers.engine.scheduler import ScheduledChunk, Scheduler
 from workers.engine.step_inputs import StepInputs
@@ -123,6 +124,7 @@ class LLMEngine:
         *,
         prefill_only: bool = False,
         remote_first_token: int | None = None,
+        prior_output_token_ids: Sequence[int] = (),
     ) -> str:
         """Validate and queue a request; returns its id. Raises ValueError naming the problem.
 
@@ -138,12 +140,19 @@ class LLMEngine:
         The token is not emitted again; the seeded stream continues after it. Raises
         ValueError if that token already ends the request (the prefill worker finishes
         such requests itself).
+
+        ``prior_output_token_ids`` (a request migrated from a worker that died): its output
+        so far; the request continues after it exactly as it would have there (seeded
+        sampling included), its KV recomputed here (``workers/engine/resume.py``).
         """
         request_id = request_id or uuid.uuid4().hex
         if not isinstance(params, SamplingParams):
             raise ValueError(f"params must be SamplingParams, got {type(params).__name__}")
         if prefill_only and remote_first_token is not None:
             raise ValueError("prefill_only and remote_first_token exclude each other")
+        if prior_output_token_ids and remote_first_token is not None:
+            # D would receive the prompt's KV only; a migrated request is recomputed.
+            raise ValueError("prior_output_token_ids and remote_first_token exclude each other")
         if (state := self.handoff.state(request_id)) is not None:
             raise ValueError(f"request_id {request_id!r} is already in use ({state.value})")
         params.validate_for_model(self.vocab_size)
@@ -162,7 +171,9 @@ class LLMEngine:
             max_tokens=max_tokens,
             eos_token_ids=frozenset() if params.ignore_eos else self.tokenizer.eos_token_ids,
             generator=make_generator(
-                params, self.device, num_sampled_steps=int(remote_first_token is not None)
+                params,
+                self.device,
+                num_sampled_steps=int(remote_first_token is not None) + len(prior_output_token_ids),
             ),
             is_prefill_only=prefill_only,
         )
@@ -171,36 +182,17 @@ class LLMEngine:
             detok = IncrementalDetokenizer(
                 self.tokenizer, token_ids, params.stop, params.skip_special_tokens
             )
+        prior = list(prior_output_token_ids)
         if remote_first_token is not None:
-            self._add_remote_first_token(req, remote_first_token, detok)
+            prior, what = [remote_first_token], "remote_first_token"
+            req.is_remote_prefill = True
+        else:
+            what = "prior_output_token_ids"
+        resume_outputs(req, prior, detok, self.vocab_size, self.max_model_len, what)
         self.scheduler.add(req)
         if detok is not None:
             self._detokenizers[request_id] = detok
         return request_id
-
-    def _add_remote_first_token(
-        self, req: Request, token_id: int, detok: IncrementalDetokenizer | None
-    ) -> None:
-        if isinstance(token_id, bool) or not isinstance(token_id, int):
-            raise ValueError(f"remote_first_token must be an int, got {token_id!r}")
-        if not 0 <= token_id < self.vocab_size:
-            raise ValueError(
-                f"remote_first_token {token_id} out of vocabulary [0, {self.vocab_size})"
-            )
-        req.append_token(token_id)
-        stop_matched = None
-        if detok is not None:
-            # Its text was the prefill side's to emit; the detokenizer only needs the
-            # state after it (a stop string or a character may continue past it).
-            may_stop = req.num_output_tokens >= req.params.min_tokens
-            stop_matched = detok.step([token_id], check_stop=may_stop).stop_matched
-        reason, _ = check_stop(req, token_id, stop_matched, self.max_model_len)
-        if reason is not None:
-            raise ValueError(
-                f"remote_first_token {token_id} already ends the request ({reason.value}); "
-                "the prefill worker finishes such a request itself"
-            )
-        req.is_remote_prefill = True
 
     def abort_request(self, request_ids: str | Sequence[str]) -> None:
         """Abort at any moment between steps; the final delta comes with the next ``step``.

@@ -23,7 +23,7 @@ import msgpack
 from workers.protocol.logprobs import TokenLogprobs
 from workers.protocol.sampling_params import SamplingParams
 
-WIRE_VERSION = 2
+WIRE_VERSION = 3
 MODES = ("full", "prefill", "decode")
 T = TypeVar("T")
 
@@ -36,6 +36,9 @@ class WorkItem:
     mode: str  # one of MODES
     kv_handles: tuple[bytes, ...] = ()  # decode: msgpack KVHandle per prefill rank
     first_token_id: int | None = None  # decode: the token the prefill worker sampled
+    # full / prefill: output already streamed by a worker that died (request migration);
+    # the request resumes after it (LLMEngine.add_request's prior_output_token_ids).
+    output_token_ids: tuple[int, ...] = ()
     kind: ClassVar[str] = "work"
 
     def __post_init__(self) -> None:
@@ -43,6 +46,8 @@ class WorkItem:
             raise ValueError(f"mode must be one of {MODES}, got {self.mode!r}")
         if self.mode == "decode" and (not self.kv_handles or self.first_token_id is None):
             raise ValueError("decode work needs kv_handles and first_token_id")
+        if self.mode == "decode" and self.output_token_ids:
+            raise ValueError("decode work resumes after first_token_id, not output_token_ids")
 
 
 @dataclass(frozen=True)
@@ -61,6 +66,9 @@ class TokenEvent:
     kv_transfer_seconds: float = 0.0  # decode: the hand-off of this request's KV
     kv_transfer_bytes: int = 0
     error: str = ""  # non-empty: the request failed on the worker (INTERNAL)
+    # With error: it failed through no fault of its own (the worker's engine loop died, a
+    # KV transfer failed), so the router may migrate it to another worker.
+    is_retryable: bool = False
     kind: ClassVar[str] = "event"
 
 

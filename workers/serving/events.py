@@ -12,6 +12,7 @@ def token_event(
     kv_handles: tuple[bytes, ...] = (),
     transfer: tuple[float, int] = (0.0, 0),
     error: str = "",
+    is_retryable: bool = False,
 ) -> TokenEvent:
     """One step's delta; ``transfer`` is the (seconds, bytes) of its KV hand-off."""
     reason = delta.finish_reason.value if delta.finish_reason is not None else None
@@ -28,11 +29,15 @@ def token_event(
         kv_transfer_seconds=transfer[0],
         kv_transfer_bytes=transfer[1],
         error=error,
+        is_retryable=is_retryable,
     )
 
 
-def failed_event(request_id: str, num_prompt_tokens: int, error: str) -> TokenEvent:
-    """The request ended on the worker with ``error`` (the router answers INTERNAL)."""
+def failed_event(
+    request_id: str, num_prompt_tokens: int, error: str, *, is_retryable: bool = False
+) -> TokenEvent:
+    """The request ended on the worker with ``error``: the router migrates a retryable
+    one to another worker, else answers INTERNAL."""
     return TokenEvent(
         request_id=request_id,
         token_ids=(),
@@ -40,4 +45,5 @@ def failed_event(request_id: str, num_prompt_tokens: int, error: str) -> TokenEv
         finish_reason="abort",
         num_prompt_tokens=num_prompt_tokens,
         error=error or "failed",
+        is_retryable=is_retryable,
     )

@@ -67,6 +67,7 @@ class HandoffTransport:
         # Prefill: OFFERED, the held delta and the offer's future (every rank's handle).
         self.offers: dict[str, tuple[StreamDelta, Future]] = {}
         self._errors: dict[str, str] = {}  # why a request failed, for its final event
+        self._retryable: set[str] = set()  # of those, failed by a transfer: may migrate
         self._transfer: dict[str, tuple[float, int]] = {}  # (seconds, bytes) received
 
     @property
@@ -155,6 +156,7 @@ class HandoffTransport:
             logger.warning("KV transfer of %s failed (%s); recomputing", request_id, exc)
         else:
             self._errors[request_id] = f"KV transfer failed: {exc}"
+            self._retryable.add(request_id)  # the router may migrate it
             self.engine.abort_request(request_id)
         self.engine.kv_received(request_id, ok=False)
 
@@ -173,7 +175,11 @@ class HandoffTransport:
         rid = delta.request_id
         transfer = self._transfer.pop(rid, (0.0, 0))
         error = self._errors.pop(rid, "") if delta.finished else ""
-        return token_event(delta, kv_handles=kv_handles, transfer=transfer, error=error)
+        retryable = bool(error) and rid in self._retryable
+        self._retryable.discard(rid)
+        return token_event(
+            delta, kv_handles=kv_handles, transfer=transfer, error=error, is_retryable=retryable
+        )
 
     def _offer(self, delta: StreamDelta) -> None:
         """Prefill: put the held blocks under a lease on every rank (``offered`` gives
@@ -202,5 +208,5 @@ class HandoffTransport:
             self.handoff.offer_failed(rid)  # no handle went out: the blocks are freed now
             self.metrics.transfer_failed("offer")
             error = f"cannot offer KV: {exc}"
-            events.append(failed_event(rid, delta.num_prompt_tokens, error))
+            events.append(failed_event(rid, delta.num_prompt_tokens, error, is_retryable=True))
         return events

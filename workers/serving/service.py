@@ -160,7 +160,8 @@ class EngineService:
         self.kv.abandon()  # the other ranks stop waiting for commands
         rids = set(self.engine.scheduler.requests) | set(self.transport.offers)
         rids |= set(self.engine.handoff.ids(HandoffState.DECLINING))  # finals not out yet
-        events = [failed_event(rid, 0, f"worker {self.name} failed: {error}") for rid in rids]
+        why = f"worker {self.name} failed: {error}"
+        events = [failed_event(rid, 0, why, is_retryable=True) for rid in rids]
         if self._sink is not None:
             self._send(events)  # even with no events: the report says the loop is dead
         else:
@@ -219,6 +220,7 @@ class EngineService:
                     item.params,
                     rid,
                     prefill_only=item.mode == "prefill",
+                    prior_output_token_ids=item.output_token_ids,
                 )
         except Exception as exc:
             # The router validated already; this is a worker-side refusal (an id still
