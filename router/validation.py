@@ -35,6 +35,8 @@ _FIELD_PATHS = {
 }
 _MAX_STOP_STRINGS = 16
 _MAX_STOP_LEN = 256
+_MAX_REQUEST_ID_LEN = 256  # echoed in every response message of the request
+_MAX_ECHO_LEN = 80  # of a client's value quoted in a refusal (gRPC trailers are <= 16 KiB)
 
 
 class InvalidRequest(ValueError):
@@ -54,7 +56,9 @@ class ValidRequest:
 def validate(req: GenerateRequest, served_model: str, request_id: str) -> ValidRequest:
     """Everything that can be judged without the tokenizer."""
     if req.model and req.model != served_model:
-        raise InvalidRequest(f"model: unknown model {req.model!r} (serving {served_model!r})")
+        raise InvalidRequest(f"model: unknown model {clip(req.model)} (serving {served_model!r})")
+    if len(request_id) > _MAX_REQUEST_ID_LEN:
+        raise InvalidRequest(f"request_id: at most {_MAX_REQUEST_ID_LEN} characters")
     if req.prompt is None:
         raise InvalidRequest("prompt: set either text or token_ids")
     kind = "text" if isinstance(req.prompt, str) else "token_ids"
@@ -76,9 +80,18 @@ def validate(req: GenerateRequest, served_model: str, request_id: str) -> ValidR
     )
 
 
+def clip(value: str) -> str:
+    """``value``'s repr, cut short: a refusal must not echo a hostile input at length."""
+    if len(value) <= _MAX_ECHO_LEN:
+        return repr(value)
+    return f"{value[:_MAX_ECHO_LEN]!r}... ({len(value)} characters)"
+
+
 def _disaggregation(mode: str | None) -> Disaggregation | None:
     if mode is not None and mode not in DISAGGREGATION_MODES:
-        raise InvalidRequest(f"disaggregation: one of {DISAGGREGATION_MODES}, got {mode!r}")
+        raise InvalidRequest(
+            f"disaggregation: one of {DISAGGREGATION_MODES}, got {clip(str(mode))}"
+        )
     return mode  # type: ignore[return-value]
 
 
