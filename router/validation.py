@@ -65,11 +65,15 @@ def validate(req: GenerateRequest, served_model: str, request_id: str) -> ValidR
     prompt: str | list[int] = req.prompt if isinstance(req.prompt, str) else list(req.prompt)
     if not prompt:
         raise InvalidRequest(f"{kind}: the prompt is empty")
+    if isinstance(prompt, str):
+        check_unicode("text", prompt)
     stop = list(req.stopping.stop)
     if len(stop) > _MAX_STOP_STRINGS:
         raise InvalidRequest(f"stopping.stop: at most {_MAX_STOP_STRINGS} stop strings")
     if any(len(s) > _MAX_STOP_LEN for s in stop):
         raise InvalidRequest(f"stopping.stop: stop strings are at most {_MAX_STOP_LEN} chars")
+    for s in stop:
+        check_unicode("stopping.stop", s)
     return ValidRequest(
         request_id=request_id,
         prompt=prompt,
@@ -78,6 +82,17 @@ def validate(req: GenerateRequest, served_model: str, request_id: str) -> ValidR
         return_timing=req.output.return_timing,
         disaggregation=_disaggregation(req.disaggregation),
     )
+
+
+def check_unicode(path: str, value: str) -> None:
+    """Refuse a string UTF-8 cannot encode: a lone surrogate (JSON's ``"\\ud800"``), which
+    the tokenizer and the wire to the workers would fail on."""
+    try:
+        value.encode()
+    except UnicodeEncodeError as exc:
+        raise InvalidRequest(
+            f"{path}: not valid Unicode ({exc.reason} at character {exc.start})"
+        ) from None
 
 
 def clip(value: str) -> str:
@@ -162,7 +177,7 @@ def prompt_token_ids(
     else:
         token_ids = valid.prompt
     # Also for text: a tokenizer can have ids past the model's embedding.
-    bad = [t for t in token_ids if t >= vocab_size]
+    bad = [t for t in token_ids if not 0 <= t < vocab_size]
     if bad:
         raise InvalidRequest(f"{kind}: ids out of vocabulary [0, {vocab_size}): {bad[:5]}")
     check_length(len(token_ids), valid.params, max_model_len)
