@@ -3,9 +3,10 @@
 work item through the real worker wire codec (msgpack), so a value the router lets through
 but the wire to a real worker cannot carry fails here as it would in a cluster.
 
-``FUZZ_EXAMPLES`` (or ``--fuzz-examples N``, tests/conftest.py) sets each fuzzer's example
-count for a campaign; ``count_example`` tallies the inputs tried into
-``$FUZZ_COUNT_FILE`` (one line per fuzzer), which ``python -m bench.fuzz`` reads back.
+``HYPOTHESIS_PROFILE=campaign`` with ``FUZZ_EXAMPLES=N`` (tests/conftest.py) runs each fuzzer
+with N examples; a :class:`Counter` tallies the inputs each one tried into
+``$FUZZ_COUNT_FILE`` (one ``name count`` line per fuzzer), which ``python -m bench.fuzz``
+reads back.
 """
 
 from __future__ import annotations
@@ -17,6 +18,8 @@ import re
 import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
+
+from hypothesis import settings
 
 from router.config import RouterConfig
 from router.router import Router
@@ -93,8 +96,11 @@ def serve_grpc(router: Router) -> Iterator[GrpcServed]:
 
 
 def examples(default: int) -> int:
-    """This fuzzer's example count: ``FUZZ_EXAMPLES`` when set (a campaign), else ``default``."""
-    return int(os.environ.get("FUZZ_EXAMPLES", default))
+    """This fuzzer's example count: ``default`` (a test run well under a minute), or under
+    ``HYPOTHESIS_PROFILE=campaign`` the profile's (``FUZZ_EXAMPLES``, default 2000)."""
+    if os.environ.get("HYPOTHESIS_PROFILE") == "campaign":
+        return settings().max_examples
+    return default
 
 
 class Counter:
