@@ -62,6 +62,7 @@ def fuzz_router(tokenizer: Tokenizer) -> Router:
 class GrpcServed:
     router: Router
     target: str  # 127.0.0.1:PORT
+    loop: asyncio.AbstractEventLoop  # the server's
 
 
 @contextlib.contextmanager
@@ -89,7 +90,7 @@ def serve_grpc(router: Router) -> Iterator[GrpcServed]:
     if not ready.wait(30):
         raise RuntimeError("the gRPC server did not start")
     try:
-        yield GrpcServed(router, started[0].address)
+        yield GrpcServed(router, started[0].address, loop)
     finally:
         loop.call_soon_threadsafe(stop.set)
         thread.join(30)
