@@ -27,6 +27,7 @@ import tempfile
 import threading
 import time
 from pathlib import Path
+from statistics import median
 
 import grpc
 import httpx2 as httpx
@@ -66,7 +67,7 @@ class Served:
             for line in self.process.stdout:
                 self.lines.append(line.rstrip())
                 if line.startswith("baton: OpenAI API on "):
-                    self.http = line.split(" on ", 1)[1].strip().removesuffix("/v1")
+                    self.http = line.split("http://", 1)[1].strip().removesuffix("/v1")
                 if line.startswith("baton: serving"):  # "... NAME on HOST:PORT (...)"
                     self.grpc = line.split(" on ", 1)[1].split(" ", 1)[0]
                     ready.set()
@@ -207,13 +208,38 @@ def summarize(outcomes: list[tuple[str, float]]) -> dict:
     failed = sorted({o for o, _ in outcomes if o.startswith("failed")})
     return {
         "offered": len(outcomes),
-        "completed": sum(o.startswith("ok") for o in outcomes),
+        "completed": sum(o.startswith("ok") for o, _ in outcomes),
         "refused": len(refused),
-        "failed": sum(o.startswith("failed") for o in outcomes),
+        "failed": sum(o.startswith("failed") for o, _ in outcomes),
         "failures": failed,
         "refuse_ms_p50": percentile(refused, 0.5),
         "refuse_ms_p99": percentile(refused, 0.99),
         "refuse_ms_max": max(refused, default=None),
+    }
+
+
+def one_run(served: Served, host: Host, args) -> dict:
+    """The sustainable rate, then ``factor`` times it over gRPC, then over HTTP."""
+    rss = {"start": served.rss_mib()}
+    started = host.sample()
+    rate = asyncio.run(
+        sustainable_rate(served.grpc, args.max_queued, args.seconds, args.max_tokens)
+    )
+    rss["after_sustainable"] = served.rss_mib()
+    offered = rate * args.factor
+    grpc_out = asyncio.run(overload_grpc(served.grpc, offered, args.seconds, args.max_tokens))
+    rss["after_grpc_overload"] = served.rss_mib()
+    http_out = asyncio.run(
+        overload_http(f"http://{served.http}", offered, args.seconds, args.max_tokens)
+    )
+    rss["after_http_overload"] = served.rss_mib()
+    return {
+        "sustainable_rps": round(rate, 2),
+        "offered_rps": round(offered, 2),
+        "grpc": summarize(grpc_out),
+        "http": summarize(http_out),
+        "router_rss_mib": rss,
+        "foreign_core_s": host.foreign_s(started),
     }
 
 
@@ -223,6 +249,7 @@ def main() -> int:
     parser.add_argument("--seconds", type=float, default=10.0, help="each phase's length")
     parser.add_argument("--max-queued", type=int, default=16, help="router.max_queued_requests")
     parser.add_argument("--max-tokens", type=int, default=32)
+    parser.add_argument("--repeats", type=int, default=3, help="runs on the same cluster")
     parser.add_argument("--model", type=Path, default=None, help="default: a random small llama")
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args()
@@ -232,39 +259,25 @@ def main() -> int:
 
         make_model(model_dir, "llama", "small", seed=0)
     host = Host()
+    runs = []
     with tempfile.TemporaryDirectory() as tmp:
         served = Served(cluster_config(model_dir, args.max_queued), Path(tmp))
         try:
-            rss = {"start": served.rss_mib()}
-            started = host.sample()
-            rate = asyncio.run(
-                sustainable_rate(served.grpc, args.max_queued, args.seconds, args.max_tokens)
-            )
-            rss["after_sustainable"] = served.rss_mib()
-            offered = rate * args.factor
-            grpc_out = asyncio.run(
-                overload_grpc(served.grpc, offered, args.seconds, args.max_tokens)
-            )
-            rss["after_grpc_overload"] = served.rss_mib()
-            http_out = asyncio.run(
-                overload_http(f"http://{served.http}", offered, args.seconds, args.max_tokens)
-            )
-            rss["after_http_overload"] = served.rss_mib()
-            foreign = host.foreign_s(started)
+            for _ in range(args.repeats):
+                runs.append(one_run(served, host, args))
         finally:
             served.stop()
     result = {
-        "machine": f"{platform.node()} {os.cpu_count()} cores",
+        "machine": f"{platform.node()} {os.cpu_count()} cores (shared, noisy)",
         "command": " ".join(["python -m bench.overload", *sys.argv[1:]]),
         "max_queued_requests": args.max_queued,
         "max_tokens": args.max_tokens,
-        "sustainable_rps": round(rate, 2),
-        "offered_rps": round(offered, 2),
-        "grpc": summarize(grpc_out),
-        "http": summarize(http_out),
-        "router_rss_mib": rss,
-        "foreign_core_s": foreign,
+        "runs": runs,
     }
+    for api in ("grpc", "http"):
+        for figure in ("refuse_ms_p50", "refuse_ms_p99"):
+            values = [run[api][figure] for run in runs if run[api][figure] is not None]
+            result[f"{api}_{figure}_median"] = median(values) if values else None
     print(json.dumps(result, indent=2))
     if args.json:
         args.json.write_text(json.dumps(result, indent=2) + "\n")
