@@ -5,7 +5,8 @@ memory stays bounded.
     python -m bench.overload [--factor 5] [--seconds 10] [--max-queued 16] [--json out.json]
 
 Serves ``python -m cluster CONFIG`` (a Ray instance of its own, 1 prefill + 1 decode
-worker, a random-weight model) with gRPC and HTTP. First the sustainable rate: a closed
+worker, a random-weight model) with gRPC and HTTP; 5 s of load warm it up. Each of
+``--repeats`` runs: first the sustainable rate: a closed
 loop of ``max_queued`` clients over gRPC for ``--seconds``, completed requests per second.
 Then, for gRPC and for HTTP in turn, an open loop offers ``factor`` times that rate
 (evenly spaced sends, whatever has come back) for ``--seconds``; each request ends as
@@ -21,6 +22,7 @@ import asyncio
 import json
 import os
 import platform
+import socket
 import subprocess
 import sys
 import tempfile
@@ -78,6 +80,9 @@ class Served:
             if self.process.poll() is not None or time.monotonic() > deadline:
                 self.process.kill()
                 raise RuntimeError("cluster did not start:\n" + "\n".join(self.lines[-40:]))
+        if not self.http:
+            self.stop()
+            raise RuntimeError("the cluster serves no HTTP API:\n" + "\n".join(self.lines))
 
     def rss_mib(self) -> float:
         """The router's (the serving process's) resident memory."""
@@ -96,6 +101,12 @@ class Served:
             subprocess.run(["rm", "-rf", self.ray_tmp], check=False)
 
 
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
 def cluster_config(model_dir: Path, max_queued: int) -> dict:
     pool = {"max_num_seqs": 32, "max_num_batched_tokens": 512}
     return {
@@ -106,7 +117,7 @@ def cluster_config(model_dir: Path, max_queued: int) -> dict:
         "kv_transfer": {"backend": "nixl"},
         "router": {
             "port": 0,
-            "http_port": 0,
+            "http_port": free_port(),  # 0 would mean no HTTP server
             "max_queued_requests": max_queued,
             "drain_grace_seconds": 5,
         },
@@ -263,6 +274,8 @@ def main() -> int:
     with tempfile.TemporaryDirectory() as tmp:
         served = Served(cluster_config(model_dir, args.max_queued), Path(tmp))
         try:
+            # Warm-up (not measured): the first requests compile and fill caches.
+            asyncio.run(sustainable_rate(served.grpc, args.max_queued, 5.0, args.max_tokens))
             for _ in range(args.repeats):
                 runs.append(one_run(served, host, args))
         finally:
