@@ -28,7 +28,7 @@ logger = logging.getLogger(__name__)
 _HEAD_POLL_S = 0.05  # how often the drain checks that Ray's processes still run
 _HEAD_WATCH_S = 1.0  # and for how long at least (a process takes a moment to die)
 _FRONT_END_STOP_S = 2.0  # closing the front ends when Ray died with us
-_RAY_STOP_S = 10.0  # stopping the workers, and Ray, at most
+_RAY_STOP_S = 30.0  # stopping the workers, and Ray, at most (a backstop: slow when loaded)
 _HEAD_GONE = (
     "baton: Ray's processes got the signal too (a process group or cgroup kill): "
     "its workers are gone, exiting without a drain"
