@@ -35,6 +35,7 @@ _FIELD_PATHS = {
 }
 _MAX_STOP_STRINGS = 16
 _MAX_STOP_LEN = 256
+_MAX_TOP_K = 2**31 - 1  # the protobuf field's int32; past the vocabulary it means off
 _MAX_REQUEST_ID_LEN = 256  # echoed in every response message of the request
 _MAX_ECHO_LEN = 80  # of a client's value quoted in a refusal (gRPC trailers are <= 16 KiB)
 
@@ -131,6 +132,10 @@ def _sampling_params(req: GenerateRequest) -> SamplingParams:
         kwargs["min_tokens"] = stopping.min_tokens
     if req.output.logprobs is not None:
         kwargs["logprobs"] = req.output.logprobs
+    # What the wire to the workers (msgpack) and the protobuf message (int32) carry; JSON's
+    # integers have no bound, and top_k has none above in SamplingParams.
+    if sampling.top_k is not None and sampling.top_k > _MAX_TOP_K:
+        raise InvalidRequest(f"sampling.top_k: at most {_MAX_TOP_K}, got {sampling.top_k}")
     try:
         return SamplingParams(
             stop=tuple(stopping.stop),
@@ -156,6 +161,10 @@ def check_length(num_prompt_tokens: int, params: SamplingParams, max_model_len: 
         raise InvalidRequest(
             f"prompt: {num_prompt_tokens} tokens leave no room to generate within "
             f"max_model_len={max_model_len}"
+        )
+    if params.min_tokens > max_model_len:  # unbounded when max_tokens is unset
+        raise InvalidRequest(
+            f"stopping.min_tokens: {params.min_tokens} exceeds max_model_len={max_model_len}"
         )
     if params.max_tokens is not None and num_prompt_tokens + params.max_tokens > max_model_len:
         raise InvalidRequest(

@@ -143,3 +143,17 @@ def test_a_long_request_id_is_refused_and_a_long_model_is_quoted_short():
     with pytest.raises(InvalidRequest, match=r"^model: ") as refused:
         validate_pb(request(model="m" * 2**20), MODEL, "r")
     assert len(str(refused.value)) < 200 and f"({2**20} characters)" in str(refused.value)
+
+
+def test_integers_past_what_the_wire_carries_are_refused():
+    # JSON integers are unbounded; msgpack (router -> workers) stops at 64 bits.
+    from router.requests import GenerateRequest, SamplingOptions, StoppingOptions
+
+    big = GenerateRequest(prompt="hi", sampling=SamplingOptions(top_k=2**70))
+    with pytest.raises(InvalidRequest, match=r"^sampling\.top_k: at most 2147483647"):
+        validate(big, MODEL, "r")
+    params = validate(
+        GenerateRequest(prompt="hi", stopping=StoppingOptions(min_tokens=2**70)), MODEL, "r"
+    ).params
+    with pytest.raises(InvalidRequest, match=r"^stopping\.min_tokens: \d+ exceeds max_model_len"):
+        check_length(5, params, 100)
