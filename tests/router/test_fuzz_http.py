@@ -151,6 +151,14 @@ def bodies(draw, fields: dict, required: str) -> dict:
     return body
 
 
+@st.composite
+def focused(draw, fields: dict, base: dict) -> dict:
+    """A valid ``base`` body with one or two fields hostile: reaches the router's
+    validation and the wire to the workers more often than :func:`bodies`."""
+    names = draw(st.lists(st.sampled_from(sorted(fields)), min_size=1, max_size=2, unique=True))
+    return {**base, **{name: draw(fields[name]) for name in names}}
+
+
 def encode(body) -> bytes:
     """JSON as Python writes it: NaN and Infinity included (clients send them)."""
     return json.dumps(body, allow_nan=True).encode()
@@ -198,7 +206,9 @@ def test_completion_bodies_get_an_answer_or_a_clear_refusal(served, client):
     count = Counter("http_completions")
 
     @settings(max_examples=examples(60), **_SETTINGS)
-    @given(body=bodies(COMPLETION, "prompt"))
+    @given(
+        body=bodies(COMPLETION, "prompt") | focused(COMPLETION, {"prompt": "hi", "max_tokens": 4})
+    )
     @example(body={"prompt": [-1, 5]})  # a negative token id reached the worker
     # Past what the msgpack wire to the workers carries: the submit failed, 503.
     @example(body={"prompt": "hi", "max_tokens": 2, "top_k": 2**70})
@@ -217,7 +227,10 @@ def test_chat_bodies_get_an_answer_or_a_clear_refusal(served, client):
     count = Counter("http_chat")
 
     @settings(max_examples=examples(60), **_SETTINGS)
-    @given(body=bodies(CHAT, "messages"))
+    @given(
+        body=bodies(CHAT, "messages")
+        | focused(CHAT, {"messages": [{"role": "user", "content": "hi"}]})
+    )
     def fuzz(body: dict) -> None:
         count()
         check_answer(client.post("/v1/chat/completions", content=encode(body), headers=JSON))
