@@ -25,6 +25,15 @@ from cluster.config import ClusterConfig
 
 logger = logging.getLogger(__name__)
 
+_HEAD_POLL_S = 0.05  # how often the drain checks that Ray's processes still run
+_HEAD_WATCH_S = 1.0  # and for how long at least (a process takes a moment to die)
+_FRONT_END_STOP_S = 2.0  # closing the front ends when Ray died with us
+_RAY_STOP_S = 30.0  # stopping the workers, and Ray, at most (a backstop: slow when loaded)
+_HEAD_GONE = (
+    "baton: Ray's processes got the signal too (a process group or cgroup kill): "
+    "its workers are gone, exiting without a drain"
+)
+
 
 def run(config: ClusterConfig) -> int:
     """Serve on uvloop where it is installed (it is a dependency on Linux and macOS).
@@ -81,7 +90,10 @@ async def serve(config: ClusterConfig, on_ready: Callable[[str], None] | None = 
             on_ready(server.address)
         await stop.wait()
         print("baton: draining", flush=True)
-        aborted = await server.drain(config.router.drain_grace_seconds)
+        drain = asyncio.ensure_future(server.drain(config.router.drain_grace_seconds))
+        if await _head_lost_during(drain, cluster):
+            await _exit_without_ray(drain, server, http)
+        aborted = drain.result()
         if aborted:
             print(f"baton: aborted {aborted} requests after the grace period", flush=True)
     finally:
@@ -92,9 +104,73 @@ async def serve(config: ClusterConfig, on_ready: Callable[[str], None] | None = 
         await cluster.router.stop()
         if cluster.listener is not None:
             await cluster.listener.close()
-        cluster.shutdown()
+        await _stop_ray_parts(cluster)
     print("baton: stopped", flush=True)
     return 0
+
+
+async def _head_lost_during(drain: asyncio.Future, cluster) -> bool:
+    """Wait for the drain; True if the Ray instance we started died first (the signal
+    reached its processes too: see ``Cluster.is_ray_head_gone``). Watches for at least
+    ``_HEAD_WATCH_S``: the drain of an idle router ends at once, before Ray's processes
+    have finished dying of the same signal."""
+    watch_until = asyncio.get_running_loop().time() + _HEAD_WATCH_S
+    while not drain.done() or asyncio.get_running_loop().time() < watch_until:
+        if cluster.is_ray_head_gone():
+            return True
+        await asyncio.wait([drain], timeout=_HEAD_POLL_S)  # returns at once when done
+        if drain.done():
+            await asyncio.sleep(_HEAD_POLL_S)
+    return False
+
+
+async def _exit_without_ray(drain: asyncio.Future, server, http) -> None:
+    """The workers died with Ray: nothing is left to drain or stop. Close the front ends
+    (the requests in flight end with an error) and leave at once."""
+    drain.cancel()
+    try:
+        async with asyncio.timeout(_FRONT_END_STOP_S):
+            if http is not None:
+                await http.stop()
+            await server.stop(0)
+    except BaseException:  # leaving anyway
+        pass
+    _leave(_HEAD_GONE)
+
+
+async def _stop_ray_parts(cluster) -> None:
+    """Stop the workers, then a Ray instance we started, each in a thread (they block on
+    Ray) and bounded: should Ray's head die meanwhile (the signal that stopped us reached
+    it too, more slowly than the drain's watch), every call would wait 60 s for it."""
+    loop = asyncio.get_running_loop()
+    stopping = asyncio.ensure_future(asyncio.to_thread(cluster.stop_workers))
+    deadline = loop.time() + _RAY_STOP_S
+    while not stopping.done():
+        if cluster.is_ray_head_gone():
+            _leave(_HEAD_GONE)
+        if loop.time() > deadline:
+            _leave(f"baton: the workers did not stop within {_RAY_STOP_S:.0f} s; exiting")
+        await asyncio.wait([stopping], timeout=_HEAD_POLL_S)
+    stopping.result()
+    if cluster.started_ray:
+        try:  # ray.shutdown() stops the head itself: no watching it now
+            await asyncio.wait_for(asyncio.to_thread(ray_shutdown), _RAY_STOP_S)
+        except TimeoutError:
+            _leave(f"baton: Ray did not shut down within {_RAY_STOP_S:.0f} s; exiting")
+
+
+def ray_shutdown() -> None:
+    import ray
+
+    ray.shutdown()
+
+
+def _leave(message: str) -> None:
+    """Exit now with one line: skips ray.shutdown() and atexit, which would wait for a
+    dead GCS (60 s, then a traceback)."""
+    print(message, flush=True)
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def _http_server(config: ClusterConfig, router):

@@ -31,6 +31,7 @@ logger = logging.getLogger(__name__)
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Inference"].full_name  # "baton.v1.Inference"
 _MAX_MESSAGE_BYTES = 64 * 2**20  # a 1M-token prompt as token ids fits
+_MAX_DETAILS_LEN = 1000  # characters of a status message (UTF-8: at most 4 KB)
 
 
 class InferenceServicer(pb_grpc.InferenceServicer):
@@ -43,13 +44,15 @@ class InferenceServicer(pb_grpc.InferenceServicer):
         call = self.metrics.call()
         stream = None
         try:
+            if isinstance(request, Malformed):
+                raise RouterError(ErrorCode.INVALID_ARGUMENT, request.message)
             stream = self.router.generate(generate_request(request))
             async for event in stream:
                 call.event(event)
                 yield generate_response(event)
         except RouterError as exc:
             call.error(exc.code)
-            await context.abort(GRPC_STATUS[exc.code], exc.message)
+            await context.abort(GRPC_STATUS[exc.code], status_details(exc.message))
         except Exception as exc:  # a bug: answer INTERNAL, keep serving
             call.error(ErrorCode.INTERNAL)
             await _internal(context, exc)
@@ -59,6 +62,8 @@ class InferenceServicer(pb_grpc.InferenceServicer):
                 await stream.aclose()
 
     async def Abort(self, request, context):
+        if isinstance(request, Malformed):
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.message)
         try:
             found = await self.router.abort(request.request_id)
         except Exception as exc:
@@ -66,12 +71,16 @@ class InferenceServicer(pb_grpc.InferenceServicer):
         return pb.AbortResponse(found=found)
 
     async def GetModelInfo(self, request, context):
+        if isinstance(request, Malformed):
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.message)
         try:
             return model_info_message(status.model_info(self.router))
         except Exception as exc:
             await _internal(context, exc)
 
     async def GetClusterStatus(self, request, context):
+        if isinstance(request, Malformed):
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.message)
         try:
             return cluster_status_message(status.cluster_status(self.router, self.tp_pp))
         except Exception as exc:
@@ -81,7 +90,59 @@ class InferenceServicer(pb_grpc.InferenceServicer):
 async def _internal(context, exc: Exception) -> None:
     """A bug: answer INTERNAL (not UNKNOWN) and keep serving."""
     logger.exception("request failed")
-    await context.abort(grpc.StatusCode.INTERNAL, f"{type(exc).__name__}: {exc}")
+    await context.abort(grpc.StatusCode.INTERNAL, status_details(f"{type(exc).__name__}: {exc}"))
+
+
+def status_details(message: str) -> str:
+    """The message, cut to fit: status details travel in the trailers, and a client drops
+    a call whose trailers pass 16 KiB (RESOURCE_EXHAUSTED "metadata size exceeds hard
+    limit") instead of reporting the refusal."""
+    if len(message) <= _MAX_DETAILS_LEN:
+        return message
+    return message[:_MAX_DETAILS_LEN] + f"... ({len(message)} characters)"
+
+
+@dataclasses.dataclass(frozen=True)
+class Malformed:
+    """What arrived instead of a request message: bytes protobuf cannot parse (a string
+    field that is not UTF-8, a length past the end). The servicer answers
+    INVALID_ARGUMENT; grpc's own deserializer would fail the call as UNKNOWN."""
+
+    message: str
+
+
+def _parse(message_type):
+    def parse(data: bytes):
+        try:
+            return message_type.FromString(data)
+        except Exception as exc:  # DecodeError, or whatever else the parser raises
+            reason = str(exc).rpartition(": ")[2] or type(exc).__name__
+            return Malformed(f"request: not a valid {message_type.DESCRIPTOR.full_name}: {reason}")
+
+    return parse
+
+
+def add_servicer(servicer: InferenceServicer, server) -> None:
+    """``pb_grpc.add_InferenceServicer_to_server`` with lenient request parsing."""
+    methods = {
+        "Generate": (grpc.unary_stream_rpc_method_handler, pb.GenerateRequest),
+        "Abort": (grpc.unary_unary_rpc_method_handler, pb.AbortRequest),
+        "GetModelInfo": (grpc.unary_unary_rpc_method_handler, pb.GetModelInfoRequest),
+        "GetClusterStatus": (grpc.unary_unary_rpc_method_handler, pb.GetClusterStatusRequest),
+    }
+    declared = {m.name for m in pb.DESCRIPTOR.services_by_name["Inference"].methods}
+    if declared != set(methods):  # a new rpc in proto/: add it above
+        raise RuntimeError(f"Inference declares {sorted(declared)}, served {sorted(methods)}")
+    handlers = {
+        name: handler(
+            getattr(servicer, name),
+            request_deserializer=_parse(request_type),
+            response_serializer=lambda message: message.SerializeToString(),
+        )
+        for name, (handler, request_type) in methods.items()
+    }
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE_NAME, handlers),))
+    server.add_registered_method_handlers(SERVICE_NAME, handlers)
 
 
 # ---- protobuf <-> the router's types -----------------------------------------------------
@@ -216,7 +277,7 @@ class Server:
                 ("grpc.so_reuseport", 0),
             ]
         )
-        pb_grpc.add_InferenceServicer_to_server(InferenceServicer(router, tp_pp), self.server)
+        add_servicer(InferenceServicer(router, tp_pp), self.server)
         self.health = health_aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         reflection.enable_server_reflection(

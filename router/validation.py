@@ -35,6 +35,9 @@ _FIELD_PATHS = {
 }
 _MAX_STOP_STRINGS = 16
 _MAX_STOP_LEN = 256
+_MAX_TOP_K = 2**31 - 1  # the protobuf field's int32; past the vocabulary it means off
+_MAX_REQUEST_ID_LEN = 256  # echoed in every response message of the request
+_MAX_ECHO_LEN = 80  # of a client's value quoted in a refusal (gRPC trailers are <= 16 KiB)
 
 
 class InvalidRequest(ValueError):
@@ -54,18 +57,24 @@ class ValidRequest:
 def validate(req: GenerateRequest, served_model: str, request_id: str) -> ValidRequest:
     """Everything that can be judged without the tokenizer."""
     if req.model and req.model != served_model:
-        raise InvalidRequest(f"model: unknown model {req.model!r} (serving {served_model!r})")
+        raise InvalidRequest(f"model: unknown model {clip(req.model)} (serving {served_model!r})")
+    if len(request_id) > _MAX_REQUEST_ID_LEN:
+        raise InvalidRequest(f"request_id: at most {_MAX_REQUEST_ID_LEN} characters")
     if req.prompt is None:
         raise InvalidRequest("prompt: set either text or token_ids")
     kind = "text" if isinstance(req.prompt, str) else "token_ids"
     prompt: str | list[int] = req.prompt if isinstance(req.prompt, str) else list(req.prompt)
     if not prompt:
         raise InvalidRequest(f"{kind}: the prompt is empty")
+    if isinstance(prompt, str):
+        check_unicode("text", prompt)
     stop = list(req.stopping.stop)
     if len(stop) > _MAX_STOP_STRINGS:
         raise InvalidRequest(f"stopping.stop: at most {_MAX_STOP_STRINGS} stop strings")
     if any(len(s) > _MAX_STOP_LEN for s in stop):
         raise InvalidRequest(f"stopping.stop: stop strings are at most {_MAX_STOP_LEN} chars")
+    for s in stop:
+        check_unicode("stopping.stop", s)
     return ValidRequest(
         request_id=request_id,
         prompt=prompt,
@@ -76,9 +85,29 @@ def validate(req: GenerateRequest, served_model: str, request_id: str) -> ValidR
     )
 
 
+def check_unicode(path: str, value: str) -> None:
+    """Refuse a string UTF-8 cannot encode: a lone surrogate (JSON's ``"\\ud800"``), which
+    the tokenizer and the wire to the workers would fail on."""
+    try:
+        value.encode()
+    except UnicodeEncodeError as exc:
+        raise InvalidRequest(
+            f"{path}: not valid Unicode ({exc.reason} at character {exc.start})"
+        ) from None
+
+
+def clip(value: str) -> str:
+    """``value``'s repr, cut short: a refusal must not echo a hostile input at length."""
+    if len(value) <= _MAX_ECHO_LEN:
+        return repr(value)
+    return f"{value[:_MAX_ECHO_LEN]!r}... ({len(value)} characters)"
+
+
 def _disaggregation(mode: str | None) -> Disaggregation | None:
     if mode is not None and mode not in DISAGGREGATION_MODES:
-        raise InvalidRequest(f"disaggregation: one of {DISAGGREGATION_MODES}, got {mode!r}")
+        raise InvalidRequest(
+            f"disaggregation: one of {DISAGGREGATION_MODES}, got {clip(str(mode))}"
+        )
     return mode  # type: ignore[return-value]
 
 
@@ -103,6 +132,10 @@ def _sampling_params(req: GenerateRequest) -> SamplingParams:
         kwargs["min_tokens"] = stopping.min_tokens
     if req.output.logprobs is not None:
         kwargs["logprobs"] = req.output.logprobs
+    # What the wire to the workers (msgpack) and the protobuf message (int32) carry; JSON's
+    # integers have no bound, and top_k has none above in SamplingParams.
+    if sampling.top_k is not None and sampling.top_k > _MAX_TOP_K:
+        raise InvalidRequest(f"sampling.top_k: at most {_MAX_TOP_K}, got {sampling.top_k}")
     try:
         return SamplingParams(
             stop=tuple(stopping.stop),
@@ -129,6 +162,10 @@ def check_length(num_prompt_tokens: int, params: SamplingParams, max_model_len: 
             f"prompt: {num_prompt_tokens} tokens leave no room to generate within "
             f"max_model_len={max_model_len}"
         )
+    if params.min_tokens > max_model_len:  # unbounded when max_tokens is unset
+        raise InvalidRequest(
+            f"stopping.min_tokens: {params.min_tokens} exceeds max_model_len={max_model_len}"
+        )
     if params.max_tokens is not None and num_prompt_tokens + params.max_tokens > max_model_len:
         raise InvalidRequest(
             f"stopping.max_tokens: prompt ({num_prompt_tokens} tokens) + max_tokens "
@@ -149,7 +186,7 @@ def prompt_token_ids(
     else:
         token_ids = valid.prompt
     # Also for text: a tokenizer can have ids past the model's embedding.
-    bad = [t for t in token_ids if t >= vocab_size]
+    bad = [t for t in token_ids if not 0 <= t < vocab_size]
     if bad:
         raise InvalidRequest(f"{kind}: ids out of vocabulary [0, {vocab_size}): {bad[:5]}")
     check_length(len(token_ids), valid.params, max_model_len)

@@ -15,5 +15,12 @@ if not torch.cuda.is_available():
 # turn a submission red by the luck of the draw; local runs keep exploring new examples.
 # Failures found locally are pinned with @example.
 settings.register_profile("ci", derandomize=True, deadline=None)
+# The fuzz campaign (tests/router/test_fuzz_*.py, `python -m bench.fuzz`): many more examples
+# per property test, FUZZ_EXAMPLES of them (default 2000).
+settings.register_profile(
+    "campaign", deadline=None, max_examples=int(os.environ.get("FUZZ_EXAMPLES", 2000))
+)
 if os.environ.get("CI"):
     settings.load_profile("ci")
+if os.environ.get("HYPOTHESIS_PROFILE"):
+    settings.load_profile(os.environ["HYPOTHESIS_PROFILE"])

@@ -88,6 +88,12 @@ def create_app(
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
         code = _HTTP_CODES.get(exc.status_code)
+        if exc.status_code == 400 and exc.__cause__ is not None:
+            # FastAPI's "There was an error parsing the body": say why (not UTF-8, an
+            # integer past Python's 4300 digits).
+            count_refusal(request)
+            cause = exc.__cause__
+            return OpenAIError(400, f"the body is not valid JSON: {cause}").response()
         return OpenAIError(exc.status_code, str(exc.detail), code=code).response()
 
     @app.exception_handler(Exception)

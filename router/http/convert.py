@@ -23,6 +23,7 @@ from router.http.schemas import (
     TopLogprob,
 )
 from router.requests import GenerateRequest, OutputOptions, SamplingOptions, StoppingOptions
+from router.validation import InvalidRequest, check_unicode
 from workers.protocol.logprobs import TokenLogprobs
 from workers.text.tokenizer import Tokenizer
 
@@ -88,6 +89,12 @@ def chat_plan(
         {"role": m.role, "content": _content(m.content), **({"name": m.name} if m.name else {})}
         for m in body.messages
     ]
+    for i, message in enumerate(messages):
+        for key in ("content", "name"):
+            try:
+                check_unicode(f"messages[{i}].{key}", message.get(key, ""))
+            except InvalidRequest as exc:
+                raise bad_field(f"messages[{i}].{key}", str(exc).partition(": ")[2]) from None
     try:
         text = template.render(messages, add_generation_prompt=body.add_generation_prompt)
     except ChatTemplateError as exc:

@@ -14,6 +14,7 @@ from fastapi.responses import JSONResponse
 
 from router.errors import ErrorCode, RouterError
 from router.http.schemas import ErrorInfo, ErrorResponse
+from router.validation import clip
 
 # ErrorCode -> (HTTP status, OpenAI error type). 429 and 503 tell clients to retry later
 # (the openai client retries both by default).
@@ -105,7 +106,7 @@ def from_router_error(exc: RouterError, names: Mapping[str, str]) -> OpenAIError
 def model_not_found(model: str, served: str) -> OpenAIError:
     return OpenAIError(
         404,
-        f"model: the model {model!r} does not exist (serving {served!r})",
+        f"model: the model {clip(model)} does not exist (serving {served!r})",
         param="model",
         code="model_not_found",
     )

@@ -46,12 +46,17 @@ class ServedCluster:
         return [line[len(prefix) :] for line in self.lines if line.startswith(prefix)]
 
 
-def start_cluster(config: dict, workdir: Path, env: dict | None = None) -> ServedCluster:
+def start_cluster(
+    config: dict, workdir: Path, env: dict | None = None, argv: list[str] | None = None
+) -> ServedCluster:
+    """``argv`` (default ``python -m cluster``) gets the config's path appended; it runs in a
+    session (and process group) of its own, as under systemd or a shell's job control."""
     path = workdir / "cluster.yaml"
     path.write_text(yaml.safe_dump(config))
     process = subprocess.Popen(
-        [sys.executable, "-m", "cluster", str(path)],
+        [*(argv or [sys.executable, "-m", "cluster"]), str(path)],
         cwd=ROOT,
+        start_new_session=True,
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,

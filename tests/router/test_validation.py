@@ -105,3 +105,55 @@ def test_prompt_ids_outside_the_vocabulary_name_the_prompt_field(prompt, named):
         prompt_token_ids(valid, _Tokenizer(), vocab_size=200, max_model_len=64)
     ok = validate_pb(pb.GenerateRequest(text="hi"), "m", "r2")
     assert prompt_token_ids(ok, _Tokenizer(), vocab_size=200, max_model_len=64) == [104, 105]
+
+
+# ---- found by the fuzzers (tests/router/test_fuzz_*.py) -----------------------------------
+# The typed request directly: HTTP's JSON can carry what protobuf cannot (negative ids,
+# lone surrogates).
+
+
+def test_negative_token_ids_are_out_of_vocabulary():
+    from router.requests import GenerateRequest
+    from router.validation import prompt_token_ids
+
+    valid = validate(GenerateRequest(prompt=(3, -1)), "m", "r")
+    with pytest.raises(InvalidRequest, match=r"^token_ids: ids out of vocabulary .*\[-1\]"):
+        prompt_token_ids(valid, _Tokenizer(), vocab_size=200, max_model_len=64)
+
+
+@pytest.mark.parametrize(
+    ("fields", "path"),
+    [
+        ({"prompt": "a\ud800b"}, "text"),
+        ({"stopping": {"stop": ("ok", "\udfff")}}, "stopping.stop"),
+    ],
+)
+def test_lone_surrogates_are_not_valid_unicode(fields, path):
+    from router.requests import GenerateRequest, StoppingOptions
+
+    if "stopping" in fields:
+        fields = {"prompt": "hi", "stopping": StoppingOptions(**fields["stopping"])}
+    with pytest.raises(InvalidRequest, match=rf"^{path}: not valid Unicode"):
+        validate(GenerateRequest(**fields), MODEL, "r")
+
+
+def test_a_long_request_id_is_refused_and_a_long_model_is_quoted_short():
+    with pytest.raises(InvalidRequest, match=r"^request_id: at most 256 characters"):
+        validate_pb(request(), MODEL, "x" * 257)
+    with pytest.raises(InvalidRequest, match=r"^model: ") as refused:
+        validate_pb(request(model="m" * 2**20), MODEL, "r")
+    assert len(str(refused.value)) < 200 and f"({2**20} characters)" in str(refused.value)
+
+
+def test_integers_past_what_the_wire_carries_are_refused():
+    # JSON integers are unbounded; msgpack (router -> workers) stops at 64 bits.
+    from router.requests import GenerateRequest, SamplingOptions, StoppingOptions
+
+    big = GenerateRequest(prompt="hi", sampling=SamplingOptions(top_k=2**70))
+    with pytest.raises(InvalidRequest, match=r"^sampling\.top_k: at most 2147483647"):
+        validate(big, MODEL, "r")
+    params = validate(
+        GenerateRequest(prompt="hi", stopping=StoppingOptions(min_tokens=2**70)), MODEL, "r"
+    ).params
+    with pytest.raises(InvalidRequest, match=r"^stopping\.min_tokens: \d+ exceeds max_model_len"):
+        check_length(5, params, 100)
