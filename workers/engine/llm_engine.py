@@ -34,6 +34,7 @@ from workers.engine.request import Request, check_stop
 from workers.engine.resume import resume_outputs
 from workers.engine.sampler import Sampler, SamplerOutput, SamplingRow, make_generator
 from workers.engine.scheduler import ScheduledChunk, Scheduler
+from workers.engine.speculative.stats import SpecDecodeStats
 from workers.engine.step_inputs import StepInputs
 from workers.engine.step_times import StepTimes
 from workers.models.loader import load_model
@@ -63,6 +64,14 @@ class LLMEngine:
         (default: one per pipeline stage; 1 runs the stages one batch at a time)."""
         self.config = config
         self.parallel = parallel or ParallelContext()
+        if config.speculative_method is not None and (
+            self.parallel.tp_size > 1 or self.parallel.pp_size > 1
+        ):
+            raise ValueError(
+                f"speculative_method: {config.speculative_method} is not supported on a "
+                f"tensor/pipeline-parallel replica (tp={self.parallel.tp_size}, "
+                f"pp={self.parallel.pp_size}); unset it or use a single-rank replica"
+            )
         self.device = config.resolve_device()
         self.dtype = config.resolve_dtype(self.device)
         if self.device.type == "cpu":
@@ -114,6 +123,12 @@ class LLMEngine:
         self._detokenizers: dict[str, IncrementalDetokenizer] = {}
         self._pending: list[StreamDelta] = []  # finals of aborted requests, sent next step
         self.step_times = StepTimes()
+        self._spec_stats = SpecDecodeStats()
+
+    @property
+    def spec_stats(self) -> SpecDecodeStats:
+        """Speculative decoding's counters since start (all zero while it is off)."""
+        return self._spec_stats
 
     # ---- requests --------------------------------------------------------------------
     def add_request(
