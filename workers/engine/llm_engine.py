@@ -21,6 +21,8 @@ import time
 import uuid
 from collections.abc import Callable, Sequence
 
+import torch
+
 from workers.engine.batches import BatchesInFlight
 from workers.engine.block_manager import BlockManager
 from workers.engine.cache_sizing import resolve_max_model_len, resolve_num_blocks
@@ -33,7 +35,10 @@ from workers.engine.outputs import StreamDelta
 from workers.engine.request import Request, check_stop
 from workers.engine.resume import resume_outputs
 from workers.engine.sampler import Sampler, SamplerOutput, SamplingRow, make_generator
-from workers.engine.scheduler import ScheduledChunk, Scheduler
+from workers.engine.scheduler import ScheduledChunk, Scheduler, SchedulerOutput
+from workers.engine.speculative.decoder import SpeculativeDecoder
+from workers.engine.speculative.draft import DraftProposer
+from workers.engine.speculative.rejection import Verified
 from workers.engine.speculative.stats import SpecDecodeStats
 from workers.engine.step_inputs import StepInputs
 from workers.engine.step_times import StepTimes
@@ -85,9 +90,16 @@ class LLMEngine:
         self.num_kv_heads, _ = self.parallel.kv_heads(self.arch.num_key_value_heads)
         self.layer_range = self.parallel.layer_range(self.arch.num_hidden_layers)
         num_layers = self.layer_range[1] - self.layer_range[0]
+        draft = None
+        if config.speculative_method == "draft":
+            assert config.speculative_draft_model is not None  # EngineConfig checks it
+            draft = DraftProposer(
+                config.speculative_draft_model, self.dtype, self.device, self.vocab_size,
+                self.max_model_len,
+            )  # fmt: skip
         num_blocks = resolve_num_blocks(
             config, self.arch, self.dtype, self.device, self.max_model_len, self.num_kv_heads,
-            num_layers,
+            num_layers, draft.bytes_per_block(config.block_size) if draft else 0,
         )  # fmt: skip
         if agree_num_blocks is not None:
             num_blocks = agree_num_blocks(num_blocks)
@@ -119,16 +131,20 @@ class LLMEngine:
             self.model, self.kv_cache, config.block_size, self.device, before_forward
         )
         self.sampler = Sampler(self.vocab_size, seed=config.seed)
+        self.spec: SpeculativeDecoder | None = None
+        if config.speculative_method is not None:
+            if draft is not None:
+                draft.bind(num_blocks, config.block_size)
+            self.spec = SpeculativeDecoder(config, self.sampler, draft)
         # Empty when config.detokenize is False (the router detokenizes at the edge).
         self._detokenizers: dict[str, IncrementalDetokenizer] = {}
         self._pending: list[StreamDelta] = []  # finals of aborted requests, sent next step
         self.step_times = StepTimes()
-        self._spec_stats = SpecDecodeStats()
 
     @property
     def spec_stats(self) -> SpecDecodeStats:
         """Speculative decoding's counters since start (all zero while it is off)."""
-        return self._spec_stats
+        return self.spec.stats if self.spec is not None else SpecDecodeStats()
 
     # ---- requests --------------------------------------------------------------------
     def add_request(
@@ -277,13 +293,21 @@ class LLMEngine:
         Without pipeline stages that is one batch, scheduled and sampled here. If the
         model or sampler raises, no request of a batch in flight advances (their blocks
         stay allocated for a retry) and the finals of aborted requests are kept."""
-        self._in_flight.launch(self.scheduler, self.runner)
+        before_prepare = None
+        if self.spec is not None and not self._in_flight:
+            self.spec.propose(self.scheduler, self.max_model_len)
+            before_prepare = self._draft_proposals
+        self._in_flight.launch(self.scheduler, self.runner, before_prepare)
         if not self._in_flight:
             deltas, self._pending = self._pending, []
             return deltas
         deltas = self._complete()
         deltas, self._pending = self._pending + deltas, []
         return deltas
+
+    def _draft_proposals(self, sched: SchedulerOutput) -> None:
+        assert self.spec is not None
+        self.spec.before_prepare(sched, self.scheduler.requests)
 
     def drain(self) -> None:
         """Sample every batch in flight; their deltas come with the next ``step``.
@@ -303,51 +327,98 @@ class LLMEngine:
                 raise RuntimeError("the rank that schedules must run the last pipeline stage")
             t1 = time.perf_counter()
             live, logits = batch.live(self.scheduler.requests, logits)
-            sampled = self.sampler(logits, [SamplingRow.of(r) for c, r in live if c.needs_sample])
+            sampled, verified = self._sample(live, logits)
         except BaseException:
             self._in_flight.cancel(batch, self.scheduler)
             raise
         t2 = time.perf_counter()
-        deltas = self._update(live, sampled)
+        deltas = self._update(live, sampled, verified)
         stages = (batch.schedule_s, batch.prepare_s, batch.prepare_s + t1 - t0, t2 - t1)
         stages += (time.perf_counter() - t2,)
         self.step_times.add(len(batch.sched.chunks), batch.sched.num_batched_tokens, stages)
         return deltas
 
+    def _sample(
+        self, live: list[tuple[ScheduledChunk, Request]], logits: torch.Tensor
+    ) -> tuple[SamplerOutput, list[Verified]]:
+        """Plain rows through the sampler, verify chunks' rows through the speculative
+        verification; ``logits`` has ``chunk.num_sample_rows`` rows per live chunk."""
+        plain = [r for c, r in live if c.needs_sample and not c.num_spec]
+        verify = [(c, r) for c, r in live if c.num_spec]
+        if not verify:
+            return self.sampler(logits, [SamplingRow.of(r) for r in plain]), []
+        assert self.spec is not None
+        plain_rows, verify_rows, row = [], [], 0
+        for c, _ in live:
+            (verify_rows if c.num_spec else plain_rows).extend(range(row, row + c.num_sample_rows))
+            row += c.num_sample_rows
+        sampled = SamplerOutput([], [])
+        if plain:
+            rows = [SamplingRow.of(r) for r in plain]
+            sampled = self.sampler(logits[torch.tensor(plain_rows)], rows)
+        return sampled, self.spec.verify(logits[torch.tensor(verify_rows)], verify)
+
     def _update(
-        self, live: list[tuple[ScheduledChunk, Request]], sampled: SamplerOutput
+        self,
+        live: list[tuple[ScheduledChunk, Request]],
+        sampled: SamplerOutput,
+        verified: list[Verified],
     ) -> list[StreamDelta]:
         deltas = []
         row = 0
-        for chunk, _ in live:
+        results = iter(verified)
+        for chunk, req in live:
+            if chunk.num_spec:
+                res = next(results)
+                # Append first (the committed tokens' blocks get hashed), then roll back,
+                # unless a stop among them ended the request (its blocks are freed).
+                delta = self._after_tokens(req, res.token_ids, res.logprobs)
+                if not req.is_finished:
+                    self.scheduler.update_verified(chunk, res.num_accepted)
+                    self.spec.after_verify(req, chunk, res.num_accepted)  # type: ignore[union-attr]
+                deltas.append(delta)
+                continue
             req = self.scheduler.update_computed(chunk)
             if not chunk.needs_sample:
                 continue
             token_id = sampled.token_ids[row]
             logprobs = sampled.logprobs[row]
             row += 1
-            req.append_token(token_id)
-            deltas.append(self._after_token(req, token_id, logprobs))
+            deltas.append(self._after_tokens(req, (token_id,), (logprobs,)))
         return deltas
 
-    def _after_token(
-        self, req: Request, token_id: int, logprobs: TokenLogprobs | None
+    def _after_tokens(
+        self,
+        req: Request,
+        token_ids: Sequence[int],
+        logprobs: Sequence[TokenLogprobs | None],
     ) -> StreamDelta:
-        """Detokenize and apply the stop conditions to a request's new token."""
-        text, stop_matched = "", None
+        """Append a request's new tokens one by one, detokenizing and applying the stop
+        conditions after each; tokens after one that ends the request are dropped."""
         detok = self._detokenizers.get(req.request_id)
-        if detok is not None:
-            may_stop = req.num_output_tokens >= req.params.min_tokens
-            step = detok.step([token_id], check_stop=may_stop)
-            text, stop_matched = step.text, step.stop_matched
-        reason, stop_reason = check_stop(req, token_id, stop_matched, self.max_model_len)
-        new_logprobs = (logprobs,) if logprobs is not None else None
+        text, reason, stop_reason = "", None, None
+        emitted: list[int] = []
+        for token_id in token_ids:
+            req.append_token(token_id)
+            emitted.append(token_id)
+            stop_matched = None
+            if detok is not None:
+                may_stop = req.num_output_tokens >= req.params.min_tokens
+                step = detok.step([token_id], check_stop=may_stop)
+                text, stop_matched = text + step.text, step.stop_matched
+            reason, stop_reason = check_stop(req, token_id, stop_matched, self.max_model_len)
+            if reason is not None:
+                break
+        new_ids = tuple(emitted)
+        new_logprobs = None
+        if logprobs[0] is not None:
+            new_logprobs = tuple(lp for lp in logprobs[: len(emitted)] if lp is not None)
         if reason is None and req.is_prefill_only:
-            return self._hold(req, token_id, text, new_logprobs)
+            return self._hold(req, new_ids[0], text, new_logprobs)
         if reason is None:
             return StreamDelta(
                 req.request_id,
-                (token_id,),
+                new_ids,
                 text,
                 new_logprobs,
                 finished=False,
@@ -356,7 +427,7 @@ class LLMEngine:
             )
         req.stop_reason = stop_reason
         self.scheduler.finish(req, reason)
-        return self._final_delta(req, (token_id,), text, new_logprobs)
+        return self._final_delta(req, new_ids, text, new_logprobs)
 
     def _hold(
         self,
