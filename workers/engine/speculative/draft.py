@@ -112,11 +112,16 @@ class DraftProposer:
             ]  # fmt: skip
             _, x = sampler.process(logits, rows)
             greedy_ids = x.argmax(dim=-1).tolist()
+            sampled = [i for i, row in enumerate(rows) if not row.params.is_greedy]
+            if sampled:  # the distributions q the proposals are drawn from, in one pass
+                index = torch.tensor(sampled, dtype=torch.long, device=x.device)
+                q_rows = normalized(filtered_probs(x[index], [rows[i].params for i in sampled]))
+                q_of = dict(zip(sampled, q_rows, strict=True))
             for i, (_, r) in enumerate(order):
                 if r.params.is_greedy:
                     r.spec_token_ids[j] = greedy_ids[i]
                     continue
-                q = normalized(filtered_probs(x[i : i + 1], [r.params]))[0]
+                q = q_of[i]
                 r.spec_token_ids[j] = sample_from(q, draw_uniform(sampler, r.generator, 1)[0])
                 probs[r.request_id].append(q)
         for c, r in verify:

@@ -109,6 +109,13 @@ class RejectionSampler:
             rows += verify_rows(req, props)
         raw, x = self.sampler.process(logits, rows)
         greedy_ids = x.argmax(dim=-1).tolist()
+        # The target's distributions of every sampled row, in one pass: [rows, V].
+        sampled = [i for i, row in enumerate(rows) if not row.params.is_greedy]
+        p_all = None
+        if sampled:
+            index = torch.tensor(sampled, dtype=torch.long, device=x.device)
+            p_all = normalized(filtered_probs(x[index], [rows[i].params for i in sampled]))
+        p_start = 0
         results: list[Verified] = []
         start = 0
         emitted_rows: list[int] = []
@@ -118,7 +125,9 @@ class RejectionSampler:
             if req.params.is_greedy:
                 tokens = _greedy(props, greedy_ids[start : start + k + 1])
             else:
-                tokens = self._sample(req, props, x[start : start + k + 1], q)
+                assert p_all is not None
+                tokens = self._sample(req, props, p_all[p_start : p_start + k + 1], q)
+                p_start += k + 1
             emitted_rows += range(start, start + len(tokens))
             emitted_ids += tokens
             results.append(Verified(tuple(tokens), (), len(tokens) - 1))
@@ -129,11 +138,11 @@ class RejectionSampler:
         self,
         req: Request,
         proposals: Sequence[int],
-        x: torch.Tensor,
+        p: torch.Tensor,
         q: torch.Tensor | None,
     ) -> list[int]:
+        """``p``: the target's normalised distributions [k + 1, V]."""
         k = len(proposals)
-        p = normalized(filtered_probs(x, [req.params] * (k + 1)))  # [k + 1, V]
         uniform = draw_uniform(self.sampler, req.generator, k + 1)
         index = torch.tensor(list(proposals), dtype=torch.long, device=p.device)
         rows = torch.arange(k, device=p.device)

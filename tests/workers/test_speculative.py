@@ -1,0 +1,173 @@
+"""Speculative decoding in the whole engine: output equal to decoding without it.
+
+Random models: the target (wide random weights), the target itself as its own draft
+(every proposal accepted: the accept path, runs of k + 1 tokens per step) and a different
+random model of the same tokenizer as the draft (most proposals rejected: the reject and
+rollback path). Greedy output must be token for token the same as without speculation,
+through batching of mixed requests, chunked prefill, prefix caching, preemption, stop
+conditions landing inside an accepted run, and aborts; no KV block may leak.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from cluster.tools.make_model import make_model
+from tests.workers.test_engine import assert_no_leak, make_prompts, write_hf_model
+from workers import LLM, SamplingParams
+from workers.engine.request import FinishReason
+
+NUM_NEW = 24
+BASE = {"dtype": "float32", "block_size": 8, "max_num_seqs": 8}
+
+
+@pytest.fixture(scope="module")
+def target(tmp_path_factory) -> str:
+    path = tmp_path_factory.mktemp("target")
+    write_hf_model(path, "llama")
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def other_draft(tmp_path_factory) -> str:
+    path = tmp_path_factory.mktemp("draft")
+    make_model(path, "llama", "tiny", overwrite=True)  # same tokenizer, other weights
+    return str(path)
+
+
+def spec_args(method: str, target: str, other_draft: str) -> dict:
+    if method == "ngram":
+        return {"speculative_method": "ngram", "speculative_ngram_min": 1}
+    draft = target if method == "draft-self" else other_draft
+    return {"speculative_method": "draft", "speculative_draft_model": draft}
+
+
+def mixed_requests(vocab_size: int) -> tuple[list[list[int]], list[SamplingParams]]:
+    prompts = make_prompts(vocab_size)
+    prompts.append(prompts[1] * 6)  # repetition for the n-gram lookup
+    greedy = SamplingParams(max_tokens=NUM_NEW, temperature=0.0, ignore_eos=True)
+    params = [greedy] * len(prompts)
+    params[2] = SamplingParams(max_tokens=NUM_NEW, temperature=0.0, ignore_eos=True, logprobs=2)
+    params[3] = SamplingParams(
+        max_tokens=NUM_NEW, temperature=0.0, ignore_eos=True, speculative=False
+    )
+    params[4] = SamplingParams(max_tokens=7, temperature=0.0, ignore_eos=True)
+    params[5] = SamplingParams(
+        max_tokens=NUM_NEW, temperature=0.0, ignore_eos=True, repetition_penalty=1.3, min_tokens=3
+    )
+    return prompts, params
+
+
+@pytest.fixture(scope="module")
+def reference(target):
+    prompts, params = mixed_requests(1024)
+    llm = LLM(target, **BASE, max_num_batched_tokens=24)
+    return llm.generate(prompts, params)
+
+
+@pytest.mark.parametrize("method", ["ngram", "draft-self", "draft-other"])
+def test_greedy_output_is_unchanged_with_chunking_prefix_hits_and_opt_out(
+    target, other_draft, reference, method
+):
+    prompts, params = mixed_requests(1024)
+    # A 24-token budget chunks the long prompts; k + 1 = 5-token verify chunks share it.
+    llm = LLM(target, **BASE, max_num_batched_tokens=24, **spec_args(method, target, other_draft))
+    for _ in range(2):  # the second round hits the prefix cache everywhere
+        outs = llm.generate(prompts, params)
+        for out, want in zip(outs, reference, strict=True):
+            assert out.token_ids == want.token_ids
+            assert out.finish_reason == want.finish_reason
+            assert out.text == want.text
+        for got, want in zip(outs[2].logprobs, reference[2].logprobs, strict=True):
+            assert got.token_id == want.token_id and got.rank == want.rank
+            assert got.logprob == pytest.approx(want.logprob, abs=1e-4)
+            assert got.top_token_ids == want.top_token_ids
+        assert_no_leak(llm)
+    stats = llm.engine.spec_stats
+    assert stats.num_steps > 0 and stats.num_draft_tokens >= stats.num_steps
+    if method == "draft-self":
+        assert stats.acceptance_rate == 1.0
+        assert stats.mean_accepted_length > 4.0  # k = 4 accepted + the bonus, most steps
+    if method == "draft-other":
+        assert stats.acceptance_rate < 0.5  # the rejection path is exercised
+
+
+@pytest.mark.parametrize("method", ["ngram", "draft-other"])
+def test_preemption_with_speculation_recomputes_to_the_same_tokens(
+    target, other_draft, reference, method
+):
+    prompts, params = mixed_requests(1024)
+    # 20 blocks of 8 slots for 8 requests of up to 100+ tokens: preemption must happen.
+    llm = LLM(
+        target,
+        **BASE,
+        num_kv_blocks=20,
+        max_model_len=160,
+        **spec_args(method, target, other_draft),
+    )
+    outs = llm.generate(prompts, params)
+    assert llm.engine.scheduler.num_preemptions > 0
+    assert llm.engine.spec_stats.num_steps > 0
+    assert [o.token_ids for o in outs] == [w.token_ids for w in reference]
+    assert_no_leak(llm)
+
+
+def test_stops_inside_an_accepted_run_end_the_request_there(target):
+    # Draft == target: every step accepts 4 proposals, so stops land mid-run.
+    plain = LLM(target, **BASE)
+    spec = LLM(target, **BASE, speculative_method="draft", speculative_draft_model=target)
+    greedy = SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True)
+    base = plain.generate(["a prompt for stopping"], greedy)[0]
+    stop_id = base.token_ids[6]
+    cases = [
+        SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True, stop_token_ids=[stop_id]),
+        SamplingParams(max_tokens=7, temperature=0.0, ignore_eos=True),
+        SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True, stop=[base.text[9:12]]),
+        SamplingParams(
+            max_tokens=30, temperature=0.0, ignore_eos=True, min_tokens=9, stop_token_ids=[stop_id]
+        ),
+    ]
+    for params in cases:
+        want = plain.generate(["a prompt for stopping"], params)[0]
+        got = spec.generate(["a prompt for stopping"], params)[0]
+        assert got.token_ids == want.token_ids and got.text == want.text
+        assert got.finish_reason == want.finish_reason and got.stop_reason == want.stop_reason
+        assert got.finish_reason is FinishReason.STOP or len(got.token_ids) == 7
+    deltas = list(spec.stream("a prompt for stopping", greedy))
+    assert max(len(d.token_ids) for d in deltas) == 5  # k + 1 tokens in one delta
+    assert tuple(t for d in deltas for t in d.token_ids) == base.token_ids
+    assert "".join(d.text for d in deltas) == base.text
+    assert_no_leak(spec)
+
+
+def test_aborts_at_any_step_leak_no_block(target):
+    llm = LLM(target, **BASE, speculative_method="draft", speculative_draft_model=target)
+    engine = llm.engine
+    params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
+    prompts = make_prompts(1024)
+    for abort_after in range(4):
+        ids = [engine.add_request(p, params) for p in prompts]
+        for _ in range(abort_after):
+            engine.step()
+        engine.abort_request(ids[::2])
+        engine.step()
+        engine.block_manager.check_integrity()
+        engine.abort_request(ids[1::2])
+        while engine.has_unfinished_requests():
+            engine.step()
+        assert_no_leak(llm)
+    assert engine.spec_stats.num_steps > 0
+
+
+def test_large_batches_do_not_speculate(target):
+    llm = LLM(target, **BASE, speculative_method="ngram", speculative_max_batch_size=2)
+    prompts = [p * 4 for p in make_prompts(1024)[:4]]  # 4 decodes at once
+    llm.generate(prompts, SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True))
+    assert llm.engine.spec_stats.num_steps == 0
+
+
+def test_bad_speculative_settings_are_named():
+    with pytest.raises(ValueError, match="speculative_draft_model"):
+        LLM("/nonexistent", speculative_method="draft")
+    with pytest.raises(ValueError, match="speculative_ngram_min"):
+        LLM("/nonexistent", speculative_method="ngram", speculative_ngram_min=5)
