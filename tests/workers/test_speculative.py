@@ -11,9 +11,12 @@ conditions landing inside an accepted run, and aborts; no KV block may leak.
 from __future__ import annotations
 
 import pytest
+import torch
+from transformers import AutoModelForCausalLM
 
 from cluster.tools.make_model import make_model
 from tests.workers.test_engine import assert_no_leak, make_prompts, write_hf_model
+from tests.workers.test_speculative_units import chi_square_p_value
 from workers import LLM, SamplingParams
 from workers.engine.request import FinishReason
 
@@ -171,3 +174,58 @@ def test_bad_speculative_settings_are_named():
         LLM("/nonexistent", speculative_method="draft")
     with pytest.raises(ValueError, match="speculative_ngram_min"):
         LLM("/nonexistent", speculative_method="ngram", speculative_ngram_min=5)
+
+
+def exact_first_tokens(path: str, prompt: list[int], top_k: int, depth: int) -> dict:
+    """The target's exact probability of every ``depth``-token continuation under top-k
+    sampling at temperature 1, from transformers."""
+    model = AutoModelForCausalLM.from_pretrained(path, torch_dtype=torch.float32).eval()
+    out: dict[tuple[int, ...], float] = {}
+
+    def walk(prefix: tuple[int, ...], prob: float) -> None:
+        if len(prefix) == depth:
+            out[prefix] = prob
+            return
+        with torch.no_grad():
+            logits = model(torch.tensor([prompt + list(prefix)])).logits[0, -1]
+        top = torch.softmax(logits, -1).topk(top_k)
+        for p, token in zip(
+            (top.values / top.values.sum()).tolist(), top.indices.tolist(), strict=True
+        ):
+            walk((*prefix, token), prob * p)
+
+    walk((), 1.0)
+    return out
+
+
+@pytest.mark.parametrize("method", ["draft-self", "draft-other"])
+def test_sampled_output_keeps_the_targets_distribution(target, other_draft, method):
+    """Seeded samples of the first 3 tokens against their exact probabilities: the second
+    is verified against a proposal (accepted with draft == target, mostly rejected with
+    the other draft), the third is the bonus token or decoded after a rejection."""
+    prompt, num = [5, 77, 301, 9, 42], 500
+    exact = exact_first_tokens(target, prompt, top_k=3, depth=3)
+    llm = LLM(
+        target, dtype="float32", block_size=8, max_num_seqs=64, max_num_batched_tokens=512,
+        speculative_max_batch_size=64, **spec_args(method, target, other_draft),
+    )  # fmt: skip
+    params = [
+        SamplingParams(max_tokens=3, temperature=1.0, top_k=3, seed=s, ignore_eos=True)
+        for s in range(num)
+    ]
+    outs = llm.generate([prompt] * num, params)
+    stats = llm.engine.spec_stats
+    assert stats.num_steps >= num  # every request verified its second token
+    if method == "draft-self":
+        assert stats.acceptance_rate == 1.0
+    counts = {seq: 0 for seq in exact}
+    for out in outs:
+        counts[tuple(out.token_ids)] += 1  # KeyError: a token outside the top 3
+    # Pearson's chi-square, cells with fewer than 5 expected merged into one.
+    small = [s for s in exact if exact[s] * num < 5]
+    cells = [([s], exact[s]) for s in exact if s not in small] + [
+        (small, sum(exact[s] for s in small))
+    ]
+    observed = [sum(counts[s] for s in group) for group, _ in cells]
+    assert chi_square_p_value(observed, [p for _, p in cells]) > 1e-3, (observed, cells)
+    assert_no_leak(llm)
