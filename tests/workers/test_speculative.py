@@ -15,6 +15,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from cluster.tools.make_model import make_model
+from tests.workers import test_engine_roles as roles
 from tests.workers.test_engine import assert_no_leak, make_prompts, write_hf_model
 from tests.workers.test_speculative_units import chi_square_p_value
 from workers import LLM, SamplingParams
@@ -229,3 +230,19 @@ def test_sampled_output_keeps_the_targets_distribution(target, other_draft, meth
     observed = [sum(counts[s] for s in group) for group, _ in cells]
     assert chi_square_p_value(observed, [p for _, p in cells]) > 1e-3, (observed, cells)
     assert_no_leak(llm)
+
+
+def test_decode_worker_speculates_on_handed_off_requests(target):
+    """Decode role: the prompt's target KV arrives from a prefill worker; the draft's is
+    computed here from the prompt tokens at the first proposal. Tokens as aggregated."""
+    agg, pre = roles.make_engine(target), roles.make_engine(target)
+    dec = roles.make_engine(target, speculative_method="draft", speculative_draft_model=target)
+    prompts = make_prompts(1024)[:5]
+    params = [roles.GREEDY] * len(prompts)
+    want = [roles.tokens(d) for d in roles.aggregated(agg, prompts, params)]
+    held = roles.prefill(pre, prompts, params)
+    out = roles.decode(pre, dec, prompts, params, held)
+    for h, w in zip(held, want, strict=True):
+        assert [h.token_ids[0], *roles.tokens(out[h.request_id])] == w
+    assert dec.spec_stats.acceptance_rate == 1.0 and dec.spec_stats.num_steps > 0
+    roles.assert_no_blocks_in_use(agg, pre, dec)
