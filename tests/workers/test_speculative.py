@@ -19,7 +19,10 @@ from tests.workers import test_engine_roles as roles
 from tests.workers.test_engine import assert_no_leak, make_prompts, write_hf_model
 from tests.workers.test_speculative_units import chi_square_p_value
 from workers import LLM, SamplingParams
+from workers.engine.config import EngineConfig
+from workers.engine.llm_engine import LLMEngine
 from workers.engine.request import FinishReason
+from workers.models.parallel import ParallelContext
 
 NUM_NEW = 24
 BASE = {"dtype": "float32", "block_size": 8, "max_num_seqs": 8}
@@ -246,3 +249,10 @@ def test_decode_worker_speculates_on_handed_off_requests(target):
         assert [h.token_ids[0], *roles.tokens(out[h.request_id])] == w
     assert dec.spec_stats.acceptance_rate == 1.0 and dec.spec_stats.num_steps > 0
     roles.assert_no_blocks_in_use(agg, pre, dec)
+
+
+@pytest.mark.parametrize("parallel", [{"tp_size": 2}, {"pp_size": 2, "pp_rank": 1}])
+def test_parallel_replicas_refuse_speculation_naming_the_setting(parallel):
+    config = EngineConfig(model="/nonexistent", speculative_method="ngram")
+    with pytest.raises(ValueError, match="speculative_method: ngram is not supported"):
+        LLMEngine(config, parallel=ParallelContext(**parallel))

@@ -41,6 +41,7 @@ from workers.engine.speculative.draft import DraftProposer
 from workers.engine.speculative.rejection import Verified
 from workers.engine.speculative.stats import SpecDecodeStats
 from workers.engine.step_inputs import StepInputs
+from workers.engine.step_outputs import StepOutputs
 from workers.engine.step_times import StepTimes
 from workers.models.loader import load_model
 from workers.models.parallel import ParallelContext
@@ -70,12 +71,13 @@ class LLMEngine:
         self.config = config
         self.parallel = parallel or ParallelContext()
         if config.speculative_method is not None and (
-            self.parallel.tp_size > 1 or self.parallel.pp_size > 1
+            self.parallel.tp_size > 1 or self.parallel.pp_size > 1 or (batches_in_flight or 1) > 1
         ):
             raise ValueError(
                 f"speculative_method: {config.speculative_method} is not supported on a "
                 f"tensor/pipeline-parallel replica (tp={self.parallel.tp_size}, "
-                f"pp={self.parallel.pp_size}); unset it or use a single-rank replica"
+                f"pp={self.parallel.pp_size}, batches_in_flight={batches_in_flight}); "
+                "unset it or use a single-rank replica"
             )
         self.device = config.resolve_device()
         self.dtype = config.resolve_dtype(self.device)
@@ -138,6 +140,9 @@ class LLMEngine:
             self.spec = SpeculativeDecoder(config, self.sampler, draft)
         # Empty when config.detokenize is False (the router detokenizes at the edge).
         self._detokenizers: dict[str, IncrementalDetokenizer] = {}
+        self._outputs = StepOutputs(
+            self.scheduler, self.handoff, self._detokenizers, self.max_model_len
+        )
         self._pending: list[StreamDelta] = []  # finals of aborted requests, sent next step
         self.step_times = StepTimes()
 
@@ -330,6 +335,8 @@ class LLMEngine:
             sampled, verified = self._sample(live, logits)
         except BaseException:
             self._in_flight.cancel(batch, self.scheduler)
+            if self.spec is not None:
+                self.spec.cancelled(batch.requests)
             raise
         t2 = time.perf_counter()
         deltas = self._update(live, sampled, verified)
@@ -388,73 +395,9 @@ class LLMEngine:
         return deltas
 
     def _after_tokens(
-        self,
-        req: Request,
-        token_ids: Sequence[int],
-        logprobs: Sequence[TokenLogprobs | None],
+        self, req: Request, token_ids: Sequence[int], logprobs: Sequence[TokenLogprobs | None]
     ) -> StreamDelta:
-        """Append a request's new tokens one by one, detokenizing and applying the stop
-        conditions after each; tokens after one that ends the request are dropped."""
-        detok = self._detokenizers.get(req.request_id)
-        text, reason, stop_reason = "", None, None
-        emitted: list[int] = []
-        for token_id in token_ids:
-            req.append_token(token_id)
-            emitted.append(token_id)
-            stop_matched = None
-            if detok is not None:
-                may_stop = req.num_output_tokens >= req.params.min_tokens
-                step = detok.step([token_id], check_stop=may_stop)
-                text, stop_matched = text + step.text, step.stop_matched
-            reason, stop_reason = check_stop(req, token_id, stop_matched, self.max_model_len)
-            if reason is not None:
-                break
-        new_ids = tuple(emitted)
-        new_logprobs = None
-        if logprobs[0] is not None:
-            new_logprobs = tuple(lp for lp in logprobs[: len(emitted)] if lp is not None)
-        if reason is None and req.is_prefill_only:
-            return self._hold(req, new_ids[0], text, new_logprobs)
-        if reason is None:
-            return StreamDelta(
-                req.request_id,
-                new_ids,
-                text,
-                new_logprobs,
-                finished=False,
-                num_prompt_tokens=req.num_prompt_tokens,
-                num_cached_tokens=req.num_cached_tokens,
-            )
-        req.stop_reason = stop_reason
-        self.scheduler.finish(req, reason)
-        return self._final_delta(req, new_ids, text, new_logprobs)
-
-    def _hold(
-        self,
-        req: Request,
-        token_id: int,
-        text: str,
-        logprobs: tuple[TokenLogprobs, ...] | None,
-    ) -> StreamDelta:
-        """Prefill role: end the stream here but keep the blocks with the prompt's KV.
-
-        The worker must end every held id's hand-off (the lease's end, ``release_held``
-        or ``abort_request``), or its blocks stay in use for good.
-        """
-        self.scheduler.hold(req)
-        # Not flushed: held-back text is emitted by the decode side, which continues the
-        # same detokenizer state.
-        self._detokenizers.pop(req.request_id, None)
-        return StreamDelta(
-            req.request_id,
-            (token_id,),
-            text,
-            logprobs,
-            finished=True,
-            num_prompt_tokens=req.num_prompt_tokens,
-            num_cached_tokens=req.num_cached_tokens,
-            held_block_ids=self.handoff.held_block_ids(req.request_id),
-        )
+        return self._outputs.after_tokens(req, token_ids, logprobs)
 
     def _final_delta(
         self,
@@ -463,17 +406,4 @@ class LLMEngine:
         text: str,
         logprobs: tuple[TokenLogprobs, ...] | None,
     ) -> StreamDelta:
-        detok = self._detokenizers.pop(req.request_id, None)
-        if detok is not None and (req.stop_reason is None or isinstance(req.stop_reason, int)):
-            text += detok.flush()  # held back for a stop string that never came
-        return StreamDelta(
-            req.request_id,
-            token_ids,
-            text,
-            logprobs,
-            finished=True,
-            finish_reason=req.finish_reason,
-            stop_reason=req.stop_reason,
-            num_prompt_tokens=req.num_prompt_tokens,
-            num_cached_tokens=req.num_cached_tokens,
-        )
+        return self._outputs.final_delta(req, token_ids, text, logprobs)

@@ -133,6 +133,13 @@ class SpeculativeDecoder:
                 self._backoff.record(r.request_id, c.num_spec, res.num_accepted)
         return results
 
+    def cancelled(self, requests: Sequence[Request]) -> None:
+        """A batch failed: its proposals were not verified; the draft's KV of them (written
+        before the target's forward) must not count as computed."""
+        for req in requests:
+            req.spec_token_ids = []
+            req.draft_num_computed = min(req.draft_num_computed, req.num_computed_tokens)
+
     def after_verify(self, req: Request, chunk: ScheduledChunk, num_accepted: int) -> None:
         """The request's tokens are appended: roll the draft's KV back past them."""
         if self.draft is not None:
