@@ -171,8 +171,12 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("-k", type=int, default=4, help="speculative_num_tokens")
     parser.add_argument("--workloads", nargs="+", default=["code", "text"])
+    parser.add_argument(
+        "--threads", type=int, default=1, help="torch threads (1: steadier on a shared machine)"
+    )
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
+    torch.set_num_threads(args.threads)
 
     from cluster.tools.train import trained_pair
     from cluster.tools.train_corpus import stdlib_split
