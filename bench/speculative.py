@@ -112,6 +112,30 @@ def run_once(llm: LLM, prompts: list, max_tokens: int) -> dict:
     }
 
 
+def prompt_cost(target: str, draft: str, prompts: list, repeats: int) -> dict:
+    """What a decode worker pays for the draft's prompt KV (it is never transferred): the
+    draft's prefill of a prompt against the target's, medians of ``repeats``."""
+    times: dict[str, list[float]] = defaultdict(list)
+    llms = {name: LLM(path, dtype="float32", max_model_len=1024) for name, path in
+            (("target", target), ("draft", draft))}  # fmt: skip
+    one = SamplingParams(max_tokens=1, temperature=0.0)
+    for _ in range(repeats + 1):
+        for name, llm in llms.items():
+            llm.engine.block_manager.evict()
+            start = time.perf_counter()
+            llm.generate(prompts, one)
+            times[name].append(time.perf_counter() - start)
+    target_s = statistics.median(times["target"][1:])
+    draft_s = statistics.median(times["draft"][1:])
+    return {
+        "num_prompts": len(prompts),
+        "prompt_tokens": sum(len(p) for p in prompts),
+        "target_prefill_s": target_s,
+        "draft_prefill_s": draft_s,
+        "draft_over_target": draft_s / target_s,
+    }
+
+
 def bench_workload(
     target: str, draft: str, method: str, prompts: list, args: argparse.Namespace
 ) -> dict:
@@ -205,6 +229,8 @@ def main() -> None:
     if "text" in args.workloads:
         prompts = text_prompts(held_out, n, tokenizer, seed=0)
         report["draft_text"] = bench_workload(target, draft, "draft", prompts, args)
+        report["draft_prompt_cost"] = prompt_cost(target, draft, prompts, args.repeats)
+        print("draft prompt KV on a decode worker:", report["draft_prompt_cost"], flush=True)
     if args.json:
         args.json.write_text(json.dumps(report, indent=2) + "\n")
 

@@ -10,11 +10,15 @@ conditions landing inside an accepted run, and aborts; no KV block may leak.
 
 from __future__ import annotations
 
+import ast
+from pathlib import Path
+
 import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
 from cluster.tools.make_model import make_model
+from cluster.tools.train import trained_pair
 from tests.workers import test_engine_roles as roles
 from tests.workers.test_engine import assert_no_leak, make_prompts, write_hf_model
 from tests.workers.test_speculative_units import chi_square_p_value
@@ -202,7 +206,9 @@ def exact_first_tokens(path: str, prompt: list[int], top_k: int, depth: int) -> 
     return out
 
 
-@pytest.mark.parametrize("method", ["draft-self", "draft-other"])
+@pytest.mark.parametrize(
+    "method", [pytest.param("draft-self", marks=pytest.mark.slow), "draft-other"]
+)
 def test_sampled_output_keeps_the_targets_distribution(target, other_draft, method):
     """Seeded samples of the first 3 tokens against their exact probabilities: the second
     is verified against a proposal (accepted with draft == target, mostly rejected with
@@ -213,6 +219,7 @@ def test_sampled_output_keeps_the_targets_distribution(target, other_draft, meth
         target, dtype="float32", block_size=8, max_num_seqs=64, max_num_batched_tokens=512,
         speculative_max_batch_size=64, **spec_args(method, target, other_draft),
     )  # fmt: skip
+    llm.engine.spec.adaptive = False  # speculate at every step, whatever it measures
     params = [
         SamplingParams(max_tokens=3, temperature=1.0, top_k=3, seed=s, ignore_eos=True)
         for s in range(num)
@@ -256,3 +263,33 @@ def test_parallel_replicas_refuse_speculation_naming_the_setting(parallel):
     config = EngineConfig(model="/nonexistent", speculative_method="ngram")
     with pytest.raises(ValueError, match="speculative_method: ngram is not supported"):
         LLMEngine(config, parallel=ParallelContext(**parallel))
+
+
+@pytest.fixture(scope="module")
+def trained() -> tuple[str, str]:
+    target_dir, draft_dir = trained_pair("test")
+    return str(target_dir), str(draft_dir)
+
+
+@pytest.mark.parametrize("method", ["ngram", "draft"])
+def test_trained_pair_accepts_proposals_and_keeps_greedy_output(trained, method):
+    """A target and draft that learned Python (tests/data/trained): greedy output as without
+    speculation, and a good share of the proposals accepted."""
+    target_dir, draft_dir = trained
+    source = Path(ast.__file__).read_text()  # Python the pair has seen the like of
+    prompts = [source[i : i + 600] for i in (2000, 9000, 15000, 30000)]
+    # Code editing: a function asked for again, for the n-gram lookup to find it.
+    prompts.append(source[4000:4600] + "\n\n# The same code again:\n" + source[4000:4060])
+    params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
+    args = {"dtype": "float32", "max_model_len": 1024, "max_num_batched_tokens": 256}
+    want = LLM(target_dir, **args).generate(prompts, params)
+    spec = {"speculative_method": method}
+    if method == "draft":
+        spec["speculative_draft_model"] = draft_dir
+    llm = LLM(target_dir, **args, **spec)
+    got = llm.generate(prompts, params)
+    assert [o.token_ids for o in got] == [o.token_ids for o in want]
+    stats = llm.engine.spec_stats
+    assert stats.acceptance_rate > 0.3, stats
+    assert stats.mean_accepted_length > 1.8, stats
+    assert_no_leak(llm)

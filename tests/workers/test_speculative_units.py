@@ -13,6 +13,7 @@ from workers.engine.sampler import Sampler
 from workers.engine.speculative.ngram import NgramProposer
 from workers.engine.speculative.rejection import RejectionSampler
 from workers.engine.speculative.stats import SpecDecodeStats
+from workers.engine.speculative.switch import SpeculationSwitch
 from workers.protocol.sampling_params import SamplingParams
 
 
@@ -122,3 +123,23 @@ def test_rejection_sampling_keeps_the_targets_distribution(proposer):
         proposals[:50], draft_q[:50],
     )  # fmt: skip
     assert [o.token_ids for o in again] == [o.token_ids for o in out[:50]]
+
+
+def test_the_switch_speculates_where_it_measured_faster():
+    switch = SpeculationSwitch(explore_every=4)
+    # Nothing measured: speculating is tried first, then plain decoding.
+    assert switch.speculate(1)
+    switch.observe(1, True, tokens=3, seconds=0.02)  # 150 tokens/s per request
+    assert not switch.speculate(1)
+    switch.observe(1, False, tokens=1, seconds=0.01)  # 100
+    # Batch 16: speculation measured slower; batch 1 is another bucket and keeps its own.
+    switch.observe(16, True, tokens=20, seconds=0.05)  # 25
+    switch.observe(16, False, tokens=16, seconds=0.02)  # 50
+    decisions = [switch.speculate(1) for _ in range(8)]
+    assert decisions.count(True) == 6  # every 4th step of the bucket tries the other mode
+    assert [switch.speculate(16) for _ in range(3)] == [False, False, False]
+    # Acceptance improves at batch 16: the moving average follows.
+    for _ in range(8):
+        switch.observe(16, True, tokens=64, seconds=0.04)  # 100
+    # The bucket's 4th step explores (now plain), then speculation wins.
+    assert [switch.speculate(16) for _ in range(3)] == [False, True, True]

@@ -145,6 +145,7 @@ class LLMEngine:
         )
         self._pending: list[StreamDelta] = []  # finals of aborted requests, sent next step
         self.step_times = StepTimes()
+        self._last_sched: SchedulerOutput | None = None  # the batch the last step completed
 
     @property
     def spec_stats(self) -> SpecDecodeStats:
@@ -298,6 +299,7 @@ class LLMEngine:
         Without pipeline stages that is one batch, scheduled and sampled here. If the
         model or sampler raises, no request of a batch in flight advances (their blocks
         stay allocated for a retry) and the finals of aborted requests are kept."""
+        start = time.perf_counter()
         before_prepare = None
         if self.spec is not None and not self._in_flight:
             self.spec.propose(self.scheduler, self.max_model_len)
@@ -307,6 +309,10 @@ class LLMEngine:
             deltas, self._pending = self._pending, []
             return deltas
         deltas = self._complete()
+        if self.spec is not None:
+            num_tokens = sum(len(d.token_ids) for d in deltas)
+            assert self._last_sched is not None
+            self.spec.observe(self._last_sched, num_tokens, time.perf_counter() - start)
         deltas, self._pending = self._pending + deltas, []
         return deltas
 
@@ -325,6 +331,7 @@ class LLMEngine:
         sample, update. If the model or sampler raises, no request of any batch in flight
         advances (their blocks stay allocated for a retry)."""
         batch = self._in_flight.popleft()
+        self._last_sched = batch.sched
         t0 = time.perf_counter()
         try:
             logits = self.runner.run(batch.inputs)

@@ -5,8 +5,9 @@ Per step (docs/engine.md, "Speculative decoding"):
 1. ``propose`` (before scheduling): each running decode that may speculate gets its
    proposals in ``req.spec_token_ids`` (n-gram: the tokens themselves; draft: k
    placeholders, filled in step 3). Nobody speculates when more than
-   ``speculative_max_batch_size`` decodes run: a large batch is compute-bound already,
-   and verifying k extra tokens per request would cost more than it saves.
+   ``speculative_max_batch_size`` decodes run (a large batch is compute-bound already,
+   and verifying k extra tokens per request would cost more than it saves), nor where
+   the measured rates say it is slower at this batch size (``switch.py``).
 2. The scheduler turns such a request into a verify chunk (its last token + proposals)
    if budget and free blocks allow, else it decodes plainly.
 3. ``before_prepare``: the draft model proposes for the batch's verify chunks.
@@ -34,6 +35,7 @@ from workers.engine.speculative.draft import DraftProposer, rolled_back
 from workers.engine.speculative.ngram import NgramProposer
 from workers.engine.speculative.rejection import RejectionSampler, Verified
 from workers.engine.speculative.stats import SpecDecodeStats
+from workers.engine.speculative.switch import SpeculationSwitch
 
 
 class _Backoff:
@@ -89,12 +91,17 @@ class SpeculativeDecoder:
         self.rejection = RejectionSampler(sampler)
         self.stats = SpecDecodeStats()
         self._backoff = _Backoff()
+        # Measured on/off rates per batch size; False: speculate wherever allowed (tests).
+        self.switch = SpeculationSwitch()
+        self.adaptive = True
         self._draft_probs: dict[str, torch.Tensor | None] = {}
 
     def propose(self, scheduler: Scheduler, max_model_len: int) -> None:
         """Set every running request's proposals for the step about to be scheduled."""
         decodes = [r for r in scheduler.running if r.num_unscheduled_tokens == 1]
-        speculate = len(decodes) <= self.max_batch_size
+        speculate = 0 < len(decodes) <= self.max_batch_size and (
+            not self.adaptive or self.switch.speculate(len(decodes))
+        )
         if self.draft is not None:
             self._backoff.forget_all_but(set(scheduler.requests))
         for req in scheduler.running:
@@ -132,6 +139,14 @@ class SpeculativeDecoder:
             if self.draft is not None:
                 self._backoff.record(r.request_id, c.num_spec, res.num_accepted)
         return results
+
+    def observe(self, sched: SchedulerOutput, num_tokens: int, seconds: float) -> None:
+        """A whole engine step ran ``sched`` and emitted ``num_tokens`` in ``seconds``:
+        decode-only steps feed the switch (a prefill chunk would blur the rate)."""
+        if any(c.num_tokens > 1 and not c.num_spec for c in sched.chunks):
+            return
+        speculated = any(c.num_spec for c in sched.chunks)
+        self.switch.observe(len(sched.chunks), speculated, num_tokens, seconds)
 
     def cancelled(self, requests: Sequence[Request]) -> None:
         """A batch failed: its proposals were not verified; the draft's KV of them (written
