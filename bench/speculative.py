@@ -10,9 +10,9 @@ Two workloads, greedy, EOS ignored, ``--max-tokens`` output tokens per request:
   never trained on).
 
 Each batch size B runs B such requests together, three engines alternating within each
-repeat: ``off`` (no speculation), ``forced`` (speculating at every batch size:
-``speculative_max_batch_size`` = B) and ``auto`` (the default settings, whose batch-size
-switch turns speculation off where it would be slower). Reported per engine and B: the
+repeat: ``off`` (no speculation), ``forced`` (speculating at every step) and ``auto``
+(the default settings: the engine measures whether speculation is faster per batch size
+and turns it off where it is not, up to ``speculative_max_batch_size``). Reported per engine and B: the
 median over repeats of tokens/s per request (each request's tokens over its own latency,
 mean over the batch), output tokens per CPU-second of this process, the acceptance rate
 and mean accepted length (accepted per verify step + 1), and the ratio against ``off``
@@ -150,6 +150,7 @@ def bench_workload(
     results: dict = {}
     for batch in args.batches:
         forced = LLM(target, **common, **spec, speculative_max_batch_size=batch)
+        forced.engine.spec.adaptive = False  # speculate at every step, measured or not
         runs: dict[str, list[dict]] = defaultdict(list)
         for repeat in range(args.repeats + 1):  # the first round warms up, unrecorded
             for name, llm in (

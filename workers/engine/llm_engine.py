@@ -32,7 +32,7 @@ from workers.engine.handoff import KVHandoff
 from workers.engine.kv_cache import allocate_kv_cache
 from workers.engine.model_runner import ModelRunner
 from workers.engine.outputs import StreamDelta
-from workers.engine.request import Request, check_stop
+from workers.engine.request import Request
 from workers.engine.resume import resume_outputs
 from workers.engine.sampler import Sampler, SamplerOutput, SamplingRow, make_generator
 from workers.engine.scheduler import ScheduledChunk, Scheduler, SchedulerOutput
