@@ -146,6 +146,9 @@ class LLMEngine:
         self._pending: list[StreamDelta] = []  # finals of aborted requests, sent next step
         self.step_times = StepTimes()
         self._last_sched: SchedulerOutput | None = None  # the batch the last step completed
+        # The speculation switch's clock: on CPU this process's CPU time (steady when other
+        # processes share the cores; the work is all here), on an accelerator wall time.
+        self._spec_clock = time.process_time if self.device.type == "cpu" else time.perf_counter
 
     @property
     def spec_stats(self) -> SpecDecodeStats:
@@ -299,7 +302,7 @@ class LLMEngine:
         Without pipeline stages that is one batch, scheduled and sampled here. If the
         model or sampler raises, no request of a batch in flight advances (their blocks
         stay allocated for a retry) and the finals of aborted requests are kept."""
-        start = time.perf_counter()
+        start = self._spec_clock()
         before_prepare = None
         if self.spec is not None and not self._in_flight:
             self.spec.propose(self.scheduler, self.max_model_len)
@@ -312,7 +315,7 @@ class LLMEngine:
         if self.spec is not None:
             num_tokens = sum(len(d.token_ids) for d in deltas)
             assert self._last_sched is not None
-            self.spec.observe(self._last_sched, num_tokens, time.perf_counter() - start)
+            self.spec.observe(self._last_sched, num_tokens, self._spec_clock() - start)
         deltas, self._pending = self._pending + deltas, []
         return deltas
 

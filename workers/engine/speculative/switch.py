@@ -3,7 +3,7 @@
 Whether verifying k extra tokens per request pays depends on the batch size, the models,
 the machine and how often proposals are accepted, so the engine measures: for steps that
 only decode (no prefill chunk), the tokens each request got per second of the whole step
-(draft forwards included), kept per batch-size bucket (1, 2-3, 4-7, 8-15, ...) as a moving
+(draft forwards included; CPU seconds on CPU), kept per batch-size bucket (1, 2-3, 4-7, 8-15, ...) as a moving
 average for steps that speculated and steps that did not. A bucket speculates while its
 speculating rate is at least the plain one. Each mode is tried where it has no
 measurement yet, and the mode not chosen is tried again every ``explore_every`` steps of
@@ -24,7 +24,7 @@ class _Bucket:
 
 
 class SpeculationSwitch:
-    def __init__(self, explore_every: int = 24) -> None:
+    def __init__(self, explore_every: int = 50) -> None:
         self.explore_every = explore_every
         self._buckets: dict[int, _Bucket] = {}
 
