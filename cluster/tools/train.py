@@ -19,6 +19,7 @@ is the API the rest of the project calls.
 from __future__ import annotations
 
 import dataclasses
+import fcntl
 import hashlib
 import json
 import os
@@ -31,6 +32,7 @@ from pathlib import Path
 
 import torch
 from safetensors.torch import load_file, save_file
+from tokenizers import Tokenizer
 
 from cluster.tools.families import FAMILIES
 from cluster.tools.make_model import (
@@ -123,19 +125,20 @@ def trained_pair(kind: str = "test") -> tuple[Path, Path]:
         return TEST_PAIR_DIR / "target", TEST_PAIR_DIR / "draft"
     recipe = RECIPES[kind]
     pair = cache_root() / f"{recipe.name}-{recipe.digest()}"
-    if not (pair / "report.json").is_file():
-        pair.parent.mkdir(parents=True, exist_ok=True)
-        # Train into a temporary sibling, then rename: a reader never sees half a pair, and
-        # two processes racing both finish with one complete directory.
-        tmp = Path(tempfile.mkdtemp(prefix=f".{pair.name}-", dir=pair.parent))
-        try:
-            train_pair(recipe, tmp, progress=True)
-            os.rename(tmp, pair)
-        except OSError:
-            if not (pair / "report.json").is_file():
-                raise
-        finally:
-            shutil.rmtree(tmp, ignore_errors=True)
+    if (pair / "report.json").is_file():
+        return pair / "target", pair / "draft"
+    pair.parent.mkdir(parents=True, exist_ok=True)
+    # One trainer per pair: a second caller waits on the lock, then finds the pair made.
+    with open(pair.parent / f"{pair.name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not (pair / "report.json").is_file():
+            # Train into a temporary sibling, then rename: no reader sees half a pair.
+            tmp = Path(tempfile.mkdtemp(prefix=f".{pair.name}-", dir=pair.parent))
+            try:
+                train_pair(recipe, tmp, progress=True)
+                os.rename(tmp, pair)
+            finally:
+                shutil.rmtree(tmp, ignore_errors=True)
     return pair / "target", pair / "draft"
 
 
@@ -238,7 +241,7 @@ def load_trainable(model_dir: str | Path) -> TrainableLlama:
     return model.eval()
 
 
-def _write_model(out: Path, model: TrainableLlama, recipe: Recipe, tokenizer) -> None:
+def _write_model(out: Path, model: TrainableLlama, recipe: Recipe, tokenizer: Tokenizer) -> None:
     out.mkdir(parents=True)
     config = hf_config(recipe, model.shape)
     tokenizer.save(str(out / "tokenizer.json"))

@@ -11,6 +11,7 @@ import torch
 import transformers
 
 from cluster import cli
+from cluster.tools import train
 from cluster.tools.train import RECIPES, TEST_PAIR_DIR, load_trainable, train_pair, trained_pair
 from cluster.tools.train_corpus import eval_windows, stdlib_split, token_stream
 from cluster.tools.train_llama import LlamaShape, TrainableLlama
@@ -131,6 +132,22 @@ def test_training_is_deterministic_and_is_a_llama(tmp_path):
         torch.testing.assert_close(
             load_trainable(model_dir)(ids), hf(ids).logits, rtol=1e-5, atol=1e-5
         )
+
+
+def test_trained_pair_trains_once_into_the_cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    monkeypatch.setitem(train.RECIPES, "bench", _mini_recipe(0))
+    target, draft = trained_pair("bench")
+    assert target.parent.parent == tmp_path / "baton" / "trained"
+    assert target.parent.name == f"mini-{_mini_recipe(0).digest()}"
+    assert (target / "model.safetensors").is_file() and (draft / "tokenizer.json").is_file()
+    assert [p.name for p in target.parent.parent.iterdir() if p.name.startswith(".")] == []
+
+    def must_not_train(*args, **kwargs):
+        raise AssertionError("trained again")
+
+    monkeypatch.setattr(train, "train_pair", must_not_train)
+    assert trained_pair("bench") == (target, draft)
 
 
 def test_train_pair_refuses_a_non_empty_directory(tmp_path):
