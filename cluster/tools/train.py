@@ -132,6 +132,8 @@ def trained_pair(kind: str = "test") -> tuple[Path, Path]:
     with open(pair.parent / f"{pair.name}.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         if not (pair / "report.json").is_file():
+            for stale in pair.parent.glob(f".{pair.name}-*"):  # a killed trainer's leftovers
+                shutil.rmtree(stale, ignore_errors=True)
             # Train into a temporary sibling, then rename: no reader sees half a pair.
             tmp = Path(tempfile.mkdtemp(prefix=f".{pair.name}-", dir=pair.parent))
             try:
