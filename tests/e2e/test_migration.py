@@ -32,6 +32,7 @@ from tests.e2e.test_parallel_cluster import _rank_pids
 STREAMS = [f"Stream {i}: {'different words ' * i}" for i in range(4)]
 MAX_TOKENS = 300  # long enough to be mid-stream when the worker is killed
 MIGRATIONS = "baton_router_migrations_total"
+FAILURES = "baton_kv_transfer_failures_total"
 
 
 @pytest.fixture(scope="module")
@@ -142,16 +143,18 @@ def test_a_killed_decode_worker_s_streams_continue_token_for_token(
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("on_failure", ["fail", "recompute"])
 def test_a_prefill_rank_killed_mid_hand_off_reroutes_the_prefill(
-    tiny_model_dir, tmp_path, reference
+    tiny_model_dir, tmp_path, reference, on_failure
 ):
     """Requests flow through a TP=2 prefill replica without pause; its second rank is
-    killed, so requests in prefill (``prefill_worker_died``) and in hand-off
-    (``transfer_failed``, with ``kv_transfer.on_failure: fail``) migrate: every client
-    still gets the reference tokens, none an error."""
+    killed. Requests in prefill migrate (``prefill_worker_died``); those in hand-off
+    migrate too (``transfer_failed``) with ``kv_transfer.on_failure: fail``, or their
+    decode worker recomputes the prompt (``recompute``). Every client still gets the
+    reference tokens, none an error."""
     config = cluster_config(tiny_model_dir, disaggregation="auto", auto_local_prefill_tokens=0)
     config["prefill"]["tensor_parallel"] = 2
-    config["kv_transfer"]["on_failure"] = "fail"
+    config["kv_transfer"]["on_failure"] = on_failure
     served = start_cluster(config, tmp_path)
     try:
         stub = served.stub()
