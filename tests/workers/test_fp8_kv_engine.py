@@ -170,3 +170,36 @@ def test_fp8_holds_twice_the_blocks_of_bf16_in_the_same_memory(model_dir):
     assert fp8 == 0.01 * 2**30 // (per_block * 20)
     assert bf16 == 0.01 * 2**30 // (per_block * 32)
     assert fp32 == 0.01 * 2**30 // (per_block * 64)
+
+
+def test_checkpoint_static_kv_scales_are_loaded_and_used(tmp_path, prompts):
+    """llm-compressor names (layer 0) and AutoFP8's (layer 1, K only): the rows of those
+    layers carry the static scale; V of layer 1 keeps its own scale per row."""
+    from safetensors.torch import load_file, save_file
+
+    make_model(tmp_path, "qwen2", "tiny", overwrite=True)
+    weights = load_file(tmp_path / "model.safetensors")
+    weights["model.layers.0.self_attn.k_scale"] = torch.tensor(0.02)
+    weights["model.layers.0.self_attn.v_scale"] = torch.tensor(0.03)
+    weights["model.layers.1.self_attn.k_proj.output_scale"] = torch.tensor([0.05])
+    save_file(weights, tmp_path / "model.safetensors", metadata={"format": "pt"})
+    engine = make_engine(str(tmp_path))
+    attns = [layer.self_attn.attn for layer in engine.model.model.layers]
+    assert [(a.k_scale, a.v_scale) for a in attns] == [
+        (pytest.approx(0.02), pytest.approx(0.03)),
+        (pytest.approx(0.05), None),
+    ]
+    aggregated(engine, prompts[3:], [GREEDY])
+    # [blocks, layers, K/V, heads, tokens]; the cache starts zeroed: 0 = never written.
+    scales = engine.kv_cache[..., 16:].contiguous().view(torch.float32)[..., 0]
+    used = scales != 0
+    assert int(used[:, 0, 0].sum()) == 2 * len(prompts[3]) + 2 * (GREEDY.max_tokens - 1)
+    assert bool((scales[:, 0, 0][used[:, 0, 0]] == torch.tensor(0.02)).all())
+    assert bool((scales[:, 0, 1][used[:, 0, 1]] == torch.tensor(0.03)).all())
+    assert bool((scales[:, 1, 0][used[:, 1, 0]] == torch.tensor(0.05)).all())
+    assert len(set(scales[:, 1, 1][used[:, 1, 1]].tolist())) > 1  # its own scale per row
+
+    weights["model.layers.0.self_attn.k_scale"] = torch.tensor([0.02, 0.03])  # per head
+    save_file(weights, tmp_path / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(ValueError, match=r"k_scale.*one positive number"):
+        make_engine(str(tmp_path))
