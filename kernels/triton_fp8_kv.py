@@ -36,11 +36,15 @@ def quantize_rows(x, static_scale, HAS_STATIC_SCALE: tl.constexpr):
     scale ``amax / 448`` (at least MIN_SCALE) or ``static_scale``; values saturate at 448.
     Padding columns must be 0 (they do not raise amax)."""
     x32 = x.to(tl.float32)
+    # div_rn: IEEE-rounded division, as torch's (a plain ``/`` may compile to an
+    # approximate one on CUDA, and the bytes must be the reference's).
     if HAS_STATIC_SCALE:
         scale = tl.zeros([x.shape[0]], tl.float32) + static_scale
     else:
-        scale = tl.maximum(tl.max(tl.abs(x32), 1) / FP8_MAX_C, MIN_SCALE_C)
-    scaled = tl.minimum(tl.maximum(x32 / scale[:, None], -FP8_MAX_C), FP8_MAX_C)
+        amax = tl.max(tl.abs(x32), 1)
+        scale = tl.maximum(tl.math.div_rn(amax, tl.zeros_like(amax) + FP8_MAX_C), MIN_SCALE_C)
+    scaled = tl.math.div_rn(x32, tl.broadcast_to(scale[:, None], x32.shape))
+    scaled = tl.minimum(tl.maximum(scaled, -FP8_MAX_C), FP8_MAX_C)
     return _to_e4m3_bits(scaled), scale
 
 
