@@ -175,6 +175,15 @@ def run(args) -> dict:
         for shape, dims in {"llama-3-8b": (LAYERS, KV_HEADS, HEAD_DIM), "tiny": (2, 2, 16)}.items()
     }
     print(json.dumps(result["bytes_per_token"]))
+    # What the same sizing gives a Llama-3-8B-shaped cache: blocks in 16 GiB of KV memory,
+    # and requests of 2048 tokens held at once (computed, not run: the model is not here).
+    per_token = result["bytes_per_token"]["llama-3-8b"]
+    result["llama_3_8b_16gib"] = {
+        kind: {"blocks": (16 << 30) // (per_token[kind] * BLOCK_SIZE),
+               "requests_of_2048": (16 << 30) // (per_token[kind] * BLOCK_SIZE) // 128}
+        for kind in KINDS
+    }  # fmt: skip
+    print(json.dumps(result["llama_3_8b_16gib"]))
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = args.model or make_model(os.path.join(tmp, "tiny"), "qwen2", "tiny")
         held = [
