@@ -13,6 +13,7 @@ Three figures, each FP8 over the unquantized cache of the same run:
   once; the figure is the most requests running in one step (and preemptions).
 
     python -m bench.kv_fp8 --json bench/kv_fp8.json
+    python -m bench.kv_fp8 --model DIR --skip-handoff   # requests held, another model
 """
 
 from __future__ import annotations
@@ -201,6 +202,8 @@ def run(args) -> dict:
         "fp8_over_bf16": by_kind["fp8"]["most_running"] / by_kind["bf16"]["most_running"],
         "fp8_over_fp32": by_kind["fp8"]["most_running"] / by_kind["fp32"]["most_running"],
     }
+    if args.skip_handoff:
+        return result
     ray.init(num_cpus=2, include_dashboard=False, logging_level="ERROR", log_to_driver=False)
     try:
         result["handoff"] = []
@@ -222,6 +225,7 @@ def main() -> None:
     parser.add_argument("--memory-gib", type=float, default=0.002)
     parser.add_argument("--prompt-len", type=int, default=100)
     parser.add_argument("--num-reqs", type=int, default=200)
+    parser.add_argument("--skip-handoff", action="store_true", help="no NIXL hand-off runs")
     parser.add_argument("--json", help="write the results here")
     args = parser.parse_args()
     t0 = time.perf_counter()
