@@ -8,6 +8,9 @@ Three figures, each FP8 over the unquantized cache of the same run:
   processes) over real NIXL (decode pulls): an FP8 pair and a bf16 pair of actors, the
   transfers of the two interleaved run by run so the machine's noise hits them alike; the
   bytes are checked after the timed runs;
+- **CPU decode attention** (the reference path, which dequantizes after its gather): one
+  layer's paged attention for 32 decodes of 512-token contexts, Llama-8B heads (32 query,
+  8 kv, dim 128), CPU time per call, the kinds alternated call by call;
 - **requests held at once** for a fixed KV memory: a real engine (the tiny model, CPU) with
   the same ``kv_cache_memory_gib`` for each KV dtype is given many identical requests at
   once; the figure is the most requests running in one step (and preemptions).
@@ -129,6 +132,37 @@ def handoff(tokens: int, repeats: int, kinds: tuple[str, ...]) -> dict:
     return row
 
 
+def attention_cpu_time(repeats: int) -> dict:
+    """Median CPU seconds of one layer's decode attention over each kind's cache."""
+    from kernels.fp8_kv import quantize_rows
+    from kernels.paged_attention import paged_attention
+    from tests.kernels.paged_batch import build_metadata
+
+    num_seqs, ctx, heads = 32, 512, 32
+    blocks_per_seq = ctx // BLOCK_SIZE
+    gen = torch.Generator().manual_seed(0)
+    kv = torch.randn(num_seqs * blocks_per_seq, 2, KV_HEADS, BLOCK_SIZE, HEAD_DIM, generator=gen)
+    tables = [list(range(i * blocks_per_seq, (i + 1) * blocks_per_seq)) for i in range(num_seqs)]
+    metadata = build_metadata([1] * num_seqs, [ctx] * num_seqs, tables, BLOCK_SIZE, num_seqs)
+    cases = {
+        "fp8": (torch.float32, quantize_rows(kv)),
+        "bf16": (torch.bfloat16, kv.bfloat16()),
+        "fp32": (torch.float32, kv),
+    }
+    query = torch.randn(num_seqs, heads, HEAD_DIM, generator=gen)
+    times: dict[str, list[float]] = {kind: [] for kind in cases}
+    for rep in range(repeats + 1):
+        for kind, (dtype, cache) in cases.items():
+            t0 = time.process_time()
+            paged_attention(query.to(dtype), cache, metadata, HEAD_DIM**-0.5)
+            if rep:
+                times[kind].append(time.process_time() - t0)
+    row = {f"{kind}_ms": 1e3 * statistics.median(t) for kind, t in times.items()}
+    row["fp8_over_fp32"] = row["fp8_ms"] / row["fp32_ms"]
+    row["fp8_over_bf16"] = row["fp8_ms"] / row["bf16_ms"]
+    return row
+
+
 def requests_held(kind: str, model_dir: str, memory_gib: float, prompt_len: int, num_reqs: int):
     """Most requests running at once in a real engine whose KV cache is ``memory_gib``."""
     from workers.engine.config import EngineConfig
@@ -185,6 +219,8 @@ def run(args) -> dict:
         for kind in KINDS
     }  # fmt: skip
     print(json.dumps(result["llama_3_8b_16gib"]))
+    result["cpu_decode_attention"] = attention_cpu_time(args.repeats * 3)
+    print(json.dumps(result["cpu_decode_attention"]))
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = args.model or make_model(os.path.join(tmp, "tiny"), "qwen2", "tiny")
         held = [
