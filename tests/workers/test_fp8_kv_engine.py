@@ -148,7 +148,7 @@ def test_prefix_cache_hit_on_fp8_blocks_gives_the_recomputed_tokens(model_dir, p
     assert_no_blocks_in_use(cached, fresh)
 
 
-def test_fp8_holds_twice_the_blocks_of_bf16_in_the_same_memory(model_dir):
+def test_cache_sizing_counts_the_packed_fp8_bytes(model_dir):
     arch = ArchConfig.from_model_dir(model_dir)
     cpu = torch.device("cpu")
 
