@@ -47,6 +47,7 @@ def resolve_num_blocks(
         config.block_size,
         arch.head_dim,
         dtype,
+        config.kv_cache_dtype,
     )
     if config.num_kv_blocks is not None:
         num_blocks = config.num_kv_blocks
