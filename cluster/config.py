@@ -22,7 +22,7 @@ import yaml
 
 from cluster.config_schema import ConfigError, json_schema, load_section, option, section
 from kvtransfer import KVTransferConfig
-from workers.engine.config import Dtype, EngineConfig
+from workers.engine.config import Dtype, EngineConfig, KVCacheDtype
 
 _ENGINE_FIELDS = {f.name: f for f in dataclasses.fields(EngineConfig)}
 _TRANSFER_FIELDS = {f.name: f for f in dataclasses.fields(KVTransferConfig)}
@@ -87,6 +87,7 @@ class KVCacheSection:
     num_blocks: int | None = engine_option("num_kv_blocks")
     cpu_memory_gib: float = engine_option("kv_cache_memory_gib")
     enable_prefix_caching: bool = engine_option("enable_prefix_caching")
+    dtype: KVCacheDtype = engine_option("kv_cache_dtype")
 
 
 @dataclass(frozen=True)

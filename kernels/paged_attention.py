@@ -23,7 +23,9 @@ with no second copy. Decodes run as batched pairs of ``bmm``s where the G query 
 share a KV head are G query rows (GQA without expanding K/V), one pair per **group** of
 decodes of similar context length (``AttentionMetadata.decode_groups``): each group is padded
 to its own longest context, not the batch's, and its gathered K/V stays small enough to be
-in cache when the ``bmm``s read it. Extends run one sequence at a time (their lengths vary a
+in cache when the ``bmm``s read it. An FP8 cache (``uint8``, ``kernels/fp8_kv.py``) is
+dequantized right after the gather, to the query's dtype, so only the blocks a step reads
+are ever widened. Extends run one sequence at a time (their lengths vary a
 lot), causally, with a bottom-right-aligned mask when part of the context is cached.
 """
 
@@ -33,14 +35,26 @@ import torch
 import torch.nn.functional as F
 
 from kernels.attention_metadata import AttentionMetadata
+from kernels.fp8_kv import dequantize_rows, is_fp8_cache, unpacked_head_dim
 
 
-def _gather_blocks(kv_cache_layer: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:
-    """Copy whole blocks: [num_blocks, 2, Hkv, bs, D] by ids [..., nb] -> [2, Hkv, ..., nb, bs, D]."""
-    _, two, num_kv_heads, block_size, head_dim = kv_cache_layer.shape
+def _gather_blocks(
+    kv_cache_layer: torch.Tensor, block_ids: torch.Tensor, dtype: torch.dtype
+) -> torch.Tensor:
+    """Copy whole blocks: [num_blocks, 2, Hkv, bs, D] by ids [..., nb] -> [2, Hkv, ..., nb, bs, D]
+    (an FP8 cache's rows dequantized to ``dtype``)."""
+    _, two, num_kv_heads, block_size, row = kv_cache_layer.shape
+    is_fp8 = is_fp8_cache(kv_cache_layer)
+    if is_fp8:
+        # Packed rows (head_dim + 4 bytes, a multiple of 4) move as int32: index_select
+        # copies byte-wide elements one at a time, 4x the work for the same bytes.
+        kv_cache_layer = kv_cache_layer.view(torch.int32)
     by_head = kv_cache_layer.permute(1, 2, 0, 3, 4)  # a view: [2, Hkv, num_blocks, bs, D]
     gathered = by_head.index_select(2, block_ids.reshape(-1).long())
-    return gathered.view(two, num_kv_heads, *block_ids.shape, block_size, head_dim)
+    if not is_fp8:
+        return gathered.view(two, num_kv_heads, *block_ids.shape, block_size, row)
+    gathered = gathered.view(torch.uint8).view(two, num_kv_heads, *block_ids.shape, block_size, row)
+    return dequantize_rows(gathered, dtype)
 
 
 # What a group of decodes costs beyond its padded K/V, and the most K/V one group gathers,
@@ -56,9 +70,10 @@ def _decode_attention(
     metadata: AttentionMetadata,
     scale: float,
 ) -> torch.Tensor:
-    num_decodes = query.shape[0]
-    _, two, num_kv_heads, _, head_dim = kv_cache_layer.shape
-    token_bytes = two * num_kv_heads * head_dim * kv_cache_layer.element_size()
+    num_decodes, _, head_dim = query.shape
+    two, num_kv_heads = kv_cache_layer.shape[1], kv_cache_layer.shape[2]
+    # What a group gathers, once dequantized: the query's dtype.
+    token_bytes = two * num_kv_heads * head_dim * query.element_size()
     groups = metadata.decode_groups(
         _GROUP_COST_BYTES // token_bytes, _GROUP_MAX_BYTES // token_bytes
     )
@@ -98,7 +113,7 @@ def _padded_decode(
     num_blocks = -(-max_seq_len // block_size)
     ctx_len = num_blocks * block_size
     batch = num_kv_heads * num_decodes
-    kv = _gather_blocks(kv_cache_layer, block_tables[:, :num_blocks])
+    kv = _gather_blocks(kv_cache_layer, block_tables[:, :num_blocks], query.dtype)
     kv = kv.view(2, batch, ctx_len, head_dim)  # [2, Hkv * N, ctx, D], kv-head-major
     # [Hkv * N, G, D]: the query heads of one KV group become G query rows.
     q = query.view(num_decodes, num_kv_heads, group, head_dim).transpose(0, 1)
@@ -122,7 +137,7 @@ def _extend_attention(
     query_len, _, head_dim = query.shape
     block_size = kv_cache_layer.shape[3]
     num_blocks = -(-seq_len // block_size)
-    kv = _gather_blocks(kv_cache_layer, block_table[:num_blocks])  # [2, Hkv, nb, bs, D]
+    kv = _gather_blocks(kv_cache_layer, block_table[:num_blocks], query.dtype)
     kv = kv.view(2, kv.shape[1], num_blocks * block_size, head_dim)[:, :, :seq_len]
     # A batch dim of 1: torch runs 4-D inputs through its fused CPU kernel (flash attention)
     # and 3-D ones through the unfused math path, 3x slower at 500 tokens.
@@ -154,6 +169,11 @@ def paged_attention(
     Reads ``kv_cache_layer`` only. ``query`` is [num_tokens, num_heads, head_dim].
     """
     num_heads, num_kv_heads = query.shape[1], kv_cache_layer.shape[2]
+    cache_head_dim = kv_cache_layer.shape[4]
+    if is_fp8_cache(kv_cache_layer):
+        cache_head_dim = unpacked_head_dim(kv_cache_layer)
+    if cache_head_dim != query.shape[2]:
+        raise ValueError(f"query head_dim {query.shape[2]} != the cache's {cache_head_dim}")
     if num_heads % num_kv_heads:
         raise ValueError(f"num_heads {num_heads} is not a multiple of num_kv_heads {num_kv_heads}")
     output = torch.empty_like(query)

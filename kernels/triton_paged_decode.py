@@ -17,6 +17,10 @@ num_kv_heads`` query heads that share the kv head: each K/V tile is read once fo
 (GQA of any ratio; the group is padded to 16 rows for ``tl.dot``). Head dims that are not a
 power of two (80, 96) are padded to the next one with masked loads and stores.
 
+An FP8 cache (``uint8``, rows of ``head_dim`` FP8 bytes + a float32 scale:
+``kernels/fp8_kv.py``) is dequantized tile by tile as it is loaded (``IS_FP8``), to the
+query's dtype, the same as the reference.
+
 Flash-decoding: with few sequences and long contexts the context is cut into
 ``num_splits`` equal ranges processed in parallel; each writes an unnormalised partial
 output and its log-sum-exp (base 2) to float32 scratch, and ``_decode_reduce_kernel``
@@ -30,6 +34,8 @@ import functools
 import torch
 import triton
 import triton.language as tl
+
+from kernels.triton_fp8_kv import check_cache, load_kv_tile
 
 LOG2_E = 1.4426950408889634
 # Do not cut a sequence into ranges shorter than this: below it the reduction costs more
@@ -71,6 +77,7 @@ def _paged_decode_kernel(
     BLOCK_N: tl.constexpr,
     IS_SPLIT: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    IS_FP8: tl.constexpr,
 ):
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -98,9 +105,9 @@ def _paged_decode_kernel(
         is_valid = pos < hi
         block_ids = tl.load(table_ptr + pos // BLOCK_SIZE, mask=is_valid, other=0).to(tl.int64)
         tok_offsets = block_ids * stride_kv_block + (pos % BLOCK_SIZE) * stride_kv_tok
-        kv_ptrs = kv_head_ptr + tok_offsets[:, None] + dims[None, :]
+        row_ptrs = kv_head_ptr + tok_offsets
         kv_mask = is_valid[:, None] & dim_mask[None, :]
-        k = tl.load(kv_ptrs, mask=kv_mask, other=0.0)  # [BLOCK_N, HEAD_DIM_PAD]
+        k = load_kv_tile(row_ptrs, dims, kv_mask, is_valid, HEAD_DIM, IS_FP8).to(q.dtype)
         scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2
         scores = tl.where(is_valid[None, :], scores, float("-inf"))  # [GROUP_PAD, BLOCK_N]
         # Every tile holds at least one valid position, so m_new is finite.
@@ -108,7 +115,8 @@ def _paged_decode_kernel(
         alpha = tl.exp2(m_i - m_new)
         p = tl.exp2(scores - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(kv_ptrs + stride_kv_kv, mask=kv_mask, other=0.0)
+        v = load_kv_tile(row_ptrs + stride_kv_kv, dims, kv_mask, is_valid, HEAD_DIM, IS_FP8)
+        v = v.to(q.dtype)  # [BLOCK_N, HEAD_DIM_PAD]
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
         m_i = m_new
 
@@ -220,7 +228,8 @@ def _check_inputs(
         )
     num_seqs, num_heads, head_dim = query.shape
     num_kv_heads = kv_cache_layer.shape[2]
-    if kv_cache_layer.shape[4] != head_dim or num_heads % num_kv_heads:
+    _, cache_head_dim = check_cache("paged_decode_attention", query, kv_cache_layer)
+    if cache_head_dim != head_dim or num_heads % num_kv_heads:
         raise ValueError(
             f"paged_decode_attention: query {tuple(query.shape)} does not fit kv_cache_layer "
             f"{tuple(kv_cache_layer.shape)} (head_dim, or num_heads not a multiple of num_kv_heads)"
@@ -238,10 +247,9 @@ def _check_inputs(
         raise ValueError("paged_decode_attention: block_tables and seq_lens must be int32")
     if block_tables.stride(1) != 1:
         raise ValueError("paged_decode_attention: block_tables rows must be contiguous")
-    if kv_cache_layer.dtype != query.dtype or out.dtype != query.dtype:
+    if out.dtype != query.dtype:
         raise ValueError(
-            f"paged_decode_attention: dtypes differ (query {query.dtype}, cache "
-            f"{kv_cache_layer.dtype}, out {out.dtype})"
+            f"paged_decode_attention: dtypes differ (query {query.dtype}, out {out.dtype})"
         )
     if out.shape != query.shape:
         raise ValueError(f"paged_decode_attention: out {tuple(out.shape)} != {tuple(query.shape)}")
@@ -333,6 +341,7 @@ def paged_decode_attention(
         BLOCK_N=block_n,
         IS_SPLIT=is_split,
         DOT_PRECISION=dot_precision(query.dtype),
+        IS_FP8=check_cache("paged_decode_attention", query, kv_cache_layer)[0],
         num_warps=num_warps,
         num_stages=2,
     )

@@ -18,6 +18,9 @@ Grid: (sequence, query head, tile of BLOCK_M query rows); tiles past a sequence'
 length exit at once. Each program runs FlashAttention-2's online softmax over its keys in
 two phases: tiles that every row of the query tile sees in full (no mask), then the tiles
 that cross the causal diagonal (masked). Query head ``h`` reads kv head ``h // G``.
+
+An FP8 cache (``uint8``: ``kernels/fp8_kv.py``) is dequantized tile by tile as it is loaded
+(``IS_FP8``), to the query's dtype, the same as the reference.
 """
 
 from __future__ import annotations
@@ -25,6 +28,8 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+
+from kernels.triton_fp8_kv import check_cache, load_kv_tile
 
 LOG2_E = 1.4426950408889634
 
@@ -51,6 +56,8 @@ def _attend_tiles(
     BLOCK_N: tl.constexpr,
     IS_MASKED: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    IS_FP8: tl.constexpr,
 ):
     for start in range(lo, hi, BLOCK_N):
         pos = start + tl.arange(0, BLOCK_N)
@@ -60,12 +67,14 @@ def _attend_tiles(
         else:
             block_ids = tl.load(table_ptr + pos // BLOCK_SIZE)
         tok_offsets = block_ids.to(tl.int64) * stride_kv_block + (pos % BLOCK_SIZE) * stride_kv_tok
-        kv_ptrs = kv_head_ptr + tok_offsets[:, None] + dims[None, :]
-        if IS_MASKED:  # noqa: SIM108 (a constexpr branch, resolved at compile time)
+        row_ptrs = kv_head_ptr + tok_offsets
+        if IS_MASKED:
             kv_mask = is_valid[:, None] & dim_mask[None, :]
+            row_mask = is_valid
         else:
             kv_mask = dim_mask[None, :]
-        k = tl.load(kv_ptrs, mask=kv_mask, other=0.0)  # [BLOCK_N, HEAD_DIM_PAD]
+            row_mask = pos >= 0  # every row
+        k = load_kv_tile(row_ptrs, dims, kv_mask, row_mask, HEAD_DIM, IS_FP8).to(q.dtype)
         scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2
         if IS_MASKED:
             is_visible = (pos[None, :] <= q_pos[:, None]) & is_valid[None, :]
@@ -75,7 +84,8 @@ def _attend_tiles(
         alpha = tl.exp2(m_i - m_new)
         p = tl.exp2(scores - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(kv_ptrs + stride_kv_kv, mask=kv_mask, other=0.0)
+        v = load_kv_tile(row_ptrs + stride_kv_kv, dims, kv_mask, row_mask, HEAD_DIM, IS_FP8)
+        v = v.to(q.dtype)  # [BLOCK_N, HEAD_DIM_PAD]
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
         m_i = m_new
     return acc, m_i, l_i
@@ -106,6 +116,7 @@ def _prefill_attention_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    IS_FP8: tl.constexpr,
 ):
     seq = tl.program_id(0)
     head = tl.program_id(1)
@@ -157,6 +168,8 @@ def _prefill_attention_kernel(
         BLOCK_N,
         False,
         DOT_PRECISION,
+        HEAD_DIM,
+        IS_FP8,
     )
     acc, m_i, l_i = _attend_tiles(
         acc,
@@ -179,6 +192,8 @@ def _prefill_attention_kernel(
         BLOCK_N,
         True,
         DOT_PRECISION,
+        HEAD_DIM,
+        IS_FP8,
     )
     acc = acc / l_i[:, None]
     o_ptrs = out_ptr + tokens[:, None] * stride_o_tok + head * stride_o_head + dims[None, :]
@@ -220,7 +235,8 @@ def _check_inputs(
         )
     num_heads, head_dim = query.shape[1], query.shape[2]
     num_kv_heads = kv_cache_layer.shape[2]
-    if kv_cache_layer.shape[4] != head_dim or num_heads % num_kv_heads:
+    _, cache_head_dim = check_cache(name, query, kv_cache_layer)
+    if cache_head_dim != head_dim or num_heads % num_kv_heads:
         raise ValueError(
             f"{name}: query {tuple(query.shape)} does not fit kv_cache_layer "
             f"{tuple(kv_cache_layer.shape)} (head_dim, or num_heads not a multiple of num_kv_heads)"
@@ -245,11 +261,8 @@ def _check_inputs(
             raise ValueError(f"{name}: {label} must be int32, got {tensor.dtype}")
     if block_tables.stride(1) != 1:
         raise ValueError(f"{name}: block_tables rows must be contiguous")
-    if kv_cache_layer.dtype != query.dtype or out.dtype != query.dtype:
-        raise ValueError(
-            f"{name}: dtypes differ (query {query.dtype}, cache {kv_cache_layer.dtype}, "
-            f"out {out.dtype})"
-        )
+    if out.dtype != query.dtype:
+        raise ValueError(f"{name}: dtypes differ (query {query.dtype}, out {out.dtype})")
     if out.shape != query.shape:
         raise ValueError(f"{name}: out {tuple(out.shape)} != query {tuple(query.shape)}")
     if query.stride(2) != 1 or kv_cache_layer.stride(4) != 1 or out.stride(2) != 1:
@@ -317,6 +330,7 @@ def prefill_attention(
         BLOCK_M=block_m,
         BLOCK_N=block_n,
         DOT_PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
+        IS_FP8=check_cache("prefill_attention", query, kv_cache_layer)[0],
         num_warps=num_warps,
         num_stages=num_stages,
     )

@@ -10,8 +10,14 @@ description (addresses, strides, byte offsets). Inside one block, the region of 
 layer, K or V, one kv head is contiguous (``block_size * head_dim`` elements), which
 is what lets a decode rank with another tensor-parallel size pull just its heads.
 
-Two workers may exchange KV when :func:`check_compatible` passes: same model, dtype,
-model layers, head count, head dim and block size. Tensor-parallel sizes and pipeline
+An FP8 cache (``kv_cache_dtype: fp8_e4m3``) is a ``uint8`` tensor of packed rows: each
+token row of a head holds ``head_dim`` float8_e4m3fn values and their float32 scale
+(``kernels/fp8_kv.py``). Its layout says ``dtype="float8_e4m3fn"``,
+``scale_layout="per_token_head_f32"`` and the *logical* ``head_dim``; the scales sit inside
+each head's contiguous region, so they travel with the blocks and head slicing is unchanged.
+
+Two workers may exchange KV when :func:`check_compatible` passes: same model, KV dtype,
+scale layout, model layers, head count, head dim and block size. Tensor-parallel sizes and pipeline
 stages may differ (``tp_mapping`` maps heads and layers); devices may differ (the
 transport copies).
 """
@@ -21,6 +27,7 @@ from __future__ import annotations
 import hashlib
 from dataclasses import asdict, dataclass
 
+from kernels.fp8_kv import SCALE_BYTES
 from kvtransfer.errors import LayoutMismatchError
 
 _ITEMSIZE = {
@@ -32,10 +39,14 @@ _ITEMSIZE = {
     "uint8": 1,
 }
 
+# How a row's scales are stored: none, or one float32 after each token row's values.
+_SCALE_ROW_BYTES = {"none": 0, "per_token_head_f32": SCALE_BYTES}
+
 # Fields that must be equal for two caches to exchange KV; they make the fingerprint.
 COMPAT_FIELDS = (
     "model_id",
     "dtype",
+    "scale_layout",
     "total_num_layers",
     "num_kv_heads",
     "head_dim",
@@ -102,6 +113,7 @@ class KVLayout:
     tp_rank: int = 0
     tp_size: int = 1
     total_num_layers: int = 0  # the model's layers; 0: this rank holds them all
+    scale_layout: str = "none"  # "per_token_head_f32": FP8 rows with their scale (module doc)
 
     def __post_init__(self) -> None:
         if self.total_num_layers == 0:
@@ -111,6 +123,8 @@ class KVLayout:
     def _validate(self) -> None:
         if self.dtype not in _ITEMSIZE:
             raise ValueError(f"unsupported dtype {self.dtype!r}")
+        if self.scale_layout not in _SCALE_ROW_BYTES:
+            raise ValueError(f"unsupported scale_layout {self.scale_layout!r}")
         for name in ("num_layers", "num_kv_heads", "head_dim", "block_size", "num_blocks"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
@@ -146,9 +160,14 @@ class KVLayout:
         return self.first_layer, self.first_layer + self.num_layers
 
     @property
+    def row_bytes(self) -> int:
+        """One token of one kv head, layer, K or V: its values and, for FP8, their scale."""
+        return self.head_dim * self.itemsize + _SCALE_ROW_BYTES[self.scale_layout]
+
+    @property
     def head_bytes(self) -> int:
         """One kv head of one block, one layer, K or V: contiguous."""
-        return self.block_size * self.head_dim * self.itemsize
+        return self.block_size * self.row_bytes
 
     @property
     def block_bytes(self) -> int:
@@ -223,6 +242,10 @@ class KVLayout:
         if not kv_cache[0].is_contiguous():
             raise ValueError("each block of the KV cache must be contiguous")
         dtype = str(kv_cache.dtype).removeprefix("torch.")
+        scale_layout = "none"
+        if dtype == "uint8":  # the worker's packed FP8 cache (kernels/fp8_kv.py)
+            dtype, scale_layout = "float8_e4m3fn", "per_token_head_f32"
+            head_dim -= SCALE_BYTES
         layout = cls(
             model_id=model_id,
             dtype=dtype,
@@ -238,6 +261,7 @@ class KVLayout:
             tp_rank=tp_rank,
             tp_size=tp_size,
             total_num_layers=total_num_layers,
+            scale_layout=scale_layout,
         )
         if layout.num_kv_heads_local != heads_local:
             raise ValueError(
@@ -259,4 +283,13 @@ def check_compatible(local: KVLayout, remote: KVLayout) -> None:
         if getattr(local, name) != getattr(remote, name)
     ]
     if diffs:
-        raise LayoutMismatchError("incompatible KV layouts: " + "; ".join(diffs))
+        # The KV dtypes lead the message, named for both sides even when they agree: a
+        # prefill/decode pair configured with different kv_cache_dtype is the common case.
+        kv_dtypes = f"KV cache local {_kv_dtype(local)}, remote {_kv_dtype(remote)}"
+        raise LayoutMismatchError(f"incompatible KV layouts ({kv_dtypes}): " + "; ".join(diffs))
+
+
+def _kv_dtype(layout: KVLayout) -> str:
+    if layout.scale_layout == "none":
+        return layout.dtype
+    return f"{layout.dtype} with {layout.scale_layout} scales"

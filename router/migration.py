@@ -58,11 +58,14 @@ def died(role: str) -> Cause:
 def check_limit(lost: WorkerLost, num_migrations: int, limit: int) -> None:
     """Before migration number ``num_migrations`` (1, 2, ...): UNAVAILABLE past ``limit``."""
     if num_migrations > limit:
-        done = f"after {num_migrations - 1} migrations " if num_migrations > 1 else ""
+        num_done = num_migrations - 1
+        done = (
+            f"; migrated {num_done} time{'s' if num_done > 1 else ''} already" if num_done else ""
+        )
         raise RouterError(
             ErrorCode.UNAVAILABLE,
-            f"worker {lost.worker} failed ({lost.error}); not migrated {done}"
-            f"(router.migration_limit={limit})",
+            f"worker {lost.worker} failed ({lost.error}); not migrated "
+            f"(router.migration_limit={limit}){done}",
         )
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import sysconfig
 import zlib
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -75,7 +76,9 @@ def _take(files: list[tuple[int, str]], max_bytes: int | None) -> tuple[str, ...
     return tuple(taken)
 
 
-def token_stream(encode_batch, texts: tuple[str, ...], eos_id: int) -> torch.Tensor:
+def token_stream(
+    encode_batch: Callable[[list[str]], list[list[int]]], texts: tuple[str, ...], eos_id: int
+) -> torch.Tensor:
     """All ``texts`` encoded (``encode_batch``: texts -> id lists, BOS included) and
     concatenated, each followed by ``eos_id``: one long int64 tensor."""
     ids: list[int] = []

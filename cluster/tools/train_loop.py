@@ -154,5 +154,22 @@ def held_out(target: TrainableLlama, draft: TrainableLlama, windows: torch.Tenso
     )
 
 
+@torch.no_grad()
+def greedy_acceptance(
+    target: TrainableLlama, draft: TrainableLlama, prompts: torch.Tensor, num_new: int
+) -> float:
+    """Share of the target's greedy continuations of ``prompts`` (``[num, prompt_len]``)
+    that the draft predicts token for token, given the same prefix: the per-token
+    acceptance of greedy speculative decoding (its drafts are checked against exactly this)."""
+    target.eval()
+    draft.eval()
+    seq = prompts
+    for _ in range(num_new):  # no KV cache here: recompute, the models are small
+        seq = torch.cat([seq, target(seq)[:, -1].argmax(-1, keepdim=True)], dim=1)
+    prompt_len = prompts.shape[1]
+    proposed = draft(seq[:, :-1])[:, prompt_len - 1 :].argmax(-1)
+    return (proposed == seq[:, prompt_len:]).float().mean().item()
+
+
 def log_to_stderr(line: str) -> None:
     print(line, file=sys.stderr, flush=True)

@@ -9,10 +9,10 @@ import json
 import pytest
 import torch
 import transformers
-from safetensors.torch import load_file
 
 from cluster import cli
-from cluster.tools.train import RECIPES, TEST_PAIR_DIR, train_pair, trained_pair
+from cluster.tools import train
+from cluster.tools.train import RECIPES, TEST_PAIR_DIR, load_trainable, train_pair, trained_pair
 from cluster.tools.train_corpus import eval_windows, stdlib_split, token_stream
 from cluster.tools.train_llama import LlamaShape, TrainableLlama
 from cluster.tools.train_loop import Schedule, held_out
@@ -36,21 +36,6 @@ def held_out_stream(pair):
     return token_stream(lambda texts: [tokenizer.encode(t) for t in texts], split.held_out, eos)
 
 
-def _load(model_dir) -> TrainableLlama:
-    config = json.loads((model_dir / "config.json").read_text())
-    shape = LlamaShape(
-        config["hidden_size"],
-        config["num_hidden_layers"],
-        config["num_attention_heads"],
-        config["num_key_value_heads"],
-        config["intermediate_size"],
-    )
-    model = TrainableLlama(shape, config["vocab_size"], seed=0)
-    weights = {k: v.float() for k, v in load_file(model_dir / "model.safetensors").items()}
-    model.load_state_dict(weights)
-    return model
-
-
 def test_committed_pair_is_the_test_pair(pair):
     assert pair == (TEST_PAIR_DIR / "target", TEST_PAIR_DIR / "draft")
     size = sum(p.stat().st_size for d in pair for p in d.iterdir())
@@ -59,7 +44,7 @@ def test_committed_pair_is_the_test_pair(pair):
 
 def test_target_has_learned_held_out_text(pair, held_out_stream):
     windows = eval_windows(held_out_stream, 128, 8192)
-    target, draft = _load(pair[0]), _load(pair[1])
+    target, draft = load_trainable(pair[0]), load_trainable(pair[1])
     trained = held_out(target, draft, windows)
     untrained = held_out(
         TrainableLlama(target.shape, target.lm_head.out_features, seed=0),
@@ -144,7 +129,25 @@ def test_training_is_deterministic_and_is_a_llama(tmp_path):
     hf = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     ids = torch.randint(0, 512, (2, 40), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
-        torch.testing.assert_close(_load(model_dir)(ids), hf(ids).logits, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(
+            load_trainable(model_dir)(ids), hf(ids).logits, rtol=1e-5, atol=1e-5
+        )
+
+
+def test_trained_pair_trains_once_into_the_cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    monkeypatch.setitem(train.RECIPES, "bench", _mini_recipe(0))
+    target, draft = trained_pair("bench")
+    assert target.parent.parent == tmp_path / "baton" / "trained"
+    assert target.parent.name == f"mini-{_mini_recipe(0).digest()}"
+    assert (target / "model.safetensors").is_file() and (draft / "tokenizer.json").is_file()
+    assert [p.name for p in target.parent.parent.iterdir() if p.name.startswith(".")] == []
+
+    def must_not_train(*args, **kwargs):
+        raise AssertionError("trained again")
+
+    monkeypatch.setattr(train, "train_pair", must_not_train)
+    assert trained_pair("bench") == (target, draft)
 
 
 def test_train_pair_refuses_a_non_empty_directory(tmp_path):

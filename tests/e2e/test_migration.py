@@ -4,9 +4,10 @@ What must hold (docs/serving.md, "Request migration"): the streams of a decode w
 whose process is killed continue on the other decode worker, and each client's tokens
 and text equal, token for token, the single-process engine's undisturbed greedy run; the
 router counts the migrations by cause; with ``router.migration_limit: 0`` those streams
-end with UNAVAILABLE naming the dead worker instead. A dead rank of a TP/PP replica and a
-prefill worker killed mid hand-off: tests/e2e/test_parallel_cluster.py and the slow case
-below.
+end with UNAVAILABLE naming the dead worker instead. A prefill rank killed while requests
+are prefilled and handed off (slow): the prefill is routed again and every client gets
+the reference tokens. A dead rank of a TP=2 / PP=2 decode replica:
+tests/e2e/test_parallel_cluster.py.
 """
 
 from __future__ import annotations
@@ -24,13 +25,14 @@ import ray  # noqa: F401  (required by the served cluster: a broken install fail
 
 from proto.baton.v1 import inference_pb2 as pb
 from tests.e2e.conftest import cluster_config, start_cluster, stop_cluster
-from tests.e2e.test_cluster import request
+from tests.e2e.test_cluster import PROMPTS, TOKEN_PROMPT, collect, request
 from tests.e2e.test_metrics import Scrape
 from tests.e2e.test_parallel_cluster import _rank_pids
 
 STREAMS = [f"Stream {i}: {'different words ' * i}" for i in range(4)]
 MAX_TOKENS = 300  # long enough to be mid-stream when the worker is killed
 MIGRATIONS = "baton_router_migrations_total"
+FAILURES = "baton_kv_transfer_failures_total"
 
 
 @pytest.fixture(scope="module")
@@ -136,5 +138,66 @@ def test_a_killed_decode_worker_s_streams_continue_token_for_token(
                 assert "router.migration_limit=0" in exc.details()
             for i in finished:
                 assert streams.tokens[i] == stream_reference[i][0]
+    finally:
+        assert stop_cluster(served) == 0, served.output()[-4000:]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("on_failure", ["fail", "recompute"])
+def test_a_prefill_rank_killed_mid_hand_off_reroutes_the_prefill(
+    tiny_model_dir, tmp_path, reference, on_failure
+):
+    """Requests flow through a TP=2 prefill replica without pause; its second rank is
+    killed. Requests in prefill migrate (``prefill_worker_died``); those in hand-off
+    migrate too (``transfer_failed``) with ``kv_transfer.on_failure: fail``, or their
+    decode worker recomputes the prompt (``recompute``). Every client still gets the
+    reference tokens, none an error."""
+    config = cluster_config(tiny_model_dir, disaggregation="auto", auto_local_prefill_tokens=0)
+    config["prefill"]["tensor_parallel"] = 2
+    config["kv_transfer"]["on_failure"] = on_failure
+    served = start_cluster(config, tmp_path)
+    try:
+        stub = served.stub()
+        (url,) = served.metrics_urls()
+        before = Scrape(url)
+        (pid,) = _rank_pids(served)  # rank 1 of the prefill replica: the only RankActor
+        prompts = [*PROMPTS, TOKEN_PROMPT]
+        results: list[tuple[int, object]] = []
+        stop = threading.Event()
+
+        def client(k: int) -> None:
+            n = k
+            while not stop.is_set():
+                i = n % len(prompts)
+                n += 1
+                try:
+                    results.append((i, collect(stub, request(prompts[i]), timeout=120)[0]))
+                except grpc.RpcError as exc:
+                    results.append((i, exc))
+
+        threads = [threading.Thread(target=client, args=(k,)) for k in range(6)]
+        for t in threads:
+            t.start()
+        deadline = time.monotonic() + 120
+        while len(results) < 6:
+            assert time.monotonic() < deadline, results
+            time.sleep(0.05)
+        os.kill(pid, signal.SIGKILL)
+        done_at_kill = len(results)
+        while len(results) < done_at_kill + 12:  # those in flight at the kill, and more
+            assert time.monotonic() < deadline, results
+            time.sleep(0.05)
+        stop.set()
+        for t in threads:
+            t.join(120)
+        errors = [r.details() for _, r in results if isinstance(r, grpc.RpcError)]
+        assert not errors, errors
+        assert all(tokens == reference[i] for i, tokens in results)
+        after = Scrape(url)
+        causes = ("prefill_worker_died", "transfer_failed")
+        moved = sum(
+            after.get(MIGRATIONS, cause=c) - before.get(MIGRATIONS, cause=c) for c in causes
+        )
+        assert moved >= 1
     finally:
         assert stop_cluster(served) == 0, served.output()[-4000:]

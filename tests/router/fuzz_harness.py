@@ -39,6 +39,15 @@ class WireWorker(ScriptedWorker):
     async def submit(self, item: WorkItem) -> None:
         await super().submit(decode_as(encode(item), WorkItem))
 
+    async def _generate(self, item: WorkItem) -> None:
+        if item.mode == "prefill" and item.params.max_tokens == 1:
+            # As the real engine: the first token is the last, no KV is held for a decode
+            # worker (tests/workers/test_engine_roles.py); the scripted one would hand off.
+            first = self.output_ids[:1]
+            self._send([self._event(item, first, finished=True, finish_reason="length")])
+            return
+        await super()._generate(item)
+
 
 def fuzz_router(tokenizer: Tokenizer) -> Router:
     """A router (kv_aware, auto disaggregation) over one wire-checked worker per role."""

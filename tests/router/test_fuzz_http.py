@@ -213,6 +213,7 @@ def test_completion_bodies_get_an_answer_or_a_clear_refusal(served, client):
     # Past what the msgpack wire to the workers carries: the submit failed, 503.
     @example(body={"prompt": "hi", "max_tokens": 2, "top_k": 2**70})
     @example(body={"prompt": "hi", "max_tokens": None, "min_tokens": 2**70})
+    @example(body={"prompt": "hi", "max_tokens": 1})  # the first token is the last
     def fuzz(body: dict) -> None:
         count()
         check_answer(client.post("/v1/completions", content=encode(body), headers=JSON))

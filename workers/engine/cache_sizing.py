@@ -50,6 +50,7 @@ def resolve_num_blocks(
             config.block_size,
             arch.head_dim,
             dtype,
+            config.kv_cache_dtype,
         )
         + extra_bytes_per_block
     )

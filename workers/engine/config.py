@@ -22,6 +22,7 @@ if TYPE_CHECKING:
 
 Dtype = Literal["auto", "float32", "float16", "bfloat16"]
 SpeculativeMethod = Literal["ngram", "draft"]
+KVCacheDtype = Literal["auto", "fp8_e4m3"]
 
 
 def setting(
@@ -57,6 +58,11 @@ class EngineConfig:
     # Sized from memory: at most what 2 * max_num_seqs full-length requests need.
     num_kv_blocks: int | None = setting(
         None, "KV-cache blocks per worker; unset = sized from memory", ge=1
+    )
+    # FP8: float8_e4m3fn values with a float32 scale per token and kv head, derived as the
+    # KV is written (or a checkpoint's static k_scale/v_scale); docs/kv-cache-layout.md.
+    kv_cache_dtype: KVCacheDtype = setting(
+        "auto", "KV-cache storage: auto = the model dtype, fp8_e4m3 = FP8 with per-token scales"
     )
     kv_cache_memory_gib: float = setting(2.0, "KV-cache size per worker on CPU", gt=0.0)
     gpu_memory_fraction: float = setting(

@@ -113,6 +113,7 @@ class LLMEngine:
             self.arch.head_dim,
             self.dtype,
             self.device,
+            config.kv_cache_dtype,
         )
         self.block_manager = BlockManager(
             num_blocks, config.block_size, config.enable_prefix_caching

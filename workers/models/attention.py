@@ -1,6 +1,7 @@
 """The attention layer over the paged KV cache: store this step's K/V, then attend.
 
-Owns no parameters; the projections and RoPE live in the model's attention module.
+Owns no parameters; the projections and RoPE live in the model's attention module. Holds
+the checkpoint's static FP8 KV scales where it has them (``workers/models/kv_scales.py``).
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ from torch import nn
 
 from kernels import KernelOps
 from kernels.attention_metadata import AttentionMetadata
+from kernels.fp8_kv import is_fp8_cache
 
 
 class Attention(nn.Module):
@@ -29,6 +31,9 @@ class Attention(nn.Module):
         self.scale = scale
         self.layer_idx = layer_idx
         self.ops = ops
+        # A checkpoint's static FP8 KV scales (fp8 = k / k_scale); None: each row's own.
+        self.k_scale: float | None = None
+        self.v_scale: float | None = None
 
     def forward(
         self,
@@ -44,6 +49,12 @@ class Attention(nn.Module):
         [num_blocks, num_layers, 2, Hkv, block_size, D] at ``attn_metadata.slot_mapping``.
         """
         kv_cache_layer = kv_cache[:, self.layer_idx]  # [num_blocks, 2, Hkv, block_size, D]
-        self.ops.store_kv(k, v, kv_cache_layer, attn_metadata.slot_mapping)
+        has_static = self.k_scale is not None or self.v_scale is not None
+        if has_static and is_fp8_cache(kv_cache_layer):
+            self.ops.store_kv(
+                k, v, kv_cache_layer, attn_metadata.slot_mapping, self.k_scale, self.v_scale
+            )
+        else:
+            self.ops.store_kv(k, v, kv_cache_layer, attn_metadata.slot_mapping)
         out = self.ops.paged_attention(q, kv_cache_layer, attn_metadata, self.scale)
         return out.reshape(out.shape[0], self.num_heads * self.head_dim)

@@ -22,6 +22,7 @@ from tqdm import tqdm
 from kernels import KernelOps, cpu_linear, get_kernel_ops
 from workers.models.arch_config import ArchConfig
 from workers.models.base import CausalLM
+from workers.models.kv_scales import KV_SCALE_SUFFIXES, load_kv_scale
 from workers.models.layers import pack_linear_weights
 from workers.models.parallel import ParallelContext
 from workers.models.registry import get_model_class
@@ -86,6 +87,9 @@ def load_weights(
     unexpected: list[str] = []
     for name, tensor in weights:
         if name.endswith(_IGNORED_SUFFIXES):
+            continue
+        if name.endswith(KV_SCALE_SUFFIXES):  # static FP8 KV-cache scales: not parameters
+            load_kv_scale(model, name, tensor)
             continue
         if name == "lm_head.weight" and config.tie_word_embeddings:
             continue  # tied: the embedding is the output projection
