@@ -63,6 +63,7 @@ class ClusterStatus:
     policy: str
     disaggregation: str
     draining: bool
+    speculative: str  # the decode pool's speculative decoding ("ngram, 4 tokens"); "" = off
 
 
 def model_info(router: Router) -> ModelInfo:
@@ -94,6 +95,7 @@ def cluster_status(
         policy=cfg.policy,
         disaggregation=cfg.disaggregation,
         draining=router.is_draining,
+        speculative=cfg.speculative,
     )
 
 

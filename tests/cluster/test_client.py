@@ -161,6 +161,28 @@ def test_format_status():
     assert "decode-1  decode  NO (restarting)" in format_status(restarting)
 
 
+def test_format_status_shows_speculation_per_decode_worker_when_on():
+    assert "speculative:     off" in format_status(STATUS).splitlines()
+    assert "SPEC" not in format_status(STATUS)
+    status = pb.ClusterStatus()
+    status.CopyFrom(STATUS)
+    status.speculative = "ngram, 4 tokens"
+    worker = status.pools[1].workers[0]
+    # 10 verify steps proposed 40 tokens, 25 accepted: 62.5%, 3.5 tokens per step.
+    worker.spec_num_steps = 10
+    worker.spec_num_draft_tokens = 40
+    worker.spec_num_accepted_tokens = 25
+    lines = format_status(status).splitlines()
+    assert "speculative:     ngram, 4 tokens" in lines
+    table = lines[lines.index("decode pool: 1/2 healthy") + 1 :]
+    assert table[0].split()[-4:] == ["SPEC", "ACCEPTED", "SPEC", "LEN"]
+    assert table[1].split()[-2:] == ["62.5%", "3.50"]
+    assert table[2].split()[-2:] == ["-", "-"]  # no verify step yet
+    assert len({len(row) for row in table}) == 1
+    prefill = lines[lines.index("prefill pool: 1/1 healthy") + 1]
+    assert "SPEC" not in prefill  # prefill never speculates
+
+
 def test_format_usage_and_timing():
     final = pb.Final(usage=pb.Usage(prompt_tokens=4, completion_tokens=8, cached_prompt_tokens=2))
     assert format_usage_and_timing(final).splitlines() == [

@@ -272,17 +272,19 @@ class PoolStatus(_message.Message):
     def __init__(self, role: _Optional[str] = ..., replicas: _Optional[int] = ..., healthy_replicas: _Optional[int] = ..., workers: _Optional[_Iterable[_Union[WorkerStatus, _Mapping]]] = ...) -> None: ...
 
 class ClusterStatus(_message.Message):
-    __slots__ = ("model", "pools", "kv_transfer_backend", "policy", "disaggregation", "draining")
+    __slots__ = ("model", "pools", "kv_transfer_backend", "policy", "disaggregation", "draining", "speculative")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     POOLS_FIELD_NUMBER: _ClassVar[int]
     KV_TRANSFER_BACKEND_FIELD_NUMBER: _ClassVar[int]
     POLICY_FIELD_NUMBER: _ClassVar[int]
     DISAGGREGATION_FIELD_NUMBER: _ClassVar[int]
     DRAINING_FIELD_NUMBER: _ClassVar[int]
+    SPECULATIVE_FIELD_NUMBER: _ClassVar[int]
     model: str
     pools: _containers.RepeatedCompositeFieldContainer[PoolStatus]
     kv_transfer_backend: str
     policy: str
     disaggregation: str
     draining: bool
-    def __init__(self, model: _Optional[str] = ..., pools: _Optional[_Iterable[_Union[PoolStatus, _Mapping]]] = ..., kv_transfer_backend: _Optional[str] = ..., policy: _Optional[str] = ..., disaggregation: _Optional[str] = ..., draining: _Optional[bool] = ...) -> None: ...
+    speculative: str
+    def __init__(self, model: _Optional[str] = ..., pools: _Optional[_Iterable[_Union[PoolStatus, _Mapping]]] = ..., kv_transfer_backend: _Optional[str] = ..., policy: _Optional[str] = ..., disaggregation: _Optional[str] = ..., draining: _Optional[bool] = ..., speculative: _Optional[str] = ...) -> None: ...
