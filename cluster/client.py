@@ -83,6 +83,7 @@ def make_request(
     ignore_eos: bool = False,
     disaggregation: str | None = None,
     return_timing: bool = False,
+    speculative: bool | None = None,
 ) -> pb.GenerateRequest:
     """Build a ``GenerateRequest`` holding only the options that are given.
 
@@ -102,6 +103,7 @@ def make_request(
     if seed is not None:
         _check_unsigned("seed", seed, _UINT64_END)
     sampling = {"temperature": temperature, "top_p": top_p, "top_k": top_k, "seed": seed}
+    sampling["speculative"] = speculative  # False: no speculative decoding for this one
     sampling = {name: value for name, value in sampling.items() if value is not None}
     if sampling:
         req.sampling.CopyFrom(pb.SamplingParams(**sampling))

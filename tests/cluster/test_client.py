@@ -66,7 +66,7 @@ def test_make_request_leaves_unset_options_unset():
     assert list(req.token_ids.ids) == [1, 2, 3]
     # Greedy must reach the server as an explicit 0, not as "use your default".
     assert req.sampling.HasField("temperature") and req.sampling.temperature == 0.0
-    for name in ("top_p", "top_k", "seed", "min_p"):
+    for name in ("top_p", "top_k", "seed", "min_p", "speculative"):
         assert not req.sampling.HasField(name)
     assert not req.HasField("stopping") and not req.HasField("output")
     assert req.disaggregation == pb.DISAGGREGATION_UNSPECIFIED
