@@ -88,9 +88,9 @@ class WorkerReport:
     hashes_version: int  # changes whenever the cached block hashes change
     cached_hashes: tuple[int, ...] | None  # None: unchanged since the channel's last batch
     error: str = ""  # the engine loop died of this: the worker is gone for good
-    # Speculative decoding since the engine started (LLMEngine.spec_stats; 0 while off):
-    # cumulative, so a lost or merged report loses nothing, and the worker's metrics
-    # count the differences.
+    # Speculative decoding since the engine started (LLMEngine.spec_stats; 0 while off).
+    # Totals rather than increments: any one report is the whole truth, for the status
+    # and for the worker's counters, which add the difference to the previous report.
     spec_num_steps: int = 0  # verify steps
     spec_num_draft_tokens: int = 0  # tokens proposed
     spec_num_accepted_tokens: int = 0  # proposed tokens the target accepted
