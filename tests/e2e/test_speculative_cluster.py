@@ -6,10 +6,14 @@ Every request is prefilled on the prefill worker and handed off; the decode work
 speculates on it and must still give exactly the greedy tokens of ``LLM.generate``
 without speculation. Its counters move in ``GetClusterStatus`` and on ``/metrics`` (the
 same numbers), the prefill worker's stay at zero, and a request that opts out moves none.
-tests/router/test_speculative_flow.py is the quick in-process version.
+tests/router/test_speculative_flow.py is the quick in-process version. The same with a
+draft model (the served model as its own draft) is ``slow``.
 """
 
 from __future__ import annotations
+
+import os
+from pathlib import Path
 
 import nixl  # noqa: F401  (required by the served cluster: a broken install fails, not skips)
 import pytest
@@ -17,7 +21,7 @@ import ray  # noqa: F401  (required by the served cluster: a broken install fail
 
 from cluster.client import format_status
 from proto.baton.v1 import inference_pb2 as pb
-from tests.e2e.conftest import cluster_config, start_cluster, stop_cluster
+from tests.e2e.conftest import ROOT, cluster_config, start_cluster, stop_cluster
 from tests.e2e.test_cluster import PROMPTS, TOKEN_PROMPT, collect, request, wait_blocks_released
 from tests.e2e.test_metrics import DECODE, PREFILL, scrape
 
@@ -89,3 +93,30 @@ def test_a_request_that_opts_out_does_not_speculate(cluster, expected):
     assert got == expected[-1]
     # The report that came with the request's last tokens already counts every step of it.
     assert spec_counts(status(cluster), "decode-0") == before
+
+
+@pytest.fixture(scope="module")
+def draft_cluster(tiny_model_dir, tmp_path_factory):
+    """The same layout with ``method: draft``: the served model as its own draft, named by
+    a path relative to the serving process's directory (bring-up hands the workers an
+    absolute one)."""
+    config = cluster_config(tiny_model_dir)
+    draft = os.path.relpath(tiny_model_dir, ROOT)  # the cluster runs with cwd=ROOT
+    config["decode"]["speculative"] = {"method": "draft", "draft_model": draft, "num_tokens": 3}
+    served = start_cluster(config, tmp_path_factory.mktemp("speculative-draft"))
+    yield served
+    code = stop_cluster(served)
+    assert code == 0, served.output()[-4000:]
+
+
+@pytest.mark.slow
+def test_a_draft_model_speculates_with_the_same_greedy_tokens(draft_cluster, expected):
+    stub = draft_cluster.stub()
+    for prompt, tokens in zip([*PROMPTS, TOKEN_PROMPT], expected, strict=True):
+        got, _, _ = collect(stub, request(prompt, max_tokens=MAX_TOKENS))
+        assert got == tokens, prompt
+    after = wait_blocks_released(stub)
+    assert after.speculative == f"draft {Path(draft_cluster.model_dir).name}, 3 tokens"
+    steps, proposed, accepted = spec_counts(after, "decode-0")
+    # Its own draft: the target accepts (nearly) everything it proposes.
+    assert steps > 0 and proposed > 0 and accepted > proposed // 2
