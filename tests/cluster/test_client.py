@@ -19,6 +19,7 @@ from cluster.client import (
     wait_ready,
 )
 from proto.baton.v1 import inference_pb2 as pb
+from workers.engine.speculative.stats import SpecDecodeStats
 
 from .fake_router import STATUS, TIMING, closed_port
 
@@ -177,6 +178,9 @@ def test_format_status_shows_speculation_per_decode_worker_when_on():
     table = lines[lines.index("decode pool: 1/2 healthy") + 1 :]
     assert table[0].split()[-4:] == ["SPEC", "ACCEPTED", "SPEC", "LEN"]
     assert table[1].split()[-2:] == ["62.5%", "3.50"]
+    # The engine's own definitions (workers/engine/speculative/stats.py) give the same.
+    stats = SpecDecodeStats(num_steps=10, num_draft_tokens=40, num_accepted_tokens=25)
+    assert (stats.acceptance_rate, stats.mean_accepted_length) == (0.625, 3.5)
     assert table[2].split()[-2:] == ["-", "-"]  # no verify step yet
     assert len({len(row) for row in table}) == 1
     prefill = lines[lines.index("prefill pool: 1/1 healthy") + 1]
