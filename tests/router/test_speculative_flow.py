@@ -7,11 +7,13 @@ tests/e2e/test_speculative_cluster.py repeats this through Ray, NIXL and gRPC.""
 
 from __future__ import annotations
 
+import pytest
 from prometheus_client import REGISTRY
 
+from cluster.tools.make_model import make_model
 from proto.baton.v1 import inference_pb2 as pb
 from router.status import cluster_status
-from tests.router.test_router_flow import Cluster, collect, model_dir, run  # noqa: F401
+from tests.router.test_router_flow import Cluster, collect, run
 from workers import LLM, SamplingParams
 
 # A prompt whose greedy continuation on the tiny random model falls into a cycle: the
@@ -19,6 +21,11 @@ from workers import LLM, SamplingParams
 PROMPT_IDS = [5, 17, 300, 42, 8, 99, 1000, 3, 250, 77, 64]
 MAX_TOKENS = 40
 NGRAM = {"speculative_method": "ngram", "speculative_num_tokens": 4}
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return make_model(tmp_path_factory.mktemp("spec-flow") / "tiny", "llama", "tiny")
 
 
 def request(speculative: bool | None) -> pb.GenerateRequest:
@@ -38,7 +45,7 @@ def counts(router, name: str) -> tuple[int, int, int]:
     return (worker.spec_num_steps, worker.spec_num_draft_tokens, worker.spec_num_accepted_tokens)
 
 
-def test_handed_off_requests_speculate_on_decode_with_the_same_tokens(model_dir):  # noqa: F811
+def test_handed_off_requests_speculate_on_decode_with_the_same_tokens(model_dir):
     llm = LLM(str(model_dir), dtype="float32", max_model_len=256)
     params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
     expected = list(llm.generate([PROMPT_IDS], params)[0].token_ids)
