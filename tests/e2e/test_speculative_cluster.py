@@ -69,7 +69,11 @@ def test_handed_off_requests_speculate_with_the_same_greedy_tokens(cluster, expe
     after = wait_blocks_released(stub)  # no block left behind by the rolled-back proposals
     assert after.speculative == "ngram, 4 tokens"
     steps, proposed, accepted = spec_counts(after, "decode-0")
-    assert steps > 0 and proposed > 0 and 0 < accepted <= proposed
+    # The engine speculates until it has measured a speculative step of a batch size, then
+    # where that was faster (workers/engine/speculative/switch.py): proposals are certain
+    # (the outputs repeat themselves), accepted ones depend on the timing measured, unlike
+    # tests/router/test_speculative_flow.py, which turns the switch off.
+    assert steps > 0 and proposed > 0 and 0 <= accepted <= proposed
     assert spec_counts(after, "prefill-0") == (0, 0, 0)  # prefill never speculates
     # /metrics shows the same counts as the status (both from the worker's reports).
     s = scrape(cluster)
