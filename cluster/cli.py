@@ -171,6 +171,11 @@ def _add_generate_arguments(parser: argparse.ArgumentParser) -> None:
         help="with --target: override the router's prefill/decode split for this request",
     )
     parser.add_argument(
+        "--no-speculative",
+        action="store_true",
+        help="with --target: no speculative decoding for this request (same output)",
+    )
+    parser.add_argument(
         "--timing",
         action="store_true",
         help="with --target: print the server's usage and timing to stderr",
@@ -199,6 +204,7 @@ def _run_generate(args: argparse.Namespace) -> int:
         return run_generate_remote(args)
     remote_only = {
         "--disaggregation": args.disaggregation is not None,
+        "--no-speculative": args.no_speculative,
         "--timing": args.timing,
         "--timeout": args.timeout is not None,
         "--wait": args.wait is not None,

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -34,17 +35,16 @@ class InFlightBatch:
         self, requests: dict[str, Request], logits: torch.Tensor
     ) -> tuple[list[tuple[ScheduledChunk, Request]], torch.Tensor]:
         """(chunk, request) of the chunks whose request is still scheduled, and the logits
-        rows of those that sample (``logits`` has one row per sampling chunk)."""
+        rows of those that sample (``logits`` has ``chunk.num_sample_rows`` rows per chunk:
+        one, or 1 + k for a speculative verify chunk)."""
         live, rows = [], []
         row = 0
         for chunk, req in zip(self.sched.chunks, self.requests, strict=True):
             alive = requests.get(chunk.request_id) is req
             if alive:
                 live.append((chunk, req))
-            if chunk.needs_sample:
-                if alive:
-                    rows.append(row)
-                row += 1
+                rows.extend(range(row, row + chunk.num_sample_rows))
+            row += chunk.num_sample_rows
         if len(rows) == row:
             return live, logits
         return live, logits[torch.tensor(rows, dtype=torch.long)]
@@ -73,8 +73,15 @@ class BatchesInFlight:
                     req.num_in_flight_tokens -= chunk.num_tokens
         self._batches.clear()
 
-    def launch(self, scheduler: Scheduler, runner: ModelRunner) -> None:
-        """Schedule a batch for every free slot and send it down the pipeline."""
+    def launch(
+        self,
+        scheduler: Scheduler,
+        runner: ModelRunner,
+        before_prepare: Callable[[SchedulerOutput], None] | None = None,
+    ) -> None:
+        """Schedule a batch for every free slot and send it down the pipeline.
+        ``before_prepare``: called with each batch before its inputs are built (the draft
+        model fills in the proposals of its verify chunks there)."""
         busy = {batch.slot for batch in self._batches}
         first, num_slots = self._next_slot, scheduler.num_slots
         for slot in [(first + i) % num_slots for i in range(num_slots)]:
@@ -84,6 +91,8 @@ class BatchesInFlight:
             sched = scheduler.schedule(slot)
             if sched.is_empty:
                 continue
+            if before_prepare is not None:
+                before_prepare(sched)
             t1 = time.perf_counter()
             requests = scheduler.requests
             inputs = runner.launch(sched, requests)

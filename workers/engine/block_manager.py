@@ -217,6 +217,19 @@ class BlockManager:
                 uncached.append(block_id)
         self._free.extend(reversed(uncached))
 
+    def trim(self, req_id: str, num_tokens: int) -> None:
+        """Free the request's blocks past its first ``num_tokens`` slots (speculative
+        decoding's rollback). Those blocks hold no committed token, so they carry no hash
+        and go back to the free list."""
+        table = self._tables.get(req_id)
+        if table is None:
+            return
+        keep = -(-num_tokens // self.block_size)
+        while len(table) > keep:
+            block_id = table.pop()
+            assert self._blocks[block_id].block_hash is None, "trimmed a committed block"
+            self._release(block_id)
+
     def evict(self, num_blocks: int | None = None) -> int:
         """Drop up to ``num_blocks`` cached blocks (all when None), LRU first; returns how many."""
         count = 0

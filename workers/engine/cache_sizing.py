@@ -35,19 +35,24 @@ def resolve_num_blocks(
     max_model_len: int,
     num_kv_heads: int | None = None,
     num_layers: int | None = None,
+    extra_bytes_per_block: int = 0,
 ) -> int:
     """KV-cache blocks: config.num_kv_blocks, else what the memory budget holds (capped
     where more memory buys nothing). Raises ValueError if one full-length request can't fit.
 
     ``num_kv_heads``, ``num_layers``: the KV heads and layers this rank keeps (default: all
-    of the model's; a pipeline stage keeps its layers only)."""
-    per_block = bytes_per_block(
-        num_layers or arch.num_hidden_layers,
-        num_kv_heads or arch.num_key_value_heads,
-        config.block_size,
-        arch.head_dim,
-        dtype,
-        config.kv_cache_dtype,
+    of the model's; a pipeline stage keeps its layers only). ``extra_bytes_per_block``: a
+    second tensor indexed by the same blocks (a speculative draft model's KV)."""
+    per_block = (
+        bytes_per_block(
+            num_layers or arch.num_hidden_layers,
+            num_kv_heads or arch.num_key_value_heads,
+            config.block_size,
+            arch.head_dim,
+            dtype,
+            config.kv_cache_dtype,
+        )
+        + extra_bytes_per_block
     )
     if config.num_kv_blocks is not None:
         num_blocks = config.num_kv_blocks

@@ -22,6 +22,7 @@ if TYPE_CHECKING:
 
 Dtype = Literal["auto", "float32", "float16", "bfloat16"]
 KVCacheDtype = Literal["auto", "fp8_e4m3"]
+SpeculativeMethod = Literal["ngram", "draft"]
 
 
 def setting(
@@ -77,6 +78,28 @@ class EngineConfig:
     detokenize: bool = setting(
         True, "Detokenize and match stop strings here; False when the router does both"
     )
+    # Speculative decoding (docs/engine.md, "Speculative decoding"): greedy output is
+    # unchanged token for token, sampled output keeps the target's distribution.
+    speculative_method: SpeculativeMethod | None = setting(
+        None, "Speculative decoding: ngram (prompt lookup) or draft (a draft model); unset = off"
+    )
+    speculative_num_tokens: int = setting(
+        4, "Tokens proposed per speculative step (k), verified in one target forward", ge=1, le=16
+    )
+    speculative_draft_model: str | None = setting(
+        None, "Draft model directory (same tokenizer as the target); required for draft"
+    )
+    speculative_ngram_max: int = setting(
+        4, "Longest n-gram (output suffix) the prompt lookup matches", ge=1, le=64
+    )
+    speculative_ngram_min: int = setting(
+        2, "Shortest n-gram (output suffix) the prompt lookup matches", ge=1, le=64
+    )
+    # Below it, the engine measures whether speculating is faster per batch size and
+    # turns it off where it is not (workers/engine/speculative/switch.py).
+    speculative_max_batch_size: int = setting(
+        32, "A step with more running decodes than this does not speculate", ge=1
+    )
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):
@@ -87,6 +110,21 @@ class EngineConfig:
             raise ValueError(
                 f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= "
                 f"max_num_seqs ({self.max_num_seqs})"
+            )
+        self._check_speculative()
+
+    def _check_speculative(self) -> None:
+        if self.speculative_ngram_min > self.speculative_ngram_max:
+            raise ValueError(
+                f"speculative_ngram_min ({self.speculative_ngram_min}) must be <= "
+                f"speculative_ngram_max ({self.speculative_ngram_max})"
+            )
+        if self.speculative_method == "draft" and not self.speculative_draft_model:
+            raise ValueError("speculative_draft_model: required when speculative_method is draft")
+        if self.speculative_method != "draft" and self.speculative_draft_model is not None:
+            raise ValueError(
+                "speculative_draft_model: set only with speculative_method: draft, "
+                f"got speculative_method={self.speculative_method!r}"
             )
 
     def resolve_device(self) -> torch.device:

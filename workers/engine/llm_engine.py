@@ -21,6 +21,8 @@ import time
 import uuid
 from collections.abc import Callable, Sequence
 
+import torch
+
 from workers.engine.batches import BatchesInFlight
 from workers.engine.block_manager import BlockManager
 from workers.engine.cache_sizing import resolve_max_model_len, resolve_num_blocks
@@ -30,11 +32,16 @@ from workers.engine.handoff import KVHandoff
 from workers.engine.kv_cache import allocate_kv_cache
 from workers.engine.model_runner import ModelRunner
 from workers.engine.outputs import StreamDelta
-from workers.engine.request import Request, check_stop
+from workers.engine.request import Request
 from workers.engine.resume import resume_outputs
 from workers.engine.sampler import Sampler, SamplerOutput, SamplingRow, make_generator
-from workers.engine.scheduler import ScheduledChunk, Scheduler
+from workers.engine.scheduler import ScheduledChunk, Scheduler, SchedulerOutput
+from workers.engine.speculative.decoder import SpeculativeDecoder
+from workers.engine.speculative.draft import DraftProposer
+from workers.engine.speculative.rejection import Verified
+from workers.engine.speculative.stats import SpecDecodeStats
 from workers.engine.step_inputs import StepInputs
+from workers.engine.step_outputs import StepOutputs
 from workers.engine.step_times import StepTimes
 from workers.models.loader import load_model
 from workers.models.parallel import ParallelContext
@@ -63,6 +70,15 @@ class LLMEngine:
         (default: one per pipeline stage; 1 runs the stages one batch at a time)."""
         self.config = config
         self.parallel = parallel or ParallelContext()
+        if config.speculative_method is not None and (
+            self.parallel.tp_size > 1 or self.parallel.pp_size > 1 or (batches_in_flight or 1) > 1
+        ):
+            raise ValueError(
+                f"speculative_method: {config.speculative_method} is not supported on a "
+                f"tensor/pipeline-parallel replica (tp={self.parallel.tp_size}, "
+                f"pp={self.parallel.pp_size}, batches_in_flight={batches_in_flight}); "
+                "unset it or use a single-rank replica"
+            )
         self.device = config.resolve_device()
         self.dtype = config.resolve_dtype(self.device)
         if self.device.type == "cpu":
@@ -76,9 +92,16 @@ class LLMEngine:
         self.num_kv_heads, _ = self.parallel.kv_heads(self.arch.num_key_value_heads)
         self.layer_range = self.parallel.layer_range(self.arch.num_hidden_layers)
         num_layers = self.layer_range[1] - self.layer_range[0]
+        draft = None
+        if config.speculative_method == "draft":
+            assert config.speculative_draft_model is not None  # EngineConfig checks it
+            draft = DraftProposer(
+                config.speculative_draft_model, self.dtype, self.device, self.vocab_size,
+                self.max_model_len,
+            )  # fmt: skip
         num_blocks = resolve_num_blocks(
             config, self.arch, self.dtype, self.device, self.max_model_len, self.num_kv_heads,
-            num_layers,
+            num_layers, draft.bytes_per_block(config.block_size) if draft else 0,
         )  # fmt: skip
         if agree_num_blocks is not None:
             num_blocks = agree_num_blocks(num_blocks)
@@ -111,10 +134,24 @@ class LLMEngine:
             self.model, self.kv_cache, config.block_size, self.device, before_forward
         )
         self.sampler = Sampler(self.vocab_size, seed=config.seed)
+        self.spec: SpeculativeDecoder | None = None
+        if config.speculative_method is not None:
+            if draft is not None:
+                draft.bind(num_blocks, config.block_size)
+            self.spec = SpeculativeDecoder(config, self.sampler, draft)
         # Empty when config.detokenize is False (the router detokenizes at the edge).
         self._detokenizers: dict[str, IncrementalDetokenizer] = {}
+        self._outputs = StepOutputs(
+            self.scheduler, self.handoff, self._detokenizers, self.max_model_len
+        )
         self._pending: list[StreamDelta] = []  # finals of aborted requests, sent next step
         self.step_times = StepTimes()
+        self._last_sched: SchedulerOutput | None = None  # the batch the last step completed
+
+    @property
+    def spec_stats(self) -> SpecDecodeStats:
+        """Speculative decoding's counters since start (all zero while it is off)."""
+        return self.spec.stats if self.spec is not None else SpecDecodeStats()
 
     # ---- requests --------------------------------------------------------------------
     def add_request(
@@ -263,13 +300,26 @@ class LLMEngine:
         Without pipeline stages that is one batch, scheduled and sampled here. If the
         model or sampler raises, no request of a batch in flight advances (their blocks
         stay allocated for a retry) and the finals of aborted requests are kept."""
-        self._in_flight.launch(self.scheduler, self.runner)
+        start = time.perf_counter()
+        before_prepare = None
+        if self.spec is not None and not self._in_flight:
+            self.spec.propose(self.scheduler, self.max_model_len)
+            before_prepare = self._draft_proposals
+        self._in_flight.launch(self.scheduler, self.runner, before_prepare)
         if not self._in_flight:
             deltas, self._pending = self._pending, []
             return deltas
         deltas = self._complete()
+        if self.spec is not None:
+            num_tokens = sum(len(d.token_ids) for d in deltas)
+            assert self._last_sched is not None
+            self.spec.observe(self._last_sched, num_tokens, time.perf_counter() - start)
         deltas, self._pending = self._pending + deltas, []
         return deltas
+
+    def _draft_proposals(self, sched: SchedulerOutput) -> None:
+        assert self.spec is not None
+        self.spec.before_prepare(sched, self.scheduler.requests)
 
     def drain(self) -> None:
         """Sample every batch in flight; their deltas come with the next ``step``.
@@ -282,6 +332,7 @@ class LLMEngine:
         sample, update. If the model or sampler raises, no request of any batch in flight
         advances (their blocks stay allocated for a retry)."""
         batch = self._in_flight.popleft()
+        self._last_sched = batch.sched
         t0 = time.perf_counter()
         try:
             logits = self.runner.run(batch.inputs)
@@ -289,87 +340,72 @@ class LLMEngine:
                 raise RuntimeError("the rank that schedules must run the last pipeline stage")
             t1 = time.perf_counter()
             live, logits = batch.live(self.scheduler.requests, logits)
-            sampled = self.sampler(logits, [SamplingRow.of(r) for c, r in live if c.needs_sample])
+            sampled, verified = self._sample(live, logits)
         except BaseException:
             self._in_flight.cancel(batch, self.scheduler)
+            if self.spec is not None:
+                self.spec.cancelled(batch.requests)
             raise
         t2 = time.perf_counter()
-        deltas = self._update(live, sampled)
+        deltas = self._update(live, sampled, verified)
         stages = (batch.schedule_s, batch.prepare_s, batch.prepare_s + t1 - t0, t2 - t1)
         stages += (time.perf_counter() - t2,)
         self.step_times.add(len(batch.sched.chunks), batch.sched.num_batched_tokens, stages)
         return deltas
 
+    def _sample(
+        self, live: list[tuple[ScheduledChunk, Request]], logits: torch.Tensor
+    ) -> tuple[SamplerOutput, list[Verified]]:
+        """Plain rows through the sampler, verify chunks' rows through the speculative
+        verification; ``logits`` has ``chunk.num_sample_rows`` rows per live chunk."""
+        plain = [r for c, r in live if c.needs_sample and not c.num_spec]
+        verify = [(c, r) for c, r in live if c.num_spec]
+        if not verify:
+            return self.sampler(logits, [SamplingRow.of(r) for r in plain]), []
+        assert self.spec is not None
+        plain_rows, verify_rows, row = [], [], 0
+        for c, _ in live:
+            (verify_rows if c.num_spec else plain_rows).extend(range(row, row + c.num_sample_rows))
+            row += c.num_sample_rows
+        sampled = SamplerOutput([], [])
+        if plain:
+            rows = [SamplingRow.of(r) for r in plain]
+            sampled = self.sampler(logits[torch.tensor(plain_rows)], rows)
+        return sampled, self.spec.verify(logits[torch.tensor(verify_rows)], verify)
+
     def _update(
-        self, live: list[tuple[ScheduledChunk, Request]], sampled: SamplerOutput
+        self,
+        live: list[tuple[ScheduledChunk, Request]],
+        sampled: SamplerOutput,
+        verified: list[Verified],
     ) -> list[StreamDelta]:
         deltas = []
         row = 0
-        for chunk, _ in live:
+        results = iter(verified)
+        for chunk, req in live:
+            if chunk.num_spec:
+                res = next(results)
+                # Append first (the committed tokens' blocks get hashed), then roll back,
+                # unless a stop among them ended the request (its blocks are freed).
+                delta = self._after_tokens(req, res.token_ids, res.logprobs)
+                if not req.is_finished:
+                    self.scheduler.update_verified(chunk, res.num_accepted)
+                    self.spec.after_verify(req, chunk, res.num_accepted)  # type: ignore[union-attr]
+                deltas.append(delta)
+                continue
             req = self.scheduler.update_computed(chunk)
             if not chunk.needs_sample:
                 continue
             token_id = sampled.token_ids[row]
             logprobs = sampled.logprobs[row]
             row += 1
-            req.append_token(token_id)
-            deltas.append(self._after_token(req, token_id, logprobs))
+            deltas.append(self._after_tokens(req, (token_id,), (logprobs,)))
         return deltas
 
-    def _after_token(
-        self, req: Request, token_id: int, logprobs: TokenLogprobs | None
+    def _after_tokens(
+        self, req: Request, token_ids: Sequence[int], logprobs: Sequence[TokenLogprobs | None]
     ) -> StreamDelta:
-        """Detokenize and apply the stop conditions to a request's new token."""
-        text, stop_matched = "", None
-        detok = self._detokenizers.get(req.request_id)
-        if detok is not None:
-            may_stop = req.num_output_tokens >= req.params.min_tokens
-            step = detok.step([token_id], check_stop=may_stop)
-            text, stop_matched = step.text, step.stop_matched
-        reason, stop_reason = check_stop(req, token_id, stop_matched, self.max_model_len)
-        new_logprobs = (logprobs,) if logprobs is not None else None
-        if reason is None and req.is_prefill_only:
-            return self._hold(req, token_id, text, new_logprobs)
-        if reason is None:
-            return StreamDelta(
-                req.request_id,
-                (token_id,),
-                text,
-                new_logprobs,
-                finished=False,
-                num_prompt_tokens=req.num_prompt_tokens,
-                num_cached_tokens=req.num_cached_tokens,
-            )
-        req.stop_reason = stop_reason
-        self.scheduler.finish(req, reason)
-        return self._final_delta(req, (token_id,), text, new_logprobs)
-
-    def _hold(
-        self,
-        req: Request,
-        token_id: int,
-        text: str,
-        logprobs: tuple[TokenLogprobs, ...] | None,
-    ) -> StreamDelta:
-        """Prefill role: end the stream here but keep the blocks with the prompt's KV.
-
-        The worker must end every held id's hand-off (the lease's end, ``release_held``
-        or ``abort_request``), or its blocks stay in use for good.
-        """
-        self.scheduler.hold(req)
-        # Not flushed: held-back text is emitted by the decode side, which continues the
-        # same detokenizer state.
-        self._detokenizers.pop(req.request_id, None)
-        return StreamDelta(
-            req.request_id,
-            (token_id,),
-            text,
-            logprobs,
-            finished=True,
-            num_prompt_tokens=req.num_prompt_tokens,
-            num_cached_tokens=req.num_cached_tokens,
-            held_block_ids=self.handoff.held_block_ids(req.request_id),
-        )
+        return self._outputs.after_tokens(req, token_ids, logprobs)
 
     def _final_delta(
         self,
@@ -378,17 +414,4 @@ class LLMEngine:
         text: str,
         logprobs: tuple[TokenLogprobs, ...] | None,
     ) -> StreamDelta:
-        detok = self._detokenizers.pop(req.request_id, None)
-        if detok is not None and (req.stop_reason is None or isinstance(req.stop_reason, int)):
-            text += detok.flush()  # held back for a stop string that never came
-        return StreamDelta(
-            req.request_id,
-            token_ids,
-            text,
-            logprobs,
-            finished=True,
-            finish_reason=req.finish_reason,
-            stop_reason=req.stop_reason,
-            num_prompt_tokens=req.num_prompt_tokens,
-            num_cached_tokens=req.num_cached_tokens,
-        )
+        return self._outputs.final_delta(req, token_ids, text, logprobs)

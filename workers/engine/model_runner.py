@@ -4,7 +4,8 @@ Input preparation: the step's chunks (decodes first) become one run of token ids
 with their positions, the KV slot of every new token (``slot_mapping``), padded
 block tables, context lengths and ``cu_seqlens_q`` (a :class:`StepInputs`). Logits are
 computed only for the last token of chunks that sample (a prefill chunk that does not
-reach the end of its prompt produces none). No policy decisions here.
+reach the end of its prompt produces none), and for every token of a speculative verify
+chunk. No policy decisions here.
 
 In a replica of several ranks, rank 0 hands each step's inputs to ``before_forward``
 (which sends them to the other ranks) and every rank then runs ``run`` on the same
@@ -62,23 +63,25 @@ class ModelRunner:
             start, n = chunk.start_pos, chunk.num_tokens
             end = start + n
             req = requests[chunk.request_id]
+            # Past the committed tokens: speculative proposals (verify or draft chunks).
+            seq = req.token_ids if end <= req.num_tokens else req.token_ids + req.spec_token_ids
             table = np.asarray(chunk.block_ids, dtype=np.int64)
             block_tables[i, : len(table)] = table
             if n == 1:
                 num_decodes += 1
-                input_ids[offset] = req.token_ids[start]
+                input_ids[offset] = seq[start]
                 positions[offset] = start
                 slot_mapping[offset] = table[start // bs] * bs + start % bs
             else:
                 pos = np.arange(start, end, dtype=np.int64)
-                input_ids[offset : offset + n] = req.token_ids[start:end]
+                input_ids[offset : offset + n] = seq[start:end]
                 positions[offset : offset + n] = pos
                 slot_mapping[offset : offset + n] = table[pos // bs] * bs + pos % bs
             offset += n
             seq_lens.append(end)
             query_start_loc.append(offset)
             if chunk.needs_sample:
-                sample_indices.append(offset - 1)
+                sample_indices.extend(range(offset - 1 - chunk.num_spec, offset))
         return StepInputs(
             input_ids=input_ids,
             positions=positions,

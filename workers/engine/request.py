@@ -61,6 +61,11 @@ class Request:
     # The scheduler slot whose batches carry it (pipeline stages; 0 without); a prompt's
     # chunks may also ride in other slots' batches.
     slot: int = 0
+    # Speculative decoding (workers/engine/speculative/): the tokens proposed for the next
+    # step, not part of token_ids until the target accepts them; and how many leading
+    # positions hold the draft model's KV (its own cache, the target's block table).
+    spec_token_ids: list[int] = field(default_factory=list)
+    draft_num_computed: int = 0
 
     def __post_init__(self) -> None:
         self.token_ids = list(self.prompt_token_ids)

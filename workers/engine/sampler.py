@@ -117,15 +117,8 @@ class Sampler:
         """Samples `logits` [num_rows, >= vocab_size] (columns past vocab_size, padding of
         the vocabulary, are ignored). Does not modify `logits`; advances the generators."""
         num_rows = len(rows)
-        if logits.dim() != 2 or logits.shape[0] != num_rows or logits.shape[1] < self.vocab_size:
-            raise ValueError(
-                f"logits must be [num_rows={num_rows}, >= vocab_size={self.vocab_size}], "
-                f"got {list(logits.shape)}"
-            )
-        raw = logits[:, : self.vocab_size].float()  # [num_rows, vocab_size]
+        raw, x = self.process(logits, rows)
         params = [row.params for row in rows]
-        x = apply_penalties(raw, rows)
-        x = suppress_stop_tokens(x, rows, copy=x is raw)
 
         greedy = [i for i, p in enumerate(params) if p.is_greedy]
         if len(greedy) == num_rows:
@@ -138,20 +131,27 @@ class Sampler:
             y = x if not greedy else x[sampled]
             token_ids[sampled] = self._sample(y, [rows[i] for i in sampled])
         token_id_list = token_ids.tolist()
-        return SamplerOutput(token_id_list, _logprobs(raw, params, token_ids, token_id_list))
+        return SamplerOutput(token_id_list, compute_logprobs(raw, params, token_ids, token_id_list))
+
+    def process(
+        self, logits: torch.Tensor, rows: Sequence[SamplingRow]
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(raw, x): the logits cut to the vocabulary as float32, and after penalties and
+        min_tokens suppression (greedy rows take x's argmax; ``filtered_probs`` goes on)."""
+        num_rows = len(rows)
+        if logits.dim() != 2 or logits.shape[0] != num_rows or logits.shape[1] < self.vocab_size:
+            raise ValueError(
+                f"logits must be [num_rows={num_rows}, >= vocab_size={self.vocab_size}], "
+                f"got {list(logits.shape)}"
+            )
+        raw = logits[:, : self.vocab_size].float()  # [num_rows, vocab_size]
+        x = apply_penalties(raw, rows)
+        return raw, suppress_stop_tokens(x, rows, copy=x is raw)
 
     def _sample(self, x: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
         """Temperature, filters and the draw for non-greedy rows; x [n, V] is not modified."""
-        params = [row.params for row in rows]
         vocab_size = x.shape[1]
-        if any(p.temperature != 1.0 for p in params):
-            temperature = torch.tensor([p.temperature for p in params], device=x.device)
-            x = x / temperature.unsqueeze(1)
-        probs = torch.softmax(x, dim=-1)  # [n, V]; softmax's kernel is row-local
-        threshold = _filter_threshold(probs, params)
-        if threshold is not None:
-            # A multiply, not masked_fill: branch-free, 3x faster on CPU for scattered masks.
-            probs = probs * (probs >= threshold)
+        probs = filtered_probs(x, [row.params for row in rows])
         # float64: tokens far down the distribution keep a non-empty slice of the CDF.
         cdf = probs.cumsum(dim=-1, dtype=torch.float64)  # [n, V]
         total = cdf[:, -1:]
@@ -168,22 +168,36 @@ class Sampler:
         one draw from the shared one."""
         unseeded = [i for i, row in enumerate(rows) if row.generator is None]
         if len(unseeded) == len(rows):
-            return _draw_uniform(self._shared_generator(device), len(rows))
+            return _draw_uniform(self.shared_generator(device), len(rows))
         uniform = torch.empty(len(rows), dtype=torch.float64, device=device)
         if unseeded:
-            uniform[unseeded] = _draw_uniform(self._shared_generator(device), len(unseeded))
+            uniform[unseeded] = _draw_uniform(self.shared_generator(device), len(unseeded))
         for i, row in enumerate(rows):
             if row.generator is not None:
                 uniform[i] = _draw_uniform(row.generator, 1).to(device)[0]
         return uniform
 
-    def _shared_generator(self, device: torch.device) -> torch.Generator:
+    def shared_generator(self, device: torch.device) -> torch.Generator:
         generator = self._generators.get(device)
         if generator is None:
             generator = torch.Generator(device=device)
             generator.manual_seed(self._seed)
             self._generators[device] = generator
         return generator
+
+
+def filtered_probs(x: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
+    """What non-greedy rows sample from: softmax(x / temperature) with top-k, top-p and
+    min-p applied (dropped tokens zeroed; the rest are not renormalised). x is not modified."""
+    if any(p.temperature != 1.0 for p in params):
+        temperature = torch.tensor([p.temperature for p in params], device=x.device)
+        x = x / temperature.unsqueeze(1)
+    probs = torch.softmax(x, dim=-1)  # [n, V]; softmax's kernel is row-local
+    threshold = _filter_threshold(probs, list(params))
+    if threshold is not None:
+        # A multiply, not masked_fill: branch-free, 3x faster on CPU for scattered masks.
+        probs = probs * (probs >= threshold)
+    return probs
 
 
 def _filter_threshold(probs: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor | None:
@@ -264,7 +278,7 @@ def _threshold_from_sorted(
     return threshold, covered
 
 
-def _logprobs(
+def compute_logprobs(
     raw: torch.Tensor,
     params: list[SamplingParams],
     token_ids: torch.Tensor,

@@ -60,6 +60,14 @@ class ScheduledChunk:
     num_tokens: int  # query length this step
     block_ids: tuple[int, ...]  # the request's block table
     needs_sample: bool  # the chunk reaches the request's last known token: sample the next
+    # Speculative verify: the chunk's last num_spec tokens are proposals (req.spec_token_ids),
+    # and every one of its 1 + num_spec positions is sampled.
+    num_spec: int = 0
+
+    @property
+    def num_sample_rows(self) -> int:
+        """Logits rows this chunk produces."""
+        return 1 + self.num_spec if self.needs_sample else 0
 
 
 @dataclass(frozen=True)
@@ -207,6 +215,11 @@ class Scheduler:
         index = 0
         while index < len(candidates) and budget > 0:
             req = candidates[index]
+            if req.spec_token_ids and self._try_verify(req, budget, chunks):
+                budget -= chunks[-1].num_tokens
+                index += 1
+                continue
+            req.spec_token_ids = []
             num_new = min(req.num_unscheduled_tokens, budget)
             if not self._make_room(req, num_new, candidates, index, preempted):
                 break  # req (and so every candidate after it) waits for blocks
@@ -245,6 +258,28 @@ class Scheduler:
 
         chunks.sort(key=lambda c: c.num_tokens != 1)  # stable: decodes first
         return SchedulerOutput(tuple(chunks), tuple(bm.take_copies()), tuple(preempted))
+
+    def _try_verify(self, req: Request, budget: int, chunks: list[ScheduledChunk]) -> bool:
+        """A decode with proposals: its last token and the proposals in one chunk, if the
+        budget and free blocks allow without preempting anyone (else it decodes plainly)."""
+        num_new = 1 + len(req.spec_token_ids)
+        if req.num_unscheduled_tokens != 1 or num_new > budget:
+            return False
+        if not self.block_manager.allocate_slots(req.request_id, req.num_scheduled_tokens, num_new):
+            return False
+        start = req.num_scheduled_tokens
+        req.num_in_flight_tokens += num_new
+        chunks.append(
+            ScheduledChunk(
+                request_id=req.request_id,
+                start_pos=start,
+                num_tokens=num_new,
+                block_ids=tuple(self.block_manager.block_table(req.request_id)),
+                needs_sample=True,
+                num_spec=num_new - 1,
+            )
+        )
+        return True
 
     def _running_of(self, slot: int) -> list[Request]:
         """The running requests ``slot`` may schedule, in order: its own, then other
@@ -327,6 +362,8 @@ class Scheduler:
         """Recompute-style preemption: drop the KV, keep the tokens, requeue at the front."""
         self.block_manager.free(req.request_id)
         req.num_computed_tokens = 0
+        req.spec_token_ids = []
+        req.draft_num_computed = 0
         req.num_preemptions += 1
         req.status = RequestStatus.WAITING
         self.waiting.appendleft(req)
@@ -338,4 +375,17 @@ class Scheduler:
         req.num_in_flight_tokens -= chunk.num_tokens
         req.num_computed_tokens += chunk.num_tokens
         self.block_manager.commit_computed(req.request_id, req.token_ids, req.num_computed_tokens)
+        return req
+
+    def update_verified(self, chunk: ScheduledChunk, num_accepted: int) -> Request:
+        """After a verify chunk ran and ``num_accepted`` proposals were appended to the
+        request's tokens (with the target's own token after them): its last token and those
+        count as computed; the rejected proposals' slots are rolled back (blocks past the
+        request's tokens freed; their KV is overwritten when real tokens get there)."""
+        req = self.requests[chunk.request_id]
+        req.num_in_flight_tokens -= chunk.num_tokens
+        req.num_computed_tokens += 1 + num_accepted
+        req.spec_token_ids = []
+        self.block_manager.commit_computed(req.request_id, req.token_ids, req.num_computed_tokens)
+        self.block_manager.trim(req.request_id, req.num_tokens)
         return req

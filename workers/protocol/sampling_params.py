@@ -68,6 +68,10 @@ class SamplingParams:
     """Return the sampled token's logprob plus this many top logprobs per token; None = off."""
     skip_special_tokens: bool = True
     """Leave special tokens out of the detokenized text."""
+    speculative: bool = True
+    """Allow speculative decoding for this request (when the engine has it on); False =
+    decode one token per step. Output is the same either way (greedy token for token,
+    sampled in distribution)."""
 
     def __post_init__(self) -> None:
         # Normalise types first (frozen, hence object.__setattr__), then check ranges.
@@ -113,7 +117,7 @@ class SamplingParams:
                 raise ValueError(f"{name} must be in [-2, 2], got {value}")
         if self.logprobs is not None and not 0 <= self.logprobs <= _MAX_LOGPROBS:
             raise ValueError(f"logprobs must be in [0, {_MAX_LOGPROBS}], got {self.logprobs}")
-        for name in ("ignore_eos", "skip_special_tokens"):
+        for name in ("ignore_eos", "skip_special_tokens", "speculative"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
 

@@ -1,0 +1,161 @@
+"""The engine's speculative decoding: who speculates each step, and the verification.
+
+Per step (docs/engine.md, "Speculative decoding"):
+
+1. ``propose`` (before scheduling): each running decode that may speculate gets its
+   proposals in ``req.spec_token_ids`` (n-gram: the tokens themselves; draft: k
+   placeholders, filled in step 3). Nobody speculates when more than
+   ``speculative_max_batch_size`` decodes run (a large batch is compute-bound already,
+   and verifying k extra tokens per request would cost more than it saves), nor where
+   the measured rates say it is slower at this batch size (``switch.py``).
+2. The scheduler turns such a request into a verify chunk (its last token + proposals)
+   if budget and free blocks allow, else it decodes plainly.
+3. ``before_prepare``: the draft model proposes for the batch's verify chunks.
+4. After the target's forward, ``verify`` accepts a prefix of each proposal
+   (``rejection.py``) and the engine appends the tokens and rolls the rest back
+   (``Scheduler.update_verified``, ``rolled_back``).
+
+A request speculates unless it opted out (``SamplingParams.speculative``), is a prefill
+worker's request (it samples one token), or has room for fewer than two more tokens.
+With the draft model, a request whose recent proposals were mostly rejected pauses
+(``_Backoff``): a rejected proposal costs a draft forward and a verify slot for nothing.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from workers.engine.config import EngineConfig
+from workers.engine.request import Request
+from workers.engine.sampler import Sampler
+from workers.engine.scheduler import ScheduledChunk, Scheduler, SchedulerOutput
+from workers.engine.speculative.draft import DraftProposer, rolled_back
+from workers.engine.speculative.ngram import NgramProposer
+from workers.engine.speculative.rejection import RejectionSampler, Verified
+from workers.engine.speculative.stats import SpecDecodeStats
+from workers.engine.speculative.switch import SpeculationSwitch
+
+
+class _Backoff:
+    """Per-request pause after poor acceptance: after a verify step that accepted less
+    than a quarter of its proposals, the request skips 1, 2, 4 ... (up to 16) steps; a
+    good step resets it."""
+
+    def __init__(self) -> None:
+        self.skip: dict[str, int] = {}  # request id -> steps left to skip
+        self.level: dict[str, int] = {}
+
+    def allows(self, request_id: str) -> bool:
+        left = self.skip.get(request_id, 0)
+        if left > 0:
+            self.skip[request_id] = left - 1
+            return False
+        return True
+
+    def record(self, request_id: str, num_draft: int, num_accepted: int) -> None:
+        if 4 * num_accepted >= num_draft:
+            self.level.pop(request_id, None)
+            return
+        level = min(self.level.get(request_id, 0) + 1, 5)
+        self.level[request_id] = level
+        self.skip[request_id] = 2 ** (level - 1)
+
+    def forget_all_but(self, live: set[str]) -> None:
+        for table in (self.skip, self.level):
+            for request_id in [r for r in table if r not in live]:
+                del table[request_id]
+
+
+class SpeculativeDecoder:
+    def __init__(
+        self,
+        config: EngineConfig,
+        sampler: Sampler,
+        draft: DraftProposer | None = None,
+    ) -> None:
+        if config.speculative_method is None:
+            raise ValueError("speculative_method is unset")
+        if (config.speculative_method == "draft") != (draft is not None):
+            raise ValueError("a draft model goes with speculative_method: draft only")
+        self.k = config.speculative_num_tokens
+        self.max_batch_size = config.speculative_max_batch_size
+        self.sampler = sampler
+        self.ngram = (
+            NgramProposer(config.speculative_ngram_min, config.speculative_ngram_max)
+            if draft is None
+            else None
+        )
+        self.draft = draft
+        self.rejection = RejectionSampler(sampler)
+        self.stats = SpecDecodeStats()
+        self._backoff = _Backoff()
+        # Measured on/off rates per batch size; False: speculate wherever allowed (tests).
+        self.switch = SpeculationSwitch()
+        self.adaptive = True
+        self._draft_probs: dict[str, torch.Tensor | None] = {}
+
+    def propose(self, scheduler: Scheduler, max_model_len: int) -> None:
+        """Set every running request's proposals for the step about to be scheduled."""
+        decodes = [r for r in scheduler.running if r.num_unscheduled_tokens == 1]
+        speculate = 0 < len(decodes) <= self.max_batch_size and (
+            not self.adaptive or self.switch.speculate(len(decodes))
+        )
+        if self.draft is not None:
+            self._backoff.forget_all_but(set(scheduler.requests))
+        for req in scheduler.running:
+            req.spec_token_ids = []
+        if not speculate:
+            return
+        for req in decodes:
+            if not req.params.speculative or req.is_prefill_only:
+                continue
+            # Room for the proposals and the target's own token after them.
+            room = min(req.max_tokens - req.num_output_tokens, max_model_len - req.num_tokens)
+            k = min(self.k, room - 1)
+            if k < 1:
+                continue
+            if self.ngram is not None:
+                req.spec_token_ids = self.ngram.propose(req.token_ids, k)
+            elif self._backoff.allows(req.request_id):
+                req.spec_token_ids = [0] * k  # the draft fills them in (before_prepare)
+
+    def before_prepare(self, sched: SchedulerOutput, requests: dict[str, Request]) -> None:
+        if self.draft is not None:
+            self._draft_probs = self.draft.propose(sched, requests, self.sampler)
+
+    def verify(
+        self, logits: torch.Tensor, chunks: Sequence[tuple[ScheduledChunk, Request]]
+    ) -> list[Verified]:
+        """Verify the proposals of ``chunks`` (verify chunks, their rows of ``logits`` in
+        order) and count them; the caller appends the tokens (``after_verify`` then)."""
+        requests = [r for _, r in chunks]
+        proposals = [r.spec_token_ids[: c.num_spec] for c, r in chunks]
+        q = [self._draft_probs.pop(r.request_id, None) for r in requests]
+        results = self.rejection(logits, requests, proposals, q)
+        for (c, r), res in zip(chunks, results, strict=True):
+            self.stats = self.stats.plus(c.num_spec, res.num_accepted)
+            if self.draft is not None:
+                self._backoff.record(r.request_id, c.num_spec, res.num_accepted)
+        return results
+
+    def observe(self, sched: SchedulerOutput, num_tokens: int, seconds: float) -> None:
+        """A whole engine step ran ``sched`` and emitted ``num_tokens`` in ``seconds``:
+        decode-only steps feed the switch (a prefill chunk would blur the rate)."""
+        if any(c.num_tokens > 1 and not c.num_spec for c in sched.chunks):
+            return
+        speculated = any(c.num_spec for c in sched.chunks)
+        self.switch.observe(len(sched.chunks), speculated, num_tokens, seconds)
+
+    def cancelled(self, requests: Sequence[Request]) -> None:
+        """A batch failed: its proposals were not verified; the draft's KV of them (written
+        before the target's forward) must not count as computed."""
+        for req in requests:
+            req.spec_token_ids = []
+            req.draft_num_computed = min(req.draft_num_computed, req.num_computed_tokens)
+
+    def after_verify(self, req: Request, chunk: ScheduledChunk, num_accepted: int) -> None:
+        """The request's tokens are appended: roll the draft's KV back past them."""
+        if self.draft is not None:
+            rolled_back(req, chunk, num_accepted)
