@@ -68,7 +68,7 @@ def _int4_linear_kernel(
         group = (offs_k // GROUP_SIZE)[:, None].to(tl.int64) * N + offs_n[None, :]
         scale = tl.load(scales_ptr + group, mask=mask_kn, other=0.0)
         zero = tl.load(zeros_ptr + group, mask=mask_kn, other=0.0)
-        w = ((q.to(tl.float32) - zero) * scale).to(x.dtype)  # [BLOCK_K, BLOCK_N]
+        w = ((q.to(tl.float32) - zero) * scale).to(x_ptr.dtype.element_ty)  # [BLOCK_K, BLOCK_N]
         acc += tl.dot(x, w, input_precision=DOT_PRECISION)
     if HAS_BIAS:
         acc += tl.load(bias_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]

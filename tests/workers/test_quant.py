@@ -1,0 +1,238 @@
+"""Quantized weights: the published layouts' packing, each layout loaded from a checkpoint
+written in it (against a dequantize-then-matmul reference computed from the plain
+weights), quantization on load == loading the quantized checkpoint, tensor-parallel
+shards, and the errors for what is not supported."""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+import torch
+import torch.nn.functional as F
+from safetensors import safe_open
+
+from cluster.tools.make_model import make_model
+from kernels.int4_linear import dequantize as int4_dequantize
+from tests.workers.test_models import PagedRunner
+from workers.models import load_model
+from workers.models.parallel import ParallelContext
+from workers.models.quant import formats, int4
+from workers.models.quant.export import quantize_checkpoint
+
+CPU = torch.device("cpu")
+PROJECTIONS = {  # our fused layer -> its checkpoint pieces
+    "self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+    "self_attn.o_proj": ("self_attn.o_proj",),
+    "mlp.gate_up_proj": ("mlp.gate_proj", "mlp.up_proj"),
+    "mlp.down_proj": ("mlp.down_proj",),
+}
+
+
+@pytest.fixture(scope="module")
+def dense_dir(tmp_path_factory):
+    """A tiny random llama (hidden 64, intermediate 128, 2 layers), float32."""
+    return make_model(tmp_path_factory.mktemp("quant") / "dense", "llama", "tiny")
+
+
+@pytest.fixture(scope="module")
+def dense_weights(dense_dir):
+    with safe_open(dense_dir / "model.safetensors", framework="pt") as f:
+        return {name: f.get_tensor(name) for name in f.keys()}  # noqa: SIM118
+
+
+def quantized_copy(dense_dir, tmp_path, scheme: str, group_size: int = 128):
+    path = tmp_path / f"{scheme}-{group_size}"
+    shutil.copytree(dense_dir, path)
+    quantize_checkpoint(path, scheme, group_size)
+    return path
+
+
+def prefill_logits(model_dir, quantization: str = "none", pack_linear: bool = True):
+    model, config = load_model(
+        model_dir, torch.float32, CPU, quantization=quantization, pack_linear=pack_linear
+    )
+    ids = torch.arange(1, 24)
+    return PagedRunner(model, config, [len(ids)]).step([0], [ids], [len(ids)])[0]
+
+
+# ---- packing -------------------------------------------------------------------------------
+def test_pack_unpack_roundtrips():
+    gen = torch.Generator().manual_seed(0)
+    values = torch.randint(0, 16, (24, 40), generator=gen, dtype=torch.uint8)
+    assert torch.equal(int4.unpack_rows(int4.pack_rows(values)), values)
+    assert torch.equal(int4.unpack_cols(int4.pack_cols(values)), values)
+    awq = int4.pack_cols(values, int4.AWQ_ORDER)
+    assert torch.equal(int4.unpack_cols(awq, int4.AWQ_ORDER), values)
+    assert not torch.equal(awq, int4.pack_cols(values))  # the interleave is not a no-op
+
+
+def test_packed_words_follow_the_published_layouts():
+    row = torch.arange(8, dtype=torch.uint8)[None, :]  # columns 0..7 hold values 0..7
+    # AWQ: nibble i holds column order[i]
+    want = sum(int(int4.AWQ_ORDER[i]) << (4 * i) for i in range(8))
+    assert int4.pack_cols(row, int4.AWQ_ORDER).item() == want
+    # GPTQ qweight: value j of the word is input row j, at bits 4 j
+    assert int4.pack_rows(row.t()).item() == sum(j << (4 * j) for j in range(8))
+    # GPTQ v1 symmetric zero points (8) are stored as 7s: 0x77777777, as in published files
+    w = int4.quantize(torch.randn(16, 32), 32, symmetric=True)
+    assert (int4.to_gptq(w, v1=True)["qzeros"] == 0x77777777).all()
+
+
+@pytest.mark.parametrize("symmetric", [True, False])
+def test_quantize_rounds_to_the_nearest_level(symmetric):
+    weight = torch.randn(16, 200, generator=torch.Generator().manual_seed(3))  # ragged group
+    w = int4.quantize(weight, 64, symmetric)
+    error = (int4_dequantize(w.q, w.scales, w.zeros, 64) - weight).abs()
+    half_step = w.scales.repeat_interleave(64, dim=1)[:, :200] / 2
+    assert (error <= half_step * 1.001 + 1e-7).all()
+    assert torch.equal(w.scales, w.scales.half().float())  # float16-exact, as stored
+    assert ((w.zeros >= 1) & (w.zeros <= 15)).all()
+
+
+# ---- each layout, loaded --------------------------------------------------------------------
+def int4_reference(dense_weights, prefix: str, pieces, group_size: int, symmetric: bool):
+    """The dequantized weight of one of our layers, from the plain checkpoint's pieces."""
+    parts = []
+    for piece in pieces:
+        w = int4.quantize(dense_weights[f"{prefix}.{piece}.weight"], group_size, symmetric)
+        parts.append(int4_dequantize(w.q, w.scales, w.zeros, group_size))
+    return torch.cat(parts)
+
+
+@pytest.mark.parametrize("group_size", [32, 128], ids=["g32_kernel", "g128_ragged"])
+@pytest.mark.parametrize("scheme", ["int4-gptq", "int4-gptq-asym", "int4-awq"])
+def test_int4_checkpoint_layers_match_the_reference(
+    dense_dir, dense_weights, tmp_path, scheme, group_size
+):
+    path = quantized_copy(dense_dir, tmp_path, scheme, group_size)
+    model, _ = load_model(path, torch.float32, CPU)
+    layer = model.model.layers[1]
+    x_gen = torch.Generator().manual_seed(5)
+    num_kernels = 0
+    for name, pieces in PROJECTIONS.items():
+        module = layer.get_submodule(name)
+        ref = int4_reference(
+            dense_weights, "model.layers.1", pieces, group_size, scheme == "int4-gptq"
+        )
+        x = torch.randn(7, ref.shape[1], generator=x_gen)
+        with torch.inference_mode():
+            got = module(x)
+        want = F.linear(x, ref)
+        if module.weight.dtype == torch.uint8:  # torch's int4 kernel: bfloat16 activations
+            num_kernels += 1
+            atol = 2e-2 * want.abs().max().item()
+        else:  # no kernel for the shape: the dequantized weight
+            atol = 1e-5
+        torch.testing.assert_close(got, want, rtol=0, atol=atol)
+    # group 32: every layer runs on the kernel; 128: only down_proj (K = 128) can
+    assert num_kernels == (4 if group_size == 32 else 1)
+
+
+def test_fp8_checkpoints_load_the_stored_values(dense_dir, tmp_path):
+    for scheme in ("fp8", "fp8-channel"):
+        path = quantized_copy(dense_dir, tmp_path, scheme)
+        model, _ = load_model(path, torch.float32, CPU, pack_linear=False)
+        with safe_open(path / "model.safetensors", framework="pt") as f:
+            prefix = "model.layers.0.mlp.down_proj"
+            stored = f.get_tensor(f"{prefix}.weight")
+            assert stored.dtype == torch.float8_e4m3fn
+            if scheme == "fp8":  # one scale per 128x128 block: one block here
+                scale = f.get_tensor(f"{prefix}.weight_scale_inv")
+                assert scale.shape == (1, 1)
+            else:  # per output channel
+                scale = f.get_tensor(f"{prefix}.weight_scale")
+                assert scale.shape == (stored.shape[0], 1)
+        want = stored.float() * scale
+        assert torch.equal(model.model.layers[0].mlp.down_proj.weight, want)
+
+
+@pytest.mark.parametrize(
+    "quantization,schemes",
+    [("int4", ["int4-awq", "int4-gptq-asym"]), ("fp8", ["fp8"])],
+)
+def test_quantized_on_load_equals_the_quantized_checkpoint(
+    dense_dir, tmp_path, quantization, schemes
+):
+    on_load = prefill_logits(dense_dir, quantization)
+    dense = prefill_logits(dense_dir)
+    assert not torch.equal(on_load, dense)
+    for scheme in schemes:
+        path = quantized_copy(dense_dir, tmp_path, scheme)
+        assert torch.equal(prefill_logits(path), on_load), scheme
+        assert torch.equal(prefill_logits(path, quantization), on_load), scheme
+
+
+def test_int4_tensor_parallel_shards_match_the_reference(dense_dir, dense_weights, tmp_path):
+    path = quantized_copy(dense_dir, tmp_path, "int4-awq", 32)
+    x_gen = torch.Generator().manual_seed(9)
+    for name, pieces in [
+        ("mlp.gate_up_proj", ("mlp.gate_proj", "mlp.up_proj")),
+        ("mlp.down_proj", ("mlp.down_proj",)),
+    ]:
+        ref = int4_reference(dense_weights, "model.layers.0", pieces, 32, symmetric=False)
+        x = torch.randn(3, ref.shape[1], generator=x_gen)
+        shards = []
+        for rank in range(2):
+            model, _ = load_model(path, torch.float32, CPU, ParallelContext(rank, 2))
+            module = model.model.layers[0].get_submodule(name)
+            with torch.inference_mode():
+                if name == "mlp.down_proj":  # row-parallel: this rank's input slice, partial sum
+                    shards.append(module.matmul(x.chunk(2, dim=1)[rank], module.weight))
+                else:
+                    shards.append(module(x))
+        if name == "mlp.down_proj":
+            got = shards[0] + shards[1]
+            want = F.linear(x, ref)
+        else:  # each rank holds [gate_r; up_r]
+            gate, up = F.linear(x, ref).chunk(2, dim=1)
+            got = torch.cat(shards, dim=1)
+            want = torch.cat(
+                [gate.chunk(2, 1)[0], up.chunk(2, 1)[0], gate.chunk(2, 1)[1], up.chunk(2, 1)[1]],
+                dim=1,
+            )
+        torch.testing.assert_close(got, want, rtol=0, atol=2e-2 * want.abs().max().item())
+
+
+def test_row_parallel_shard_must_hold_whole_groups(dense_dir, tmp_path):
+    path = quantized_copy(dense_dir, tmp_path, "int4-gptq", 128)
+    with pytest.raises(ValueError, match="does not hold whole int4 groups of 128"):
+        load_model(path, torch.float32, CPU, ParallelContext(0, 2))
+
+
+# ---- what is refused ------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    "qc,requested,match",
+    [
+        (
+            {"quant_method": "gptq", "bits": 4, "group_size": 128, "desc_act": True},
+            "none",
+            "desc_act",
+        ),
+        ({"quant_method": "gptq", "bits": 8, "group_size": 128}, "none", "only 4-bit"),
+        ({"quant_method": "awq", "bits": 4, "group_size": 128, "version": "gemv"}, "none", "gemv"),
+        ({"quant_method": "bitsandbytes"}, "none", "bitsandbytes"),
+        (
+            {"quant_method": "compressed-tensors", "format": "pack-quantized"},
+            "none",
+            "pack-quantized",
+        ),
+        ({"quant_method": "fp8"}, "int4", "already quantized"),
+        (None, "int8", "quantization must be one of"),
+    ],
+)
+def test_unsupported_quantization_is_refused(qc, requested, match):
+    with pytest.raises(ValueError, match=match):
+        formats.resolve(qc, requested)
+
+
+def test_malformed_int4_tensors_are_named(dense_dir, tmp_path):
+    path = quantized_copy(dense_dir, tmp_path, "int4-awq", 32)
+    from safetensors.torch import load_file, save_file
+
+    tensors = load_file(path / "model.safetensors")
+    name = "model.layers.0.mlp.down_proj.scales"
+    tensors[name] = tensors[name][:-1]  # one group short
+    save_file(tensors, str(path / "model.safetensors"))
+    with pytest.raises(ValueError, match=r"down_proj.*scales: expected shape"):
+        load_model(path, torch.float32, CPU)
