@@ -85,8 +85,16 @@ def main() -> None:
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 32])
     ap.add_argument("--num-decode", type=int, default=32, help="decode tokens per request")
     ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument(
+        "--threads",
+        type=int,
+        help="torch threads (default: torch's); 1 keeps CPU time honest "
+        "on a loaded machine, where waiting threads spin",
+    )
     ap.add_argument("--json", type=Path)
     args = ap.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
 
     model_dir = bench_model(args.model)
     llms = {}
