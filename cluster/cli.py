@@ -36,6 +36,8 @@ from cluster.loadgen import command as _bench  # its module imports only the sta
 _ARCHS = ("llama", "qwen2", "qwen3", "mistral")
 _SIZES = ("tiny", "small")
 _DTYPES = ("float32", "bfloat16", "float16")
+# workers/models/quant/export.py SCHEMES (not imported here: the parser loads no torch)
+_QUANTIZE_SCHEMES = ("fp8", "fp8-channel", "int4-gptq", "int4-gptq-asym", "int4-awq")
 _DISAGGREGATION = ("always", "never", "auto")  # cluster.client.DISAGGREGATION_CHOICES
 
 
@@ -73,7 +75,7 @@ def _add_make_model_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--quantize",
-        choices=("fp8", "fp8-channel", "int4-gptq", "int4-gptq-asym", "int4-awq"),
+        choices=_QUANTIZE_SCHEMES,
         default=None,
         help="write the decoder's linear weights quantized, in a published layout "
         "(docs/quantization.md)",

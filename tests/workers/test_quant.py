@@ -5,6 +5,7 @@ shards, and the errors for what is not supported."""
 
 from __future__ import annotations
 
+import json
 import shutil
 
 import pytest
@@ -236,3 +237,27 @@ def test_malformed_int4_tensors_are_named(dense_dir, tmp_path):
     save_file(tensors, str(path / "model.safetensors"))
     with pytest.raises(ValueError, match=r"down_proj.*scales: expected shape"):
         load_model(path, torch.float32, CPU)
+
+
+def test_make_model_quantize_writes_a_loadable_checkpoint(tmp_path, capsys):
+    from cluster import cli
+    from workers.models.quant.export import SCHEMES
+
+    assert cli._QUANTIZE_SCHEMES == SCHEMES
+    out = tmp_path / "gptq"
+    argv = [
+        "make-model",
+        str(out),
+        "--size",
+        "tiny",
+        "--quantize",
+        "int4-gptq",
+        "--group-size",
+        "32",
+    ]
+    assert cli.main(argv) == 0
+    assert "quantized: int4-gptq" in capsys.readouterr().out
+    config = json.loads((out / "config.json").read_text())["quantization_config"]
+    assert config["quant_method"] == "gptq" and config["group_size"] == 32 and config["sym"]
+    model, _ = load_model(out, torch.float32, CPU)
+    assert model.model.layers[0].mlp.down_proj.weight.dtype == torch.uint8  # int4-packed
