@@ -44,3 +44,29 @@ def test_triton_int4_linear_checks_its_inputs():
     x = torch.randn(2, 48, device=DEVICE)
     with pytest.raises(ValueError, match="48 input features"):
         int4_linear(x, packed, scales.t().contiguous(), zeros.t().contiguous(), 32, 64)
+
+
+@pytest.mark.slow  # the whole model interpreted: ~25 s
+def test_int4_model_on_the_triton_op_set_matches_the_reference(tmp_path):
+    # The CUDA path end to end (reader -> Triton packing -> layer matmul), here interpreted:
+    # a GPTQ checkpoint whose layers' shapes the CPU kernel would also take.
+    from cluster.tools.make_model import make_model
+    from kernels import get_kernel_ops
+    from tests.workers.test_models import PagedRunner
+    from workers.models import load_model
+    from workers.models.quant.export import quantize_checkpoint
+
+    path = make_model(tmp_path / "gptq", "llama", "tiny")
+    quantize_checkpoint(path, "int4-gptq-asym", 32)
+    ids = torch.arange(1, 12)
+    logits = {}
+    for use_triton in (False, True):
+        ops = get_kernel_ops("cpu", use_triton=use_triton)
+        model, config = load_model(path, torch.float32, torch.device("cpu"), ops=ops)
+        gate_up = model.model.layers[0].mlp.gate_up_proj
+        assert gate_up.weight.dtype == (torch.int32 if use_triton else torch.uint8)
+        with bf16_dots_in_interpreter():
+            logits[use_triton] = PagedRunner(model, config, [len(ids)]).step([0], [ids], [11])[0]
+    # the CPU kernel rounds activations to bfloat16; the Triton kernel runs float32 (ieee)
+    scale = logits[False].abs().max().item()
+    torch.testing.assert_close(logits[True], logits[False], rtol=0, atol=3e-2 * scale)

@@ -19,7 +19,7 @@ from safetensors import safe_open
 from torch import nn
 from tqdm import tqdm
 
-from kernels import KernelOps, cpu_linear, get_kernel_ops
+from kernels import REFERENCE_OPS, KernelOps, cpu_linear, get_kernel_ops
 from workers.models import quant
 from workers.models.arch_config import ArchConfig
 from workers.models.base import CausalLM
@@ -70,7 +70,7 @@ def load_model(
                     model, tensors, spec, lambda name: _to_param_name(name, packed_modules)[0]
                 )
                 load_weights(model, weights, config)
-            num_int4 = quant.finalize(model, dtype, device)
+            num_int4 = quant.finalize(model, dtype, device, use_triton=ops is not REFERENCE_OPS)
             logger.info("weights: %s (%s), %d int4 kernels", spec.method, spec.layout, num_int4)
         if pack_linear and device.type == "cpu" and cpu_linear.packing_supported(dtype):
             num_packed = pack_linear_weights(model)

@@ -53,9 +53,10 @@ def prepare(
     return transform(tensors, spec, is_linear_weight)
 
 
-def finalize(model: nn.Module, dtype: torch.dtype, device: torch.device) -> int:
-    """After loading: pack the int4 layers for ``device``; returns how many got a kernel."""
-    return finalize_int4_layers(model, dtype, device)
+def finalize(model: nn.Module, dtype: torch.dtype, device: torch.device, use_triton: bool) -> int:
+    """After loading: pack the int4 layers for ``device`` (Triton's kernel when the model
+    runs the Triton op set); returns how many got a kernel."""
+    return finalize_int4_layers(model, dtype, device, use_triton)
 
 
 __all__ = ["QUANTIZATIONS", "QuantSpec", "finalize", "prepare", "resolve_spec"]

@@ -13,9 +13,10 @@ whole groups (ValueError otherwise).
 ``finalize_int4_layers`` runs after loading: each layer's weight becomes what the device's
 fastest kernel reads, and ``layer.matmul`` that kernel, so ``forward`` is untouched:
 
+- with the Triton op set (CUDA): the Triton dequantize-matmul kernel
+  (``kernels/triton_int4_linear.py``), any shape;
 - CPU: torch's int4-packed matmul (``kernels.int4_linear.pack_cpu``) where it takes the
   shape (``N % 16 == 0``, ``K % group_size == 0``, group 32..256);
-- CUDA: the Triton dequantize-matmul kernel (``kernels/triton_int4_linear.py``);
 - otherwise the dequantized weight in the model dtype with ``F.linear`` (logged): the same
   numbers, without the speed.
 """
@@ -76,9 +77,12 @@ def convert_int4_layers(model: nn.Module, names: set[str], group_size: int) -> N
         layer.group_size = group_size
 
 
-def finalize_int4_layers(model: nn.Module, dtype: torch.dtype, device: torch.device) -> int:
+def finalize_int4_layers(
+    model: nn.Module, dtype: torch.dtype, device: torch.device, use_triton: bool
+) -> int:
     """After loading: pack each int4 layer for ``device``'s kernel (see the module
-    docstring); mutates the model; returns how many layers got a packed int4 kernel."""
+    docstring; ``use_triton``: the model runs the Triton op set, on CUDA or, in tests,
+    in Triton's interpreter); mutates the model; returns how many layers got a kernel."""
     num_packed = num_dense = group_size = 0
     for layer in linear_layers(model).values():
         if not hasattr(layer, "qweight"):
@@ -88,13 +92,13 @@ def finalize_int4_layers(model: nn.Module, dtype: torch.dtype, device: torch.dev
             delattr(layer, part)
         out_p, in_p = q.shape
         group_size = layer.group_size
-        if device.type == "cpu" and int4_linear.cpu_kernel_supported(out_p, in_p, group_size):
-            packed, layer.matmul = int4_linear.pack_cpu(q, scales, zeros, group_size)
-            num_packed += 1
-        elif device.type == "cuda":
+        if use_triton:
             from kernels import triton_int4_linear  # Triton only where it compiles
 
             packed, layer.matmul = triton_int4_linear.pack(q, scales, zeros, group_size)
+            num_packed += 1
+        elif device.type == "cpu" and int4_linear.cpu_kernel_supported(out_p, in_p, group_size):
+            packed, layer.matmul = int4_linear.pack_cpu(q, scales, zeros, group_size)
             num_packed += 1
         else:
             num_dense += 1
