@@ -30,7 +30,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kernels import int4_linear
-from workers.models.layers import ColumnParallelLinear, RowParallelLinear, new_param
+from workers.models.layers import ColumnParallelLinear, RowParallelLinear
 from workers.models.quant.int4 import num_groups
 
 logger = logging.getLogger(__name__)
@@ -69,11 +69,10 @@ def convert_int4_layers(model: nn.Module, names: set[str], group_size: int) -> N
         groups = num_groups(in_p, group_size)
         del layer.weight
         group_loader = _row_group_loader(layer) if isinstance(layer, RowParallelLinear) else None
-        with torch.device(device):
-            layer.qweight = _typed(new_param((out_p, in_p), layer.weight_loader), torch.uint8)
-            for part in ("scales", "zeros"):
-                param = new_param((out_p, groups), group_loader or layer.weight_loader)
-                setattr(layer, part, _typed(param, torch.float32))
+        layer.qweight = _param((out_p, in_p), torch.uint8, device, layer.weight_loader)
+        for part in ("scales", "zeros"):
+            loader = group_loader or layer.weight_loader
+            setattr(layer, part, _param((out_p, groups), torch.float32, device, loader))
         layer.group_size = group_size
 
 
@@ -113,10 +112,10 @@ def finalize_int4_layers(
     return num_packed
 
 
-def _typed(param: nn.Parameter, dtype: torch.dtype) -> nn.Parameter:
-    typed = nn.Parameter(param.data.to(dtype), requires_grad=False)
-    typed.weight_loader = param.weight_loader  # type: ignore[attr-defined]
-    return typed
+def _param(shape: tuple[int, int], dtype: torch.dtype, device: torch.device, weight_loader):
+    param = nn.Parameter(torch.empty(shape, dtype=dtype, device=device), requires_grad=False)
+    param.weight_loader = weight_loader  # type: ignore[attr-defined]
+    return param
 
 
 def _row_group_loader(layer: RowParallelLinear):
