@@ -14,9 +14,12 @@ share of positions where both models' argmax is the same token). Variants:
 - ``fp32``: the stored weights, float32;
 - ``fp8``: FP8 e4m3 weights, per 128x128 block (as ``baton make-model --quantize fp8``
   writes them), dequantized at load;
+- ``fp8-channel``: a compressed-tensors ``float-quantized`` checkpoint, per-channel scales
+  (weights only: its dynamic FP8 activations are not applied);
 - ``int4``: INT4 weights, asymmetric, groups of 128 (the on-load default; GPTQ-asym and
   AWQ checkpoints of the same model give the same logits, tests/workers/test_quant.py),
-  through torch's int4-packed CPU matmul.
+  through torch's int4-packed CPU matmul;
+- ``int4-gptq-sym``: a symmetric GPTQ checkpoint, groups of 128 (the common published kind).
 
     python -m bench.quant_quality --kind test --json bench/quant_quality.json
 """
@@ -27,6 +30,8 @@ import argparse
 import json
 import math
 import platform
+import shutil
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -36,6 +41,7 @@ from tokenizers import Tokenizer
 
 from kernels.attention_metadata import build_attention_metadata, slot_mapping_for
 from workers.models import load_model
+from workers.models.quant.export import quantize_checkpoint
 
 BLOCK_SIZE = 16
 WINDOWS_PER_STEP = 8
@@ -45,12 +51,19 @@ WINDOWS_PER_STEP = 8
 class Variant:
     name: str
     quantization: str  # model.quantization
+    scheme: str | None = None  # load a copy written by `make-model --quantize SCHEME` instead
     # HOOK(fp8kv): the FP8 KV-cache column is helper fp8kv's: add a Variant with its
     # KV-cache dtype here and make `make_kv_cache` (and the attention ops) honour it.
     kv_cache_dtype: str = "auto"
 
 
-VARIANTS = (Variant("fp32", "none"), Variant("fp8", "fp8"), Variant("int4", "int4"))
+VARIANTS = (
+    Variant("fp32", "none"),
+    Variant("fp8", "fp8"),
+    Variant("fp8-channel", "none", scheme="fp8-channel"),
+    Variant("int4", "int4"),
+    Variant("int4-gptq-sym", "none", scheme="int4-gptq"),
+)
 
 
 def make_kv_cache(variant: Variant, config, num_blocks: int) -> torch.Tensor:
@@ -104,8 +117,14 @@ def evaluate(model_dir: Path, windows: torch.Tensor) -> dict[str, dict[str, floa
     results: dict[str, dict[str, float]] = {}
     reference_argmax = None
     for variant in VARIANTS:
-        model, config = load_model(model_dir, torch.float32, torch.device("cpu"),
-                                   quantization=variant.quantization)  # fmt: skip
+        with tempfile.TemporaryDirectory() as tmp:
+            path = model_dir
+            if variant.scheme is not None:  # a checkpoint in the published layout
+                path = Path(tmp) / "model"
+                shutil.copytree(model_dir, path)
+                quantize_checkpoint(path, variant.scheme)
+            model, config = load_model(path, torch.float32, torch.device("cpu"),
+                                       quantization=variant.quantization)  # fmt: skip
         logits = window_logits(model, config, variant, windows).flatten(0, 1)
         nll = F.cross_entropy(logits, labels, reduction="mean").item()
         argmax = logits.argmax(-1)
@@ -137,12 +156,12 @@ def main() -> None:
     windows = held_out_windows(args.kind, tokenizer)
     results = evaluate(args.model, windows)
     print(f"{args.model}: {windows.shape[0]} windows x {windows.shape[1] - 1} tokens held out")
-    print("variant  perplexity  x fp32  agreement vs fp32  top-1 accuracy")
+    print("variant        perplexity  x fp32  agreement vs fp32  top-1 accuracy")
     for name, r in results.items():
-        print(f"{name:7}  {r['perplexity']:10.3f}  {r['perplexity_vs_fp32']:6.3f}  "
+        print(f"{name:13}  {r['perplexity']:10.3f}  {r['perplexity_vs_fp32']:6.3f}  "
               f"{r['next_token_agreement_vs_fp32']:17.4f}  {r['top1_accuracy']:14.4f}")  # fmt: skip
     if args.json:
-        report = args.model / "report.json"
+        report = args.model.parent / "report.json"  # the trained pair's, beside target/
         result = {
             "machine": platform.processor() or platform.machine(),
             "torch": torch.__version__,
