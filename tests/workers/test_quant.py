@@ -301,3 +301,20 @@ def test_int4_and_fp8_keep_the_trained_target_s_quality():
         assert math.exp(nll - nll_fp32) < 1.05, quantization
         assert (argmax == argmax_fp32).float().mean() > 0.9, quantization
     assert results["int4"][0] != nll_fp32  # the int4 path really ran
+
+
+def test_the_engine_takes_the_quantization_setting(dense_dir, tmp_path):
+    from workers import LLM, SamplingParams
+
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+
+    def generate(path, **kw):
+        llm = LLM(str(path), dtype="float32", kv_cache_memory_gib=0.05, **kw)
+        down = llm.engine.model.model.layers[0].mlp.down_proj.weight
+        return llm.generate([[5, 6, 7, 8]], params)[0].token_ids, down.dtype
+
+    on_load, dtype = generate(dense_dir, quantization="int4")
+    assert dtype == torch.uint8  # down_proj (K = 128) on the CPU int4 kernel
+    assert generate(quantized_copy(dense_dir, tmp_path, "int4-awq"))[0] == on_load
+    with pytest.raises(ValueError, match="already quantized"):
+        generate(quantized_copy(dense_dir, tmp_path, "fp8"), quantization="int4")
