@@ -318,3 +318,12 @@ def test_the_engine_takes_the_quantization_setting(dense_dir, tmp_path):
     assert generate(quantized_copy(dense_dir, tmp_path, "int4-awq"))[0] == on_load
     with pytest.raises(ValueError, match="already quantized"):
         generate(quantized_copy(dense_dir, tmp_path, "fp8"), quantization="int4")
+
+
+def test_pipeline_stages_load_only_their_int4_layers(dense_dir, tmp_path):
+    path = quantized_copy(dense_dir, tmp_path, "int4-gptq", 32)
+    for stage in range(2):
+        model, _ = load_model(path, torch.float32, CPU, ParallelContext(pp_rank=stage, pp_size=2))
+        mlp = model.model.layers[stage].mlp
+        assert mlp.down_proj.weight.dtype == torch.uint8  # this stage's layer: int4-packed
+        assert not list(model.model.layers[1 - stage].parameters())  # the other stage's
