@@ -51,7 +51,7 @@ class EngineConfig:
     # A quantized checkpoint (config.json quantization_config) is read in its own layout
     # whatever this says; a different method is refused (docs/quantization.md).
     quantization: Quantization = setting(
-        "none", "Weights: none = as stored; fp8 | int4 = quantize a plain checkpoint on load"
+        "none", "Weights: none = as stored; fp8 or int4 = quantize a plain checkpoint on load"
     )
     # cpu | cuda | cuda:N; the cluster config narrows it to auto | cpu | cuda (Ray picks the GPU).
     device: str = setting("auto", "Where the engine runs; auto = CUDA when the node has a GPU")
