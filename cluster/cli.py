@@ -36,6 +36,8 @@ from cluster.loadgen import command as _bench  # its module imports only the sta
 _ARCHS = ("llama", "qwen2", "qwen3", "mistral")
 _SIZES = ("tiny", "small")
 _DTYPES = ("float32", "bfloat16", "float16")
+# workers/models/quant/export.py SCHEMES (not imported here: the parser loads no torch)
+_QUANTIZE_SCHEMES = ("fp8", "fp8-channel", "int4-gptq", "int4-gptq-asym", "int4-awq")
 _DISAGGREGATION = ("always", "never", "auto")  # cluster.client.DISAGGREGATION_CHOICES
 
 
@@ -71,6 +73,16 @@ def _add_make_model_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--overwrite", action="store_true", help="replace the model files in a non-empty DIR"
     )
+    parser.add_argument(
+        "--quantize",
+        choices=_QUANTIZE_SCHEMES,
+        default=None,
+        help="write the decoder's linear weights quantized, in a published layout "
+        "(docs/quantization.md)",
+    )
+    parser.add_argument(
+        "--group-size", type=int, default=128, help="int4: input columns per scale (128)"
+    )
 
 
 def _run_make_model(args: argparse.Namespace) -> int:
@@ -86,6 +98,11 @@ def _run_make_model(args: argparse.Namespace) -> int:
         dtype=args.dtype,
         progress=True,
     )
+    if args.quantize is not None:
+        from workers.models.quant.export import quantize_checkpoint
+
+        quantize_checkpoint(out, args.quantize, args.group_size)
+        print(f"quantized: {args.quantize}")
     print(
         f"wrote {args.arch} {args.size} ({num_parameters(config) / 1e6:.1f}M parameters, "
         f"{config['dtype']}, vocab {config['vocab_size']}) to {out}"

@@ -22,7 +22,13 @@ import yaml
 
 from cluster.config_schema import ConfigError, json_schema, load_section, option, section
 from kvtransfer import KVTransferConfig
-from workers.engine.config import Dtype, EngineConfig, KVCacheDtype, SpeculativeMethod
+from workers.engine.config import (
+    Dtype,
+    EngineConfig,
+    KVCacheDtype,
+    Quantization,
+    SpeculativeMethod,
+)
 
 _ENGINE_FIELDS = {f.name: f for f in dataclasses.fields(EngineConfig)}
 _TRANSFER_FIELDS = {f.name: f for f in dataclasses.fields(KVTransferConfig)}
@@ -54,6 +60,7 @@ class ModelSection:
     name: str | None = option(None, "Served model name; unset = the directory's name")
     dtype: Dtype = engine_option("dtype")
     max_model_len: int | None = engine_option("max_model_len")
+    quantization: Quantization = engine_option("quantization")
 
 
 @dataclass(frozen=True)
