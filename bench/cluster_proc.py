@@ -100,3 +100,31 @@ class ServedCluster:
             raise
         finally:
             shutil.rmtree(self.ray_tmp, ignore_errors=True)
+
+
+def processes(root: int, prefix: str) -> list[int]:
+    """Pids of the processes under ``root`` (itself included) whose command line starts
+    with ``prefix`` (Ray names an actor's process ``ray::CLASS``)."""
+    children: dict[int, list[int]] = {}
+    cmdlines: dict[int, str] = {}
+    for entry in os.scandir("/proc"):
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = Path(entry.path, "stat").read_text()
+            cmd = Path(entry.path, "cmdline").read_bytes()[:200].replace(b"\0", b" ")
+        except OSError:
+            continue
+        ppid = int(stat[stat.rindex(")") + 2 :].split()[1])
+        children.setdefault(ppid, []).append(int(entry.name))
+        cmdlines[int(entry.name)] = cmd.decode(errors="replace")
+    found, todo, seen = [], [root], set()
+    while todo:
+        pid = todo.pop()
+        if pid in seen:
+            continue
+        seen.add(pid)
+        if cmdlines.get(pid, "").startswith(prefix):
+            found.append(pid)
+        todo.extend(children.get(pid, []))
+    return sorted(found)
