@@ -60,6 +60,14 @@ WORKER_PROCESS = "ray::WorkerActor"
 DEFAULT_FAULTS = "fail_every=7,delay_ms=30,delay_every=5,drop_notify_every=11"
 LEASE_S, TRANSFER_TIMEOUT_S = 10.0, 4.0
 MAX_QUEUED = 48
+# The codes a request may end with (docs/reliability.md); anything else is a finding.
+DOCUMENTED = {
+    "INVALID_ARGUMENT",
+    "RESOURCE_EXHAUSTED",
+    "UNAVAILABLE",
+    "INTERNAL",
+    "DEADLINE_EXCEEDED",
+}
 
 
 def cluster_config(model_dir: Path, args: argparse.Namespace) -> dict:
@@ -420,6 +428,9 @@ def summarize(args, campaign, load, settled, after, samples, survived, rc, clust
     after_total = sum(after.values())
     report["goals"] = {
         "no_wrong_tokens": outcomes.get("WRONG", 0) == 0,
+        "only_documented_errors": all(
+            k.removeprefix("error:") in DOCUMENTED for k in outcomes if k.startswith("error:")
+        ),
         "no_crash": not any(crashes.values()),
         "no_leaked_blocks": leaked == 0,
         "still_serves": after_total > 0
