@@ -82,6 +82,7 @@ def cluster_config(model_dir: Path, args: argparse.Namespace) -> dict:
             "lease_seconds": LEASE_S,
             "timeout_seconds": TRANSFER_TIMEOUT_S,
             "on_failure": "recompute",
+            "direction": args.direction,
         },
         "router": {
             "port": 0,
@@ -308,6 +309,12 @@ def main() -> int:
     parser.add_argument("--overload-every", type=float, default=180.0, help="seconds; 0 = never")
     parser.add_argument("--faults", default=DEFAULT_FAULTS, help="BATON_KV_FAULTS ('' = none)")
     parser.add_argument("--num-prompts", type=int, default=24)
+    parser.add_argument(
+        "--direction",
+        default="auto",
+        choices=("auto", "pull", "push"),
+        help="kv_transfer.direction",
+    )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--model", type=Path, help="model directory (default: a tiny llama)")
     parser.add_argument("--json", type=Path, help="write the figures here")
@@ -383,7 +390,8 @@ def summarize(args, campaign, load, settled, after, samples, survived, rc, clust
         "command": "python -m bench.chaos " + " ".join(sys.argv[1:]),
         "machine": machine(),
         "minutes": args.minutes,
-        "cluster": f"{args.prefill} prefill + {args.decode} decode, tiny llama, CPU, NIXL",
+        "cluster": f"{args.prefill} prefill + {args.decode} decode, tiny llama, CPU, NIXL "
+        f"(direction {args.direction})",
         "faults_env": args.faults,
         "requests": {
             "sent": sum(outcomes.values()),

@@ -230,7 +230,7 @@ def _raw_generate(channel, payload: bytes, timeout_s: float = 10.0) -> str:
 def _grpc_hostile(vocab_size: int, rng: random.Random) -> list[tuple[str, object]]:
     """(name, request or raw bytes) of the gRPC hostile mix."""
     valid = list(range(3, 20))
-    text_field = pb.GenerateRequest(text="x").SerializeToString()  # field 1? found below
+    text_field = pb.GenerateRequest(text="x").SerializeToString()
     huge = "\U0001f600" * 300_000  # 1.2 MB of 4-byte characters, well past max_model_len
     cases: list[tuple[str, object]] = [
         ("top_p=7", make_request(valid, top_p=7.0)),
