@@ -366,6 +366,7 @@ def main() -> int:
     if args.json:
         args.json.write_text(text + "\n")
     print(text)
+    print(figures_table(report))
     goals = report["goals"]
     return 0 if all(goals.values()) else 1
 
@@ -446,6 +447,63 @@ def summarize(args, campaign, load, settled, after, samples, survived, rc, clust
         "refuse_p99_under_50ms": refusal_p99 is None or refusal_p99 < 0.05,
     }
     return report
+
+
+def after_chaos(after: dict[str, int]) -> str:
+    """``{"grpc:equal": 24, ...}`` as "grpc 24/24, http 6/6"."""
+    parts = []
+    for frontend in ("grpc", "http"):
+        total = sum(n for k, n in after.items() if k.startswith(frontend + ":"))
+        if total:
+            parts.append(f"{frontend} {after.get(frontend + ':equal', 0)}/{total}")
+    return ", ".join(parts) or "none answered"
+
+
+def figures_table(report: dict) -> str:
+    """The campaign's figures as a Markdown table (docs/reliability.md, bench/RESULTS.md)."""
+    req, over = report["requests"], report["overload"]
+    errors = ", ".join(f"{code} {n}" for code, n in sorted(req["errors"].items())) or "none"
+    faults = report["faults_injected"]
+    hostile = report["hostile"]
+    rows = [
+        ("requests sent (steady load)", req["sent"]),
+        ("completed, equal to the reference", req["completed_equal"]),
+        ("completed with WRONG output (goal 0)", req["completed_wrong"]),
+        ("failed, by code", errors),
+        ("migrated (router)", int(report["migrations"])),
+        ("worker processes killed (SIGKILL)", report["workers_killed"]),
+        (
+            "transfer faults injected",
+            ", ".join(f"{k} {int(v)}" for k, v in sorted(faults.items())) or "none",
+        ),
+        (
+            "failed transfers recomputed on decode",
+            int(report["kv_transfer_failures"].get("receive", 0)),
+        ),
+        ("prefill leases expired", int(report["kv_lease_expiries"])),
+        ("hostile inputs tried", hostile["inputs_tried"]),
+        ("hostile outcomes", ", ".join(f"{k} {n}" for k, n in hostile["outcomes"].items())),
+        ("crashes (goal 0)", sum(int(v) for v in report["crashes"].values())),
+        (
+            "KV blocks in use once idle (goal 0)",
+            sum(report["settled"].get("kv_blocks_used", {}).values()),
+        ),
+        ("after the chaos, answers equal to the reference", after_chaos(report["after_chaos"])),
+        (
+            "time to refuse under overload, p50 / p99 (goal p99 < 50 ms)",
+            f"{over['probe_refuse_p50_ms']} / {over['probe_refuse_p99_ms']} ms "
+            f"({over['probe_refusals']} refusals)",
+        ),
+        (
+            "... refusals within a burst, p50 / p99 (client-side)",
+            f"{over['burst_refuse_p50_ms']} / {over['burst_refuse_p99_ms']} ms "
+            f"({over['burst_refusals']} refusals)",
+        ),
+        ("request latency p50 / p99", f"{req['latency_p50_s']:.2f} / {req['latency_p99_s']:.2f} s"),
+    ]
+    lines = ["| figure | value |", "|---|---|"]
+    lines += [f"| {name} | {value} |" for name, value in rows]
+    return "\n".join(lines)
 
 
 if __name__ == "__main__":
