@@ -20,6 +20,18 @@ DOCUMENTED = {
     "DEADLINE_EXCEEDED",
 }
 
+# A hostile request must be refused as the client's fault (or end as the client asked).
+HOSTILE_OK = {
+    "INVALID_ARGUMENT",
+    "RESOURCE_EXHAUSTED",
+    "CANCELLED",
+    "400",
+    "404",
+    "413",
+    "422",
+    "429",
+}
+
 
 def scrape(urls: list[str]) -> dict[str, float]:
     """Sum of every sample per ``name{labels}`` over the metrics endpoints."""
@@ -153,6 +165,9 @@ def summarize(args, campaign, load, settled, after, samples, survived, rc, clust
         "still_serves": after_total > 0
         and sum(n for k, n in after.items() if k.endswith(":equal")) == after_total,
         "refuse_p99_under_50ms": refusal_p99 is None or refusal_p99 < 0.05,
+        "hostile_refused_as_client_errors": all(
+            outcome in HOSTILE_OK for (_, _, outcome) in campaign.hostile
+        ),
     }
     return report
 
