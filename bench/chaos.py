@@ -35,6 +35,7 @@ import random
 import signal
 import sys
 import tempfile
+import threading
 import time
 from collections import Counter
 from pathlib import Path
@@ -109,6 +110,42 @@ def wait_for(predicate, timeout_s: float, poll_s: float = 0.5) -> bool:
     return predicate()
 
 
+class FuzzRun:
+    """``bench.fuzz.run_fuzzers`` on a thread of its own, for the length of the campaign
+    (it is a pytest subprocess: more load on the machine, as chaos should be)."""
+
+    def __init__(self, examples: int):
+        self.result: dict | None = None
+        self._thread = None
+        if examples:
+            self._thread = threading.Thread(target=self._run, args=(examples,), daemon=True)
+            self._thread.start()
+
+    def _run(self, examples: int) -> None:
+        from bench.fuzz import run_fuzzers
+
+        try:
+            result = run_fuzzers(examples)
+        except Exception as exc:  # e.g. its own timeout: say so in the report
+            self.result = {"passed": False, "total_inputs_tried": 0, "error": repr(exc)}
+            return
+        self.result = {
+            "examples": result.examples,
+            "inputs_tried": result.inputs_tried,
+            "total_inputs_tried": result.total_inputs_tried,
+            "passed": result.passed,
+            "seconds": result.seconds,
+        }
+        if not result.passed:
+            self.result["output_tail"] = result.output_tail
+
+    def join(self, timeout_s: float = 1800.0) -> dict | None:
+        if self._thread is not None:
+            print("waiting for the fuzzers...", flush=True)
+            self._thread.join(timeout_s)
+        return self.result
+
+
 # ---- the campaign --------------------------------------------------------------------------
 class Campaign:
     def __init__(self, cluster: ServedCluster, cases, args, vocab_size: int):
@@ -125,7 +162,7 @@ class Campaign:
         self.refusal_s: list[float] = []  # burst calls refused (client-side start to end)
         self.probe_s: list[float] = []  # single calls sent while the queue was full
         self.overload_admitted: list[int] = []
-        self.min_healthy: dict[str, int] = {}
+        self.fuzz: dict | None = None  # bench.fuzz's result, when it ran
 
     def kill_one(self) -> None:
         pids = processes(self.cluster.process.pid, WORKER_PROCESS)
@@ -249,6 +286,13 @@ def main() -> int:
     )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--model", type=Path, help="model directory (default: a tiny llama)")
+    parser.add_argument(
+        "--fuzz-examples",
+        type=int,
+        default=0,
+        help="also run the front ends' hypothesis fuzzers (bench/fuzz.py) with N examples "
+        "each, meanwhile (0 = not)",
+    )
     parser.add_argument("--json", type=Path, help="write the figures here")
     parser.add_argument("--cluster-log", type=Path, help="write the cluster's output here")
     args = parser.parse_args()
@@ -281,8 +325,10 @@ def main() -> int:
                 args.http_share,
                 args.seed,
             )
+            fuzz = FuzzRun(args.fuzz_examples)
             campaign.run(load)
             load.stop()
+            campaign.fuzz = fuzz.join()
             print("load stopped; waiting for the cluster to settle...", flush=True)
             survived = cluster.process.poll() is None
             settled = campaign.settle() if survived else {}

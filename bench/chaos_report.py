@@ -138,6 +138,7 @@ def summarize(args, campaign, load, settled, after, samples, survived, rc, clust
             "outcomes": dict(sorted(hostile_outcomes.items())),
             "by_case": {f"{f}:{n}:{o}": c for (f, n, o), c in sorted(campaign.hostile.items())},
         },
+        "fuzz": campaign.fuzz,
         "overload": {
             "bursts": len(campaign.overload_admitted),
             "admitted_per_burst": campaign.overload_admitted,
@@ -165,6 +166,7 @@ def summarize(args, campaign, load, settled, after, samples, survived, rc, clust
         "still_serves": after_total > 0
         and sum(n for k, n in after.items() if k.endswith(":equal")) == after_total,
         "refuse_p99_under_50ms": refusal_p99 is None or refusal_p99 < 0.05,
+        "fuzzers_passed": campaign.fuzz is None or campaign.fuzz["passed"],
         "hostile_refused_as_client_errors": all(
             outcome in HOSTILE_OK for (_, _, outcome) in campaign.hostile
         ),
@@ -206,6 +208,13 @@ def figures_table(report: dict) -> str:
         ("prefill leases expired", int(report["kv_lease_expiries"])),
         ("hostile inputs tried", hostile["inputs_tried"]),
         ("hostile outcomes", ", ".join(f"{k} {n}" for k, n in hostile["outcomes"].items())),
+        (
+            "fuzzed inputs tried (bench/fuzz.py, meanwhile)",
+            "not run"
+            if not report.get("fuzz")
+            else f"{report['fuzz']['total_inputs_tried']} "
+            f"({'passed' if report['fuzz']['passed'] else 'a property FAILED'})",
+        ),
         ("crashes (goal 0)", sum(int(v) for v in report["crashes"].values())),
         (
             "KV blocks in use once idle (goal 0)",
