@@ -128,6 +128,7 @@ def summarize(args, campaign, load, settled, after, samples, survived, rc, clust
             "latency_p99_s": percentile(load.latencies, 0.99),
         },
         "migrations": metric_sum(samples, "baton_router_migrations_total"),
+        "migrations_by_cause": by_label(samples, "baton_router_migrations_total", "cause"),
         "workers_killed": len(campaign.kills),
         "kills": campaign.kills,
         "faults_injected": by_label(samples, "baton_kv_faults_injected_total", "kind"),
