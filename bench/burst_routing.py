@@ -22,12 +22,9 @@ import argparse
 import json
 import os
 import platform
-import shutil
-import signal
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from collections import Counter
 from pathlib import Path
@@ -35,61 +32,10 @@ from statistics import median
 
 import yaml
 
+from bench.cluster_proc import ServedCluster
 from bench.serving_cluster import Host
 
 ROOT = Path(__file__).resolve().parents[1]
-START_TIMEOUT_S = 240.0
-
-
-class Served:
-    """``python -m cluster CONFIG`` from ``tree``, until :meth:`stop` (SIGTERM: it drains)."""
-
-    def __init__(self, tree: Path, config: dict, workdir: Path):
-        path = workdir / "cluster.yaml"
-        path.write_text(yaml.safe_dump(config))
-        self.ray_tmp = tempfile.mkdtemp(prefix="ray", dir="/tmp")  # short: socket paths
-        env = {
-            **os.environ,
-            "PYTHONPATH": str(tree),
-            "RAY_ADDRESS": "local",  # a Ray instance of its own
-            "RAY_TMPDIR": self.ray_tmp,
-        }
-        self.process = subprocess.Popen(
-            [sys.executable, "-m", "cluster", str(path)],
-            cwd=tree,
-            env=env,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-        )
-        self.lines: list[str] = []
-        self.address = ""
-        ready = threading.Event()
-
-        def read() -> None:
-            assert self.process.stdout is not None
-            for line in self.process.stdout:
-                self.lines.append(line.rstrip())
-                if line.startswith("baton: serving"):  # "... NAME on HOST:PORT (...)"
-                    self.address = line.split(" on ", 1)[1].split(" ", 1)[0]
-                    ready.set()
-
-        threading.Thread(target=read, daemon=True).start()
-        deadline = time.monotonic() + START_TIMEOUT_S
-        while not ready.wait(0.2):
-            if self.process.poll() is not None or time.monotonic() > deadline:
-                self.process.kill()
-                raise RuntimeError("cluster did not start:\n" + "\n".join(self.lines[-40:]))
-
-    def stop(self, timeout_s: float = 90.0) -> None:
-        self.process.send_signal(signal.SIGTERM)
-        try:
-            self.process.wait(timeout_s)
-        except subprocess.TimeoutExpired:
-            self.process.kill()
-            raise
-        finally:
-            shutil.rmtree(self.ray_tmp, ignore_errors=True)
 
 
 def parse_variant(text: str, old_tree: Path | None) -> tuple[Path, dict]:
@@ -132,7 +78,7 @@ def run_variant(variant: str, model_dir: Path, args, host: Host, workdir: Path) 
     """Serve one variant, load it once; its figures."""
     tree, overrides = parse_variant(variant, args.old_tree)
     host.wait_quiet(args.quiet_wait)
-    served = Served(tree, cluster_config(model_dir, args, overrides), workdir)
+    served = ServedCluster(cluster_config(model_dir, args, overrides), workdir, tree=tree)
     try:
         result = workdir / "result.json"
         command = [

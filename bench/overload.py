@@ -22,19 +22,16 @@ import asyncio
 import json
 import os
 import platform
-import socket
-import subprocess
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 from statistics import median
 
 import grpc
 import httpx2 as httpx
-import yaml
 
+from bench.cluster_proc import ServedCluster, free_port
 from bench.serving_cluster import Host
 from proto.baton.v1 import inference_pb2 as pb
 from proto.baton.v1 import inference_pb2_grpc as pb_grpc
@@ -44,42 +41,13 @@ START_TIMEOUT_S = 300.0
 PROMPT = "The quick brown fox jumps over the lazy dog. " * 3
 
 
-class Served:
+class Served(ServedCluster):
     """``python -m cluster CONFIG`` until :meth:`stop`; its gRPC and HTTP addresses."""
 
     def __init__(self, config: dict, workdir: Path):
-        path = workdir / "cluster.yaml"
-        path.write_text(yaml.safe_dump(config))
-        self.ray_tmp = tempfile.mkdtemp(prefix="ray", dir="/tmp")  # short: socket paths
-        env = {**os.environ, "RAY_ADDRESS": "local", "RAY_TMPDIR": self.ray_tmp}
-        self.process = subprocess.Popen(
-            [sys.executable, "-m", "cluster", str(path)],
-            cwd=ROOT,
-            env=env,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-        )
-        self.lines: list[str] = []
-        self.grpc = self.http = ""
-        ready = threading.Event()
-
-        def read() -> None:
-            assert self.process.stdout is not None
-            for line in self.process.stdout:
-                self.lines.append(line.rstrip())
-                if line.startswith("baton: OpenAI API on "):
-                    self.http = line.split("http://", 1)[1].strip().removesuffix("/v1")
-                if line.startswith("baton: serving"):  # "... NAME on HOST:PORT (...)"
-                    self.grpc = line.split(" on ", 1)[1].split(" ", 1)[0]
-                    ready.set()
-
-        threading.Thread(target=read, daemon=True).start()
-        deadline = time.monotonic() + START_TIMEOUT_S
-        while not ready.wait(0.2):
-            if self.process.poll() is not None or time.monotonic() > deadline:
-                self.process.kill()
-                raise RuntimeError("cluster did not start:\n" + "\n".join(self.lines[-40:]))
+        super().__init__(config, workdir, start_timeout_s=START_TIMEOUT_S)
+        self.grpc = self.address
+        self.http = self.http_url.removeprefix("http://")
         if not self.http:
             self.stop()
             raise RuntimeError("the cluster serves no HTTP API:\n" + "\n".join(self.lines))
@@ -90,21 +58,6 @@ class Served:
             if line.startswith("VmRSS:"):
                 return round(int(line.split()[1]) / 1024, 1)
         raise RuntimeError("no VmRSS")
-
-    def stop(self) -> None:
-        self.process.terminate()
-        try:
-            self.process.wait(90)
-        except subprocess.TimeoutExpired:
-            self.process.kill()
-        finally:
-            subprocess.run(["rm", "-rf", self.ray_tmp], check=False)
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def cluster_config(model_dir: Path, max_queued: int) -> dict:

@@ -11,22 +11,15 @@
 from __future__ import annotations
 
 import os
-import shutil
-import signal
-import subprocess
 import sys
-import tempfile
-import threading
 import time
 from collections import defaultdict
 from pathlib import Path
 
-import yaml
-
+from bench.cluster_proc import ServedCluster
 from bench.serving_stamps import RUNTIME_ENV_HOOK, STAMPS_ENV, install_router_stamps
 
 ROOT = Path(__file__).resolve().parents[1]
-START_TIMEOUT_S = 240.0
 
 
 # ---- the host: who else uses it --------------------------------------------------------
@@ -95,59 +88,19 @@ class Host:
         return sum(needle in procs[p][2] for p in _tree(procs, [root]) if p in procs)
 
 
-class Cluster:
+class Cluster(ServedCluster):
     """The cluster served in a subprocess (``main`` below), with its own Ray temp dir and
     the stamps."""
 
     def __init__(self, config: dict, workdir: Path):
         self.stamps_dir = workdir / "stamps"
         self.stamps_dir.mkdir()
-        path = workdir / "cluster.yaml"
-        path.write_text(yaml.safe_dump(config))
-        self.address = f"127.0.0.1:{config['router']['port']}"
-        self.ray_tmp = tempfile.mkdtemp(prefix="ray", dir="/tmp")  # short: socket paths
         env = {
-            **os.environ,
             STAMPS_ENV: str(self.stamps_dir),
             # Ray calls it in the cluster's ray.init: the workers' stamps.
             "RAY_RUNTIME_ENV_HOOK": RUNTIME_ENV_HOOK,
-            "RAY_TMPDIR": self.ray_tmp,
-            "RAY_ADDRESS": "local",  # a Ray instance of its own, whatever else runs here
         }
-        self.process = subprocess.Popen(
-            [sys.executable, "-m", "bench.serving_cluster", str(path)],
-            cwd=ROOT,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-            env=env,
-        )
-        self.lines: list[str] = []
-        ready = threading.Event()
-
-        def read() -> None:
-            assert self.process.stdout is not None
-            for line in self.process.stdout:
-                self.lines.append(line.rstrip())
-                if line.startswith("baton: serving"):
-                    ready.set()
-
-        threading.Thread(target=read, daemon=True).start()
-        deadline = time.monotonic() + START_TIMEOUT_S
-        while not ready.wait(0.2):
-            if self.process.poll() is not None or time.monotonic() > deadline:
-                self.process.kill()
-                raise RuntimeError("cluster did not start:\n" + "\n".join(self.lines[-40:]))
-
-    def stop(self, timeout_s: float = 90.0) -> int:
-        self.process.send_signal(signal.SIGTERM)
-        try:
-            return self.process.wait(timeout_s)
-        except subprocess.TimeoutExpired:
-            self.process.kill()
-            raise
-        finally:
-            shutil.rmtree(self.ray_tmp, ignore_errors=True)
+        super().__init__(config, workdir, module="bench.serving_cluster", env=env)
 
 
 def main() -> int:

@@ -26,7 +26,7 @@ from ray._private import ray_constants
 
 from cluster.config import ClusterConfig, PoolSection, engine_config, transfer_config
 from cluster.metrics_exporter import NodeExporters, replica_nodes
-from cluster.model_source import resolve_model_dir, served_name
+from cluster.model_source import resolve_draft_model_dir, resolve_model_dir, served_name
 from cluster.parallel_check import check_pool_parallel
 from cluster.replicas import (
     RUN_ID,
@@ -139,6 +139,11 @@ def bring_up(config: ClusterConfig) -> Cluster:
     model_dir = resolve_model_dir(config.model.path)
     name = served_name(config.model.name, model_dir)
     arch = ArchConfig.from_model_dir(model_dir)
+    speculative = config.decode.speculative
+    if speculative.draft_model is not None:  # checked here, like model.path: on this machine
+        draft_dir = resolve_draft_model_dir(speculative.draft_model, arch.vocab_size)
+        speculative = replace(speculative, draft_model=str(draft_dir))
+        config = replace(config, decode=replace(config.decode, speculative=speculative))
     pools = (("prefill", config.prefill), ("decode", config.decode))
     num_ranks = sum(p.replicas * p.tensor_parallel * p.pipeline_parallel for _, p in pools)
     started = connect_ray(num_ranks)
@@ -202,6 +207,7 @@ def bring_up(config: ClusterConfig) -> Cluster:
                 max_queued_requests=config.router.max_queued_requests,
                 migration_limit=config.router.migration_limit,
                 kv_transfer_backend=config.kv_transfer.backend,
+                speculative=config.decode.speculative.summary(),
             ),
             Tokenizer.from_dir(model_dir),
             clients["prefill"],

@@ -36,6 +36,8 @@ from cluster.loadgen import command as _bench  # its module imports only the sta
 _ARCHS = ("llama", "qwen2", "qwen3", "mistral")
 _SIZES = ("tiny", "small")
 _DTYPES = ("float32", "bfloat16", "float16")
+# workers/models/quant/export.py SCHEMES (not imported here: the parser loads no torch)
+_QUANTIZE_SCHEMES = ("fp8", "fp8-channel", "int4-gptq", "int4-gptq-asym", "int4-awq")
 _DISAGGREGATION = ("always", "never", "auto")  # cluster.client.DISAGGREGATION_CHOICES
 
 
@@ -71,6 +73,16 @@ def _add_make_model_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--overwrite", action="store_true", help="replace the model files in a non-empty DIR"
     )
+    parser.add_argument(
+        "--quantize",
+        choices=_QUANTIZE_SCHEMES,
+        default=None,
+        help="write the decoder's linear weights quantized, in a published layout "
+        "(docs/quantization.md)",
+    )
+    parser.add_argument(
+        "--group-size", type=int, default=128, help="int4: input columns per scale (128)"
+    )
 
 
 def _run_make_model(args: argparse.Namespace) -> int:
@@ -86,6 +98,11 @@ def _run_make_model(args: argparse.Namespace) -> int:
         dtype=args.dtype,
         progress=True,
     )
+    if args.quantize is not None:
+        from workers.models.quant.export import quantize_checkpoint
+
+        quantize_checkpoint(out, args.quantize, args.group_size)
+        print(f"quantized: {args.quantize}")
     print(
         f"wrote {args.arch} {args.size} ({num_parameters(config) / 1e6:.1f}M parameters, "
         f"{config['dtype']}, vocab {config['vocab_size']}) to {out}"
@@ -171,6 +188,11 @@ def _add_generate_arguments(parser: argparse.ArgumentParser) -> None:
         help="with --target: override the router's prefill/decode split for this request",
     )
     parser.add_argument(
+        "--no-speculative",
+        action="store_true",
+        help="with --target: no speculative decoding for this request (same output)",
+    )
+    parser.add_argument(
         "--timing",
         action="store_true",
         help="with --target: print the server's usage and timing to stderr",
@@ -199,6 +221,7 @@ def _run_generate(args: argparse.Namespace) -> int:
         return run_generate_remote(args)
     remote_only = {
         "--disaggregation": args.disaggregation is not None,
+        "--no-speculative": args.no_speculative,
         "--timing": args.timing,
         "--timeout": args.timeout is not None,
         "--wait": args.wait is not None,

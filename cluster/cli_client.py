@@ -48,6 +48,7 @@ def run_generate_remote(args: argparse.Namespace) -> int:
             ignore_eos=args.ignore_eos,
             disaggregation=args.disaggregation,
             return_timing=args.timing,
+            speculative=False if args.no_speculative else None,
             timeout_s=args.timeout,
         )
         start = time.perf_counter()

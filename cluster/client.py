@@ -83,6 +83,7 @@ def make_request(
     ignore_eos: bool = False,
     disaggregation: str | None = None,
     return_timing: bool = False,
+    speculative: bool | None = None,
 ) -> pb.GenerateRequest:
     """Build a ``GenerateRequest`` holding only the options that are given.
 
@@ -102,6 +103,7 @@ def make_request(
     if seed is not None:
         _check_unsigned("seed", seed, _UINT64_END)
     sampling = {"temperature": temperature, "top_p": top_p, "top_k": top_k, "seed": seed}
+    sampling["speculative"] = speculative  # False: no speculative decoding for this one
     sampling = {name: value for name, value in sampling.items() if value is not None}
     if sampling:
         req.sampling.CopyFrom(pb.SamplingParams(**sampling))
@@ -190,6 +192,7 @@ def format_status(status: pb.ClusterStatus) -> str:
         f"disaggregation:  {status.disaggregation or '-'}",
         f"kv transfer:     {status.kv_transfer_backend or '-'}",
         f"draining:        {'yes' if status.draining else 'no'}",
+        f"speculative:     {status.speculative or 'off'}",
     ]
     if not status.pools:
         lines += ["", "(no pools)"]
@@ -202,7 +205,10 @@ def format_status(status: pb.ClusterStatus) -> str:
         if not pool.workers:
             lines.append("  (no workers)")
             continue
-        rows = [header] + [_worker_row(w) for w in pool.workers]
+        # Only decode workers speculate (prefill samples one token per request).
+        spec = bool(status.speculative) and pool.role == "decode"
+        rows = [header + (_SPEC_HEADER if spec else ())]
+        rows += [_worker_row(w) + (_spec_cells(w) if spec else ()) for w in pool.workers]
         lines += ["  " + line for line in _table(rows, num_left=3)]
     return "\n".join(lines)
 
@@ -258,6 +264,20 @@ def _worker_row(worker: pb.WorkerStatus) -> tuple[str, ...]:
         _blocks(worker.kv_blocks_cached, total),
         str(total),
     )
+
+
+# ACCEPTED: proposed tokens the target accepted / proposed; LEN: tokens a verify step
+# emits on average (accepted / steps + 1, the target's own token counted).
+_SPEC_HEADER = ("SPEC ACCEPTED", "SPEC LEN")
+
+
+def _spec_cells(worker: pb.WorkerStatus) -> tuple[str, str]:
+    """The worker's acceptance rate and mean accepted length; ``-`` before a verify step."""
+    steps, proposed = worker.spec_num_steps, worker.spec_num_draft_tokens
+    if not steps:
+        return ("-", "-")
+    rate = worker.spec_num_accepted_tokens / proposed if proposed else 0.0
+    return (f"{100 * rate:.1f}%", f"{worker.spec_num_accepted_tokens / steps + 1:.2f}")
 
 
 def _health(worker: pb.WorkerStatus) -> str:

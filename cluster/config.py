@@ -22,7 +22,13 @@ import yaml
 
 from cluster.config_schema import ConfigError, json_schema, load_section, option, section
 from kvtransfer import KVTransferConfig
-from workers.engine.config import Dtype, EngineConfig, KVCacheDtype
+from workers.engine.config import (
+    Dtype,
+    EngineConfig,
+    KVCacheDtype,
+    Quantization,
+    SpeculativeMethod,
+)
 
 _ENGINE_FIELDS = {f.name: f for f in dataclasses.fields(EngineConfig)}
 _TRANSFER_FIELDS = {f.name: f for f in dataclasses.fields(KVTransferConfig)}
@@ -54,6 +60,7 @@ class ModelSection:
     name: str | None = option(None, "Served model name; unset = the directory's name")
     dtype: Dtype = engine_option("dtype")
     max_model_len: int | None = engine_option("max_model_len")
+    quantization: Quantization = engine_option("quantization")
 
 
 @dataclass(frozen=True)
@@ -77,6 +84,50 @@ class PoolSection:
         None,
         "Ray resource each rank of this pool takes one unit of (pins the pool to the nodes "
         "that offer it; the Helm chart sets it); unset = any node",
+    )
+
+
+@dataclass(frozen=True)
+class SpeculativeSection:
+    """Speculative decoding on the decode pool's workers (docs/engine.md). Prefill workers
+    sample one token per request, so there is nothing for them to speculate on."""
+
+    method: SpeculativeMethod | None = engine_option("speculative_method")
+    num_tokens: int = engine_option("speculative_num_tokens")
+    # Checked at bring-up (cluster/model_source.py), like model.path: the directory
+    # must exist where `baton serve` runs, not where the config is written.
+    draft_model: str | None = engine_option("speculative_draft_model")
+    ngram_max: int = engine_option("speculative_ngram_max")
+    ngram_min: int = engine_option("speculative_ngram_min")
+    max_batch_size: int = engine_option("speculative_max_batch_size")
+
+    def __post_init__(self) -> None:
+        # EngineConfig refuses the same, in its own field names and only once a worker is
+        # being built: say it at load time, in the YAML's keys.
+        if self.method == "draft" and self.draft_model is None:
+            raise ValueError("method: draft needs draft_model (the draft model's directory)")
+        if self.draft_model is not None and self.method != "draft":
+            raise ValueError(
+                f"draft_model: set only with method: draft (method is {self.method or 'unset'})"
+            )
+        if self.ngram_min > self.ngram_max:
+            raise ValueError(
+                f"ngram_min ({self.ngram_min}) must be <= ngram_max ({self.ngram_max})"
+            )
+
+    def summary(self) -> str:
+        """What ``baton status`` shows: ``ngram, 4 tokens`` / ``draft NAME, 4 tokens``;
+        empty when off."""
+        if self.method is None:
+            return ""
+        what = self.method if self.draft_model is None else f"draft {Path(self.draft_model).name}"
+        return f"{what}, {self.num_tokens} tokens"
+
+
+@dataclass(frozen=True)
+class DecodePoolSection(PoolSection):
+    speculative: SpeculativeSection = section(
+        SpeculativeSection, "Speculative decoding on the decode workers (docs/engine.md)"
     )
 
 
@@ -190,7 +241,11 @@ class MetricsSection:
 class ClusterConfig:
     model: ModelSection = section(ModelSection, "The model to serve")
     prefill: PoolSection = section(PoolSection, "The prefill worker pool")
-    decode: PoolSection = section(PoolSection, "The decode worker pool")
+    decode: DecodePoolSection = section(
+        DecodePoolSection,
+        "The decode worker pool; `decode.speculative` turns on speculative decoding on its "
+        "single-rank replicas (only here: a prefill worker samples one token per request)",
+    )
     kv_cache: KVCacheSection = section(KVCacheSection, "Paged KV cache of every worker")
     kv_transfer: KVTransferSection = section(KVTransferSection, "KV hand-off prefill -> decode")
     router: RouterSection = section(RouterSection, "The gRPC and HTTP front ends and routing")
@@ -203,6 +258,17 @@ class ClusterConfig:
             raise ValueError(
                 "prefill.replicas: 0 prefill workers needs router.disaggregation: never"
             )
+        decode = self.decode
+        if decode.speculative.method is not None and (
+            decode.tensor_parallel > 1 or decode.pipeline_parallel > 1
+        ):
+            # The engine verifies proposals on one rank only (workers/engine/speculative/).
+            raise ValueError(
+                f"decode.speculative.method: speculative decoding needs single-rank decode "
+                f"replicas; decode has tensor_parallel={decode.tensor_parallel}, "
+                f"pipeline_parallel={decode.pipeline_parallel} (set both to 1, or unset "
+                f"decode.speculative.method)"
+            )
         router = self.router
         if router.restart_max_backoff_seconds < router.restart_backoff_seconds:
             raise ValueError(
@@ -213,10 +279,12 @@ class ClusterConfig:
 
 def engine_config(config: ClusterConfig, pool: PoolSection, **per_worker: Any) -> EngineConfig:
     """The engine settings of a worker of ``pool``: every ``engine_option`` of the model and
-    KV-cache sections and of the pool, then ``per_worker`` (``model``, the resolved
-    ``device``) over them."""
+    KV-cache sections, of the pool and of its sub-sections (``decode.speculative``), then
+    ``per_worker`` (``model``, the resolved ``device``, ...) over them."""
     values: dict[str, Any] = {}
-    for sec in (config.model, config.kv_cache, pool):
+    subsections = [getattr(pool, f.name) for f in dataclasses.fields(pool)]
+    subsections = [sub for sub in subsections if dataclasses.is_dataclass(sub)]
+    for sec in (config.model, config.kv_cache, pool, *subsections):
         for f in dataclasses.fields(sec):
             if "engine" in f.metadata:
                 values[f.metadata["engine"]] = getattr(sec, f.name)

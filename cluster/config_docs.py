@@ -37,21 +37,32 @@ def _bounds(meta: typing.Mapping[str, typing.Any]) -> str:
     return ", ".join(f"{signs[k]} {meta[k]}" for k in signs if meta.get(k) is not None)
 
 
+def _rows(prefix: str, cls: type) -> list[str]:
+    """One table row per key of section ``cls``; a nested section's keys follow its own
+    (``decode.speculative.method``)."""
+    rows = []
+    hints = typing.get_type_hints(cls)
+    for f in dataclasses.fields(cls):
+        key = f"{prefix}.{f.name}"
+        if dataclasses.is_dataclass(hints[f.name]):
+            rows += _rows(key, hints[f.name])
+            continue
+        kind = _type_name(hints[f.name])
+        bounds = _bounds(f.metadata)
+        if bounds:
+            kind += f" ({bounds})"
+        default = "unset" if f.default is None else f"`{f.default}`"
+        rows.append(f"| `{key}` | {kind} | {default} | {f.metadata['doc']} |")
+    return rows
+
+
 def render() -> str:
     lines = [HEADER]
     hints = typing.get_type_hints(ClusterConfig)
     for top in dataclasses.fields(ClusterConfig):
-        cls = hints[top.name]
         lines += [f"## `{top.name}` — {top.metadata['doc']}", ""]
         lines += ["| key | type | default | meaning |", "|---|---|---|---|"]
-        sub_hints = typing.get_type_hints(cls)
-        for f in dataclasses.fields(cls):
-            kind = _type_name(sub_hints[f.name])
-            bounds = _bounds(f.metadata)
-            if bounds:
-                kind += f" ({bounds})"
-            default = "unset" if f.default is None else f"`{f.default}`"
-            lines.append(f"| `{top.name}.{f.name}` | {kind} | {default} | {f.metadata['doc']} |")
+        lines += _rows(top.name, hints[top.name])
         lines.append("")
     return "\n".join(lines)
 

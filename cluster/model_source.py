@@ -49,5 +49,27 @@ def _is_current(model_dir: Path) -> bool:
     return "chat_template" in json.loads(config.read_text())
 
 
+def resolve_draft_model_dir(path: str, vocab_size: int) -> Path:
+    """``decode.speculative.draft_model`` as an absolute directory (workers may start
+    elsewhere than the CLI's working directory). It must be a Hugging Face model directory
+    whose vocabulary is the served model's (``vocab_size``): the draft's token ids are
+    proposed to the target as they are. ValueError naming the key otherwise."""
+    key = "decode.speculative.draft_model"
+    model_dir = Path(path).expanduser()
+    if not model_dir.is_dir():
+        raise ValueError(f"{key}: {model_dir} is not a directory")
+    if not (model_dir / "config.json").is_file():
+        raise ValueError(f"{key}: {model_dir} has no config.json (not a Hugging Face model)")
+    if not any(model_dir.glob("*.safetensors")):
+        raise ValueError(f"{key}: {model_dir} has no *.safetensors weights")
+    config = json.loads((model_dir / "config.json").read_text())
+    if config.get("vocab_size") != vocab_size:
+        raise ValueError(
+            f"{key}: the draft's vocab_size ({config.get('vocab_size')}) is not the served "
+            f"model's ({vocab_size}); the draft must share the model's tokenizer"
+        )
+    return model_dir.resolve()
+
+
 def served_name(name: str | None, model_dir: Path) -> str:
     return name if name is not None else model_dir.name

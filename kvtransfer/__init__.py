@@ -48,6 +48,8 @@ def create_connector(
     ``kv_cache`` is the tensor ``layout`` describes; it must outlive the connector.
     ``fabric`` (a :class:`~kvtransfer.local_backend.LocalFabric`) is required for
     ``backend="local"``. ``on_release(req_id, reason)`` runs on the connector thread.
+    With ``BATON_KV_FAULTS`` set in the environment the backend is wrapped in a fault
+    injector (``kvtransfer/faults.py``; tests and soak runs only).
     """
     incarnation = incarnation or new_incarnation()
     name = _agent_name_for(worker_id, incarnation)
@@ -61,6 +63,12 @@ def create_connector(
         from kvtransfer.nixl_backend import NixlBackend
 
         backend = NixlBackend(name, kv_cache, layout, config)
+    if os.environ.get("BATON_KV_FAULTS"):  # tests and soak runs only (kvtransfer/faults.py)
+        from kvtransfer.faults import FaultConfig, FaultyBackend
+
+        faults = FaultConfig.from_env()
+        if faults is not None and faults.is_active:
+            backend = FaultyBackend(backend, faults, worker_id)
     return KVConnector(backend, layout, config, worker_id, incarnation, on_release)
 
 

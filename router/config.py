@@ -22,4 +22,5 @@ class RouterConfig:
     max_queued_requests: int = 1024
     migration_limit: int = 3  # per request (router/migration.py); 0 = never migrate
     kv_transfer_backend: str = "nixl"
+    speculative: str = ""  # the decode pool's speculative decoding, for status; "" = off
     kv_weights: KVWeights = field(default_factory=KVWeights)  # kv_aware's constants

@@ -30,6 +30,9 @@ class SamplingOptions:
     repetition_penalty: float | None = None
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
+    # False: the decode worker does not speculate on this request (None: it may, when its
+    # pool has decode.speculative on); the output is the same either way.
+    speculative: bool | None = None
 
 
 @dataclass(frozen=True)

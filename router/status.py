@@ -40,6 +40,11 @@ class WorkerStatus:
     kv_blocks_total: int
     kv_blocks_used: int
     kv_blocks_cached: int
+    # Speculative decoding since the worker's engine started (0 when off): verify steps,
+    # tokens proposed, proposed tokens accepted.
+    spec_num_steps: int
+    spec_num_draft_tokens: int
+    spec_num_accepted_tokens: int
 
 
 @dataclass(frozen=True)
@@ -58,6 +63,7 @@ class ClusterStatus:
     policy: str
     disaggregation: str
     draining: bool
+    speculative: str  # the decode pool's speculative decoding ("ngram, 4 tokens"); "" = off
 
 
 def model_info(router: Router) -> ModelInfo:
@@ -75,7 +81,8 @@ def model_info(router: Router) -> ModelInfo:
 def cluster_status(
     router: Router, tp_pp: dict[str, tuple[int, int]] | None = None
 ) -> ClusterStatus:
-    """Pools, workers (health, TP/PP, load, KV blocks), transfer backend, policy, draining."""
+    """Pools, workers (health, TP/PP, load, KV blocks, speculative-decoding counts),
+    transfer backend, policy, draining."""
     cfg = router.config
     pools = []
     for role, views in (("prefill", router.prefill), ("decode", router.decode)):
@@ -88,6 +95,7 @@ def cluster_status(
         policy=cfg.policy,
         disaggregation=cfg.disaggregation,
         draining=router.is_draining,
+        speculative=cfg.speculative,
     )
 
 
@@ -125,6 +133,9 @@ def _pool(
                 kv_blocks_total=report.kv_blocks_total if report else 0,
                 kv_blocks_used=report.kv_blocks_used if report else 0,
                 kv_blocks_cached=report.kv_blocks_cached if report else 0,
+                spec_num_steps=report.spec_num_steps if report else 0,
+                spec_num_draft_tokens=report.spec_num_draft_tokens if report else 0,
+                spec_num_accepted_tokens=report.spec_num_accepted_tokens if report else 0,
             )
         )
     return PoolStatus(

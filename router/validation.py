@@ -26,6 +26,7 @@ _FIELD_PATHS = {
     "repetition_penalty": "sampling.repetition_penalty",
     "presence_penalty": "sampling.presence_penalty",
     "frequency_penalty": "sampling.frequency_penalty",
+    "speculative": "sampling.speculative",
     "max_tokens": "stopping.max_tokens",
     "min_tokens": "stopping.min_tokens",
     "stop": "stopping.stop",
@@ -123,6 +124,7 @@ def _sampling_params(req: GenerateRequest) -> SamplingParams:
         "repetition_penalty",
         "presence_penalty",
         "frequency_penalty",
+        "speculative",
     ):
         if getattr(sampling, name) is not None:
             kwargs[name] = getattr(sampling, name)

@@ -135,6 +135,7 @@ def _request(
             repetition_penalty=body.repetition_penalty,
             presence_penalty=body.presence_penalty,
             frequency_penalty=body.frequency_penalty,
+            speculative=body.speculative,
         ),
         stopping=StoppingOptions(
             max_tokens=max_tokens,

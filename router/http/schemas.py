@@ -5,7 +5,8 @@ judged by the router's validation (``router/validation.py``), as for gRPC. Unkno
 are ignored, as vLLM does, so that clients that send newer OpenAI fields keep working.
 Baton's own sampling and routing options are accepted as extra body fields (vLLM's names):
 ``top_k``, ``min_p``, ``repetition_penalty``, ``ignore_eos``, ``min_tokens``,
-``stop_token_ids``, ``disaggregation``.
+``stop_token_ids``, ``disaggregation``, and ``speculative`` (``false`` opts the request
+out of speculative decoding on a decode pool that has it on; Baton's own).
 """
 
 from __future__ import annotations
@@ -56,6 +57,7 @@ class _Sampling(_Request):
     min_tokens: StrictInt | None = None
     stop_token_ids: list[StrictInt] | None = None
     disaggregation: Disaggregation | None = None
+    speculative: StrictBool | None = None  # Baton's: false = no speculative decoding
 
 
 TokenIds = list[StrictInt]

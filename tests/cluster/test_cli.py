@@ -151,6 +151,7 @@ def test_bad_grpc_arguments(argv, named, capsys):
         (["generate", "--model", "m", "--timing", "hi"], "--timing applies only with --target"),
         (["generate", "--model", "m", "--disaggregation", "never", "hi"], "--disaggregation"),
         (["generate", "--model", "m", "--timeout", "3", "hi"], "--timeout"),
+        (["generate", "--model", "m", "--no-speculative", "hi"], "--no-speculative applies"),
         (["generate", "--target", "127.0.0.1:1", "--dtype", "float32", "hi"], "with --model"),
         (["generate", "--target", "localhost", "hi"], "missing ':PORT'"),
         (["generate", "--target", "127.0.0.1:1", "--max-tokens", "-1", "hi"], "max_tokens"),

@@ -31,7 +31,7 @@ def test_cli_generate_streams_text(server, capsys):
 def test_cli_generate_sets_exactly_the_flags_given(server, capsys):
     argv = ["generate", "--target", server.target, "--max-tokens", "12"]
     argv += ["--temperature", "0", "--top-k", "40", "--stop", "\n\n", "--stop", "END"]
-    argv += ["--disaggregation", "never", "--timing", "Hi"]
+    argv += ["--disaggregation", "never", "--no-speculative", "--timing", "Hi"]
     assert cli.main(argv) == 0
     err = capsys.readouterr().err
     assert "usage: 4 prompt tokens (2 cached), 4 completion tokens" in err
@@ -39,7 +39,7 @@ def test_cli_generate_sets_exactly_the_flags_given(server, capsys):
     (received,) = server.servicer.requests
     assert received == pb.GenerateRequest(
         text="Hi",
-        sampling=pb.SamplingParams(temperature=0.0, top_k=40),
+        sampling=pb.SamplingParams(temperature=0.0, top_k=40, speculative=False),
         stopping=pb.StoppingCriteria(max_tokens=12, stop=["\n\n", "END"]),
         output=pb.OutputOptions(return_timing=True),
         disaggregation=pb.DISAGGREGATION_NEVER,

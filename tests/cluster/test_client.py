@@ -19,6 +19,7 @@ from cluster.client import (
     wait_ready,
 )
 from proto.baton.v1 import inference_pb2 as pb
+from workers.engine.speculative.stats import SpecDecodeStats
 
 from .fake_router import STATUS, TIMING, closed_port
 
@@ -66,7 +67,7 @@ def test_make_request_leaves_unset_options_unset():
     assert list(req.token_ids.ids) == [1, 2, 3]
     # Greedy must reach the server as an explicit 0, not as "use your default".
     assert req.sampling.HasField("temperature") and req.sampling.temperature == 0.0
-    for name in ("top_p", "top_k", "seed", "min_p"):
+    for name in ("top_p", "top_k", "seed", "min_p", "speculative"):
         assert not req.sampling.HasField(name)
     assert not req.HasField("stopping") and not req.HasField("output")
     assert req.disaggregation == pb.DISAGGREGATION_UNSPECIFIED
@@ -159,6 +160,31 @@ def test_format_status():
     sick = pb.WorkerStatus(name="decode-1", role="decode", state="restarting")
     restarting = pb.ClusterStatus(pools=[pb.PoolStatus(role="decode", workers=[sick])])
     assert "decode-1  decode  NO (restarting)" in format_status(restarting)
+
+
+def test_format_status_shows_speculation_per_decode_worker_when_on():
+    assert "speculative:     off" in format_status(STATUS).splitlines()
+    assert "SPEC" not in format_status(STATUS)
+    status = pb.ClusterStatus()
+    status.CopyFrom(STATUS)
+    status.speculative = "ngram, 4 tokens"
+    worker = status.pools[1].workers[0]
+    # 10 verify steps proposed 40 tokens, 25 accepted: 62.5%, 3.5 tokens per step.
+    worker.spec_num_steps = 10
+    worker.spec_num_draft_tokens = 40
+    worker.spec_num_accepted_tokens = 25
+    lines = format_status(status).splitlines()
+    assert "speculative:     ngram, 4 tokens" in lines
+    table = lines[lines.index("decode pool: 1/2 healthy") + 1 :]
+    assert table[0].split()[-4:] == ["SPEC", "ACCEPTED", "SPEC", "LEN"]
+    assert table[1].split()[-2:] == ["62.5%", "3.50"]
+    # The engine's own definitions (workers/engine/speculative/stats.py) give the same.
+    stats = SpecDecodeStats(num_steps=10, num_draft_tokens=40, num_accepted_tokens=25)
+    assert (stats.acceptance_rate, stats.mean_accepted_length) == (0.625, 3.5)
+    assert table[2].split()[-2:] == ["-", "-"]  # no verify step yet
+    assert len({len(row) for row in table}) == 1
+    prefill = lines[lines.index("prefill pool: 1/1 healthy") + 1]
+    assert "SPEC" not in prefill  # prefill never speculates
 
 
 def test_format_usage_and_timing():

@@ -48,6 +48,30 @@ def test_empty_and_missing_config_are_the_defaults():
             "router.restart_max_backoff_seconds .5.0. is below router.restart_backoff_seconds",
         ),
         ([1, 2], "config: expected a mapping"),
+        (
+            {"decode": {"speculative": {"method": "draft"}}},
+            "decode.speculative: method: draft needs draft_model",
+        ),
+        (
+            {"decode": {"speculative": {"method": "ngram", "draft_model": "/d"}}},
+            "decode.speculative: draft_model: set only with method: draft .method is ngram.",
+        ),
+        (
+            {"decode": {"speculative": {"ngram_min": 5, "ngram_max": 3}}},
+            "decode.speculative: ngram_min .5. must be <= ngram_max .3.",
+        ),
+        ({"decode": {"speculative": {"method": "beam"}}}, "decode.speculative.method: must be"),
+        ({"decode": {"speculative": {"num_tokens": 17}}}, "decode.speculative.num_tokens: must"),
+        (
+            {"decode": {"tensor_parallel": 2, "speculative": {"method": "ngram"}}},
+            "decode.speculative.method: speculative decoding needs single-rank decode replicas; "
+            "decode has tensor_parallel=2, pipeline_parallel=1",
+        ),
+        (
+            {"decode": {"pipeline_parallel": 2, "speculative": {"method": "ngram"}}},
+            "decode has tensor_parallel=1, pipeline_parallel=2",
+        ),
+        ({"prefill": {"speculative": {"method": "ngram"}}}, "prefill.speculative: unknown key"),
     ],
 )
 def test_bad_values_name_the_key_path(data, message):

@@ -13,6 +13,7 @@ from cluster.config import (
     KVCacheSection,
     ModelSection,
     PoolSection,
+    SpeculativeSection,
     engine_config,
     parse_config,
 )
@@ -26,7 +27,13 @@ NOT_IN_CLUSTER_CONFIG = {
     "seed": "workers keep the engine's default",
     "detokenize": "workers never detokenize: the router does",
 }
-SECTIONS = {"model": ModelSection, "prefill": PoolSection, "kv_cache": KVCacheSection}
+# Section path -> its class; ``decode.speculative`` is the decode pool's own sub-section.
+SECTIONS = {
+    "model": ModelSection,
+    "prefill": PoolSection,
+    "kv_cache": KVCacheSection,
+    "decode.speculative": SpeculativeSection,
+}
 ENGINE = {f.name: f for f in dataclasses.fields(EngineConfig)}
 
 
@@ -57,7 +64,7 @@ def test_the_config_field_has_the_engines_default_doc_bounds_and_type(name):
     assert field.default == setting.default, key
     assert {k: v for k, v in field.metadata.items() if k != "engine"} == dict(setting.metadata)
     assert setting.metadata["doc"], name
-    section = SECTIONS[key.split(".")[0]]
+    section = SECTIONS[key.rsplit(".", 1)[0]]
     config_type = typing.get_type_hints(section)[field.name]
     engine_type = typing.get_type_hints(EngineConfig)[name]
     if name == "device":  # narrowed at the cluster edge: Ray assigns each rank its GPU
@@ -109,6 +116,35 @@ def test_engine_config_maps_the_yaml_keys_and_takes_the_pools_own():
         EngineConfig(model="/m", max_num_batched_tokens=16, max_num_seqs=128)
 
 
+def test_only_the_decode_pool_speculates():
+    config = parse_config(
+        {
+            "decode": {
+                "speculative": {
+                    "method": "ngram",
+                    "num_tokens": 3,
+                    "ngram_max": 5,
+                    "ngram_min": 1,
+                    "max_batch_size": 2,
+                }
+            }
+        }
+    )
+    decode = engine_config(config, config.decode, model="/m")
+    assert decode == EngineConfig(
+        model="/m",
+        speculative_method="ngram",
+        speculative_num_tokens=3,
+        speculative_ngram_max=5,
+        speculative_ngram_min=1,
+        speculative_max_batch_size=2,
+    )
+    # Prefill samples one token per request: it has no speculative section at all.
+    assert engine_config(config, config.prefill, model="/m") == EngineConfig(model="/m")
+    with pytest.raises(ConfigError, match=r"^prefill\.speculative: unknown key"):
+        parse_config({"prefill": {"speculative": {"method": "ngram"}}})
+
+
 def _violations() -> list[tuple[str, str, object]]:
     """(engine setting, its YAML key, a value beyond one of its declared bounds)."""
     cases = []
@@ -117,15 +153,26 @@ def _violations() -> list[tuple[str, str, object]]:
         for bound, beyond in (("ge", -1), ("gt", 0), ("le", 1)):
             if meta.get(bound) is not None:
                 cases.append((name, key, meta[bound] + beyond))
-    return [*cases, ("dtype", "model.dtype", "float8")]  # a Literal's choices too
+    # A Literal's choices too.
+    return [
+        *cases,
+        ("dtype", "model.dtype", "float8"),
+        ("speculative_method", "decode.speculative.method", "beam"),
+    ]
+
+
+def _nested(key: str, value: object) -> dict:
+    """``{"a": {"b": value}}`` from the key path ``a.b``."""
+    for part in reversed(key.split(".")):
+        value = {part: value}
+    return value  # type: ignore[return-value]
 
 
 @pytest.mark.parametrize(("name", "key", "value"), _violations())
 def test_yaml_edge_and_engine_refuse_a_bound_alike(name, key, value):
     """One declared bound, checked at both edges, worded alike (the YAML one names the key)."""
-    top, field = key.split(".")
     with pytest.raises(ConfigError) as yaml_error:
-        parse_config({top: {field: value}})
+        parse_config(_nested(key, value))
     with pytest.raises(ValueError) as engine_error:
         EngineConfig(model="/m", **{name: value})
     assert str(yaml_error.value).startswith(f"{key}: must be ")

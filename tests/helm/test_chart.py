@@ -251,6 +251,18 @@ REFUSED = [
         ["model.hostPath.path=/m", "config.prefill.replicas=0"],
         "0 prefill workers needs config.router.disaggregation: never",
     ),
+    (
+        ["model.hostPath.path=/m", "config.decode.speculative.method=ngram", "config.decode.tensor_parallel=2"],
+        "config.decode.speculative.method: speculative decoding needs single-rank decode replicas",
+    ),
+    (
+        ["model.hostPath.path=/m", "config.decode.speculative.method=draft"],
+        "config.decode.speculative: method: draft needs draft_model",
+    ),
+    (
+        ["model.hostPath.path=/m", "config.decode.speculative.method=draft", "config.decode.speculative.draft_model=/tmp/d"],
+        "config.decode.speculative.draft_model (/tmp/d) is not under model.mountPath (/models)",
+    ),
 ]  # fmt: skip
 
 

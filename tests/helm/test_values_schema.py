@@ -46,6 +46,11 @@ BAD = [
     ({"config": {"router": {"policy": "random"}}}, "config.router.policy"),
     ({"config": {"kv_cache": {"gpu_memory_fraction": 1.5}}}, "config.kv_cache.gpu_memory_fraction"),
     ({"config": {"model": {"max_model_len": "8k"}}}, "config.model.max_model_len"),
+    (
+        {"config": {"decode": {"speculative": {"method": "medusa"}}}},
+        "config.decode.speculative.method",
+    ),
+    ({"config": {"prefill": {"speculative": {"method": "ngram"}}}}, "config.prefill"),
     ({"workers": {"decode": {"gpusPerPod": 0}}}, "workers.decode.gpusPerPod"),
     ({"shm": {"sizeLimit": 16}}, "shm.sizeLimit"),
     ({"shm": {"sizeLimit": "16 GB"}}, "shm.sizeLimit"),

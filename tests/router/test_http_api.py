@@ -193,6 +193,7 @@ def test_stop_string_ends_the_choice(served):
         ({"max_tokens": 250}, "max_tokens", "max_model_len"),
         ({"suffix": "tail"}, "suffix", "not supported"),
         ({"disaggregation": "sometimes"}, "disaggregation", ""),
+        ({"speculative": "no"}, "speculative", "boolean"),
     ],
 )
 def test_bad_fields_are_400_naming_the_openai_field(served, body, param, needle):
@@ -204,6 +205,27 @@ def test_bad_fields_are_400_naming_the_openai_field(served, body, param, needle)
     assert error["param"] == param and error["message"].startswith(f"{param}")
     assert needle in error["message"]
     assert error["type"] == "invalid_request_error"
+
+
+def test_the_speculative_extra_reaches_the_workers_sampling_params(served):
+    """Baton's ``speculative`` body field, on both endpoints: false opts the request out;
+    left out, the decode pool's setting applies (SamplingParams' default, True)."""
+    url = served.url
+    for extra, expected in (
+        ({}, True),
+        ({"speculative": False}, False),
+        ({"speculative": True}, True),
+    ):
+        body = {"prompt": PROMPT, "max_tokens": 2, **extra}
+        assert httpx.post(url + "/v1/completions", json=body, timeout=30).status_code == 200
+        assert served.decode.items[-1].params.speculative is expected, extra
+    client(served).chat.completions.create(
+        model="tiny",
+        messages=[{"role": "user", "content": "hi"}],
+        max_tokens=2,
+        extra_body={"speculative": False},
+    )
+    assert served.decode.items[-1].params.speculative is False
 
 
 def test_chat_field_names(served):

@@ -77,7 +77,15 @@ class InProcessClient:
 
 
 class Cluster:
-    def __init__(self, model_dir, num_prefill=1, num_decode=1, hold_transfers=False, **router):
+    def __init__(
+        self,
+        model_dir,
+        num_prefill=1,
+        num_decode=1,
+        hold_transfers=False,
+        decode_settings=None,  # EngineConfig fields of the decode workers only
+        **router,
+    ):
         self.fabric = LocalFabric(hold_transfers=hold_transfers)
         self.listener = ChannelListener()
         config = KVTransferConfig(backend="local", lease_seconds=20, transfer_timeout_s=5)
@@ -94,6 +102,7 @@ class Cluster:
                         max_num_seqs=16,
                         max_num_batched_tokens=128,
                         detokenize=False,
+                        **((decode_settings or {}) if role == "decode" else {}),
                     )
                 )
 

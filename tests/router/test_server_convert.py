@@ -29,6 +29,7 @@ def test_every_request_field_crosses():
             repetition_penalty=1.5,
             presence_penalty=-1.0,
             frequency_penalty=0.5,
+            speculative=False,
         ),
         stopping=pb.StoppingCriteria(
             max_tokens=12, min_tokens=2, stop=["\n", "END"], stop_token_ids=[7], ignore_eos=True
@@ -40,7 +41,7 @@ def test_every_request_field_crosses():
         prompt=(5, 6),
         request_id="r1",
         model="tiny",
-        sampling=SamplingOptions(0.5, 0.75, 40, 0.25, 2**64 - 1, 1.5, -1.0, 0.5),
+        sampling=SamplingOptions(0.5, 0.75, 40, 0.25, 2**64 - 1, 1.5, -1.0, 0.5, False),
         stopping=StoppingOptions(12, 2, ("\n", "END"), (7,), True),
         output=OutputOptions(logprobs=3, return_text=False, return_timing=True),
         disaggregation="never",
@@ -52,6 +53,10 @@ def test_unset_options_stay_unset():
     # Set to zero is not unset (proto3 `optional`).
     zero = pb.GenerateRequest(text="hi", sampling=pb.SamplingParams(temperature=0.0))
     assert server.generate_request(zero).sampling.temperature == 0.0
+    # Unset speculative: the decode pool's setting applies; set, it crosses either way.
+    assert server.generate_request(pb.GenerateRequest(text="hi")).sampling.speculative is None
+    on = pb.GenerateRequest(text="hi", sampling=pb.SamplingParams(speculative=True))
+    assert server.generate_request(on).sampling.speculative is True
     # An explicitly empty text is a prompt (refused later as empty); none at all is None.
     assert server.generate_request(pb.GenerateRequest(text="")).prompt == ""
     assert server.generate_request(pb.GenerateRequest()).prompt is None
@@ -147,10 +152,18 @@ def test_status_snapshots_mirror_their_messages(snapshot, message):
 
 
 def test_cluster_status_converts():
-    worker = status.WorkerStatus("decode-0", "decode", True, "serving", 1, 2, 1, 3, 4, 2, 64, 8, 5)
+    worker = status.WorkerStatus(
+        "decode-0", "decode", True, "serving", 1, 2, 1, 3, 4, 2, 64, 8, 5, 10, 40, 25
+    )
     pool = status.PoolStatus("decode", 1, 1, (worker,))
-    snapshot = status.ClusterStatus("tiny", (pool,), "nixl", "kv_aware", "auto", True)
+    snapshot = status.ClusterStatus(
+        "tiny", (pool,), "nixl", "kv_aware", "auto", True, "ngram, 4 tokens"
+    )
     message = server.cluster_status_message(snapshot)
+    assert message.speculative == "ngram, 4 tokens"
+    sent = message.pools[0].workers[0]
+    assert sent.spec_num_steps == 10 and sent.spec_num_draft_tokens == 40
+    assert sent.spec_num_accepted_tokens == 25
     assert message.draining and message.pools[0].workers[0].state == "serving"
     assert message.pools[0].workers[0].kv_blocks_total == 64
     assert message.pools[0].workers[0].restarts == 1

@@ -25,7 +25,9 @@ def request(**fields) -> pb.GenerateRequest:
 
 def test_a_good_request_maps_every_field():
     req = request(
-        sampling=pb.SamplingParams(temperature=0.5, top_p=0.9, top_k=40, min_p=0.05, seed=3),
+        sampling=pb.SamplingParams(
+            temperature=0.5, top_p=0.9, top_k=40, min_p=0.05, seed=3, speculative=False
+        ),
         stopping=pb.StoppingCriteria(max_tokens=12, min_tokens=2, stop=["\n"], ignore_eos=True),
         output=pb.OutputOptions(logprobs=3, return_text=False, return_timing=True),
         disaggregation=pb.DISAGGREGATION_ALWAYS,
@@ -35,6 +37,7 @@ def test_a_good_request_maps_every_field():
     assert (p.temperature, p.top_p, p.top_k, p.seed) == (0.5, pytest.approx(0.9), 40, 3)
     assert (p.max_tokens, p.min_tokens, p.stop, p.ignore_eos) == (12, 2, ("\n",), True)
     assert p.logprobs == 3 and not valid.return_text and valid.return_timing
+    assert p.speculative is False  # the per-request opt-out
     assert valid.disaggregation == "always" and valid.prompt == "hello"
 
 
@@ -42,6 +45,7 @@ def test_unset_fields_take_defaults():
     valid = validate_pb(pb.GenerateRequest(token_ids=pb.TokenIds(ids=[5, 6])), MODEL, "r2")
     assert valid.prompt == [5, 6] and valid.return_text and valid.disaggregation is None
     assert valid.params.max_tokens is None and valid.params.temperature == 1.0
+    assert valid.params.speculative is True  # unset: the decode pool's setting applies
 
 
 @pytest.mark.parametrize(

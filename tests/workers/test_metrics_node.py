@@ -32,7 +32,8 @@ WRITER = textwrap.dedent(
     m.report(WorkerReport(name=sys.argv[2], role="decode", healthy=True, num_running=3,
                           num_waiting=1, kv_blocks_total=10, kv_blocks_used=4,
                           kv_blocks_cached=0, num_held=0, hashes_version=0,
-                          cached_hashes=None))
+                          cached_hashes=None, spec_num_steps=3, spec_num_draft_tokens=12,
+                          spec_num_accepted_tokens=7))
     print("ready", flush=True)
     sys.stdin.readline()  # stay alive until told
     """
@@ -76,6 +77,9 @@ def test_processes_merge_and_a_dead_one_keeps_counters_but_not_gauges(tmp_path):
         assert s[_key("baton_request_queue_time_seconds_count", "decode-0")] == 2
         assert s[_key("baton_num_requests_running", "decode-0")] == 6  # livesum
         assert s[_key("baton_kv_cache_usage_ratio", "decode-0")] == pytest.approx(0.8)
+        assert s[_key("baton_spec_decode_verify_steps_total", "decode-0")] == 6
+        assert s[_key("baton_spec_decode_draft_tokens_total", "decode-0")] == 24
+        assert s[_key("baton_spec_decode_accepted_tokens_total", "decode-0")] == 14
         first.communicate("\n", timeout=30)  # exits
         s = _samples(tmp_path)
         assert s[_key("baton_prefix_cache_hit_tokens_total", "decode-0")] == 16

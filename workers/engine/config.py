@@ -21,8 +21,9 @@ if TYPE_CHECKING:
     import torch
 
 Dtype = Literal["auto", "float32", "float16", "bfloat16"]
-SpeculativeMethod = Literal["ngram", "draft"]
 KVCacheDtype = Literal["auto", "fp8_e4m3"]
+SpeculativeMethod = Literal["ngram", "draft"]
+Quantization = Literal["none", "fp8", "int4"]  # workers/models/quant/formats.py QUANTIZATIONS
 
 
 def setting(
@@ -49,6 +50,11 @@ class EngineConfig:
         metadata={"doc": "Hugging Face model directory (config.json, *.safetensors, tokenizer)"}
     )
     dtype: Dtype = setting("auto", "Weights and KV dtype; auto = bfloat16 on GPU, float32 on CPU")
+    # A quantized checkpoint (config.json quantization_config) is read in its own layout
+    # whatever this says; a different method is refused (docs/quantization.md).
+    quantization: Quantization = setting(
+        "none", "Weights: none = as stored; fp8 or int4 = quantize a plain checkpoint on load"
+    )
     # cpu | cuda | cuda:N; the cluster config narrows it to auto | cpu | cuda (Ray picks the GPU).
     device: str = setting("auto", "Where the engine runs; auto = CUDA when the node has a GPU")
     max_model_len: int | None = setting(

@@ -84,7 +84,11 @@ class LLMEngine:
         if self.device.type == "cpu":
             keep_freed_memory_mapped()
         self.model, self.arch = load_model(
-            config.model, dtype=self.dtype, device=self.device, parallel=self.parallel
+            config.model,
+            dtype=self.dtype,
+            device=self.device,
+            parallel=self.parallel,
+            quantization=config.quantization,
         )
         self.tokenizer = tokenizer if tokenizer is not None else Tokenizer.from_dir(config.model)
         self.max_model_len = resolve_max_model_len(config, self.arch)

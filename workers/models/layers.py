@@ -251,6 +251,7 @@ def pack_linear_weights(model: nn.Module) -> int:
         m
         for m in model.modules()
         if isinstance(m, ColumnParallelLinear | RowParallelLinear | ParallelLMHead)
+        and m.weight.is_floating_point()  # not an int4-packed weight (workers/models/quant)
     ]
     for layer in layers:
         packed = cpu_linear.pack(layer.weight.detach())

@@ -19,7 +19,8 @@ from safetensors import safe_open
 from torch import nn
 from tqdm import tqdm
 
-from kernels import KernelOps, cpu_linear, get_kernel_ops
+from kernels import REFERENCE_OPS, KernelOps, cpu_linear, get_kernel_ops
+from workers.models import quant
 from workers.models.arch_config import ArchConfig
 from workers.models.base import CausalLM
 from workers.models.kv_scales import KV_SCALE_SUFFIXES, load_kv_scale
@@ -40,6 +41,7 @@ def load_model(
     parallel: ParallelContext | None = None,
     ops: KernelOps | None = None,
     pack_linear: bool = True,
+    quantization: str = "none",
 ) -> tuple[CausalLM, ArchConfig]:
     """Build the model for ``model_dir`` on ``device`` in ``dtype`` and load its weights.
 
@@ -51,6 +53,7 @@ def load_model(
     missing, unexpected or wrongly shaped tensors (named in the message).
     """
     config = ArchConfig.from_model_dir(model_dir)
+    spec = quant.resolve_spec(model_dir, quantization)
     model_cls = get_model_class(config.architecture)
     files = _weight_files(Path(model_dir))
     device = torch.device(device)
@@ -59,7 +62,17 @@ def load_model(
     with torch.device(device), _default_dtype(dtype):
         model = model_cls(config, parallel, ops)
     with torch.no_grad():
-        load_weights(model, _iter_tensors(files), config)
+        if spec is None:
+            load_weights(model, _iter_tensors(files), config)
+        else:
+            packed_modules = getattr(model, "packed_modules_mapping", ())
+            with _open_checkpoint(files) as tensors:
+                weights = quant.prepare(
+                    model, tensors, spec, lambda name: _to_param_name(name, packed_modules)[0]
+                )
+                load_weights(model, weights, config)
+            num_int4 = quant.finalize(model, dtype, device, use_triton=ops is not REFERENCE_OPS)
+            logger.info("weights: %s (%s), %d int4 kernels", spec.method, spec.layout, num_int4)
         if pack_linear and device.type == "cpu" and cpu_linear.packing_supported(dtype):
             num_packed = pack_linear_weights(model)
             logger.info("%d linear weights packed for oneDNN (%s)", num_packed, dtype)
@@ -193,6 +206,19 @@ def _iter_tensors(files: list[Path]) -> Iterator[tuple[str, CheckpointTensor]]:
                 for name in f.keys():  # noqa: SIM118 (safe_open is not a dict)
                     yield name, CheckpointTensor(f.get_slice(name))
                     bar.update(1)
+
+
+@contextlib.contextmanager
+def _open_checkpoint(files: list[Path]) -> Iterator[dict[str, CheckpointTensor]]:
+    """Every checkpoint tensor by name, lazily, the files open (quantized layouts need a
+    layer's tensors together, wherever they sit)."""
+    with contextlib.ExitStack() as stack:
+        tensors: dict[str, CheckpointTensor] = {}
+        for path in files:
+            f = stack.enter_context(safe_open(path, framework="pt", device="cpu"))
+            for name in f.keys():  # noqa: SIM118 (safe_open is not a dict)
+                tensors[name] = CheckpointTensor(f.get_slice(name))
+        yield tensors
 
 
 def _short_list(names: list[str], limit: int = 10) -> str:

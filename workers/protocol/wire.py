@@ -23,7 +23,7 @@ import msgpack
 from workers.protocol.logprobs import TokenLogprobs
 from workers.protocol.sampling_params import SamplingParams
 
-WIRE_VERSION = 3
+WIRE_VERSION = 4  # 4: WorkerReport carries the speculative-decoding counters
 MODES = ("full", "prefill", "decode")
 T = TypeVar("T")
 
@@ -88,6 +88,12 @@ class WorkerReport:
     hashes_version: int  # changes whenever the cached block hashes change
     cached_hashes: tuple[int, ...] | None  # None: unchanged since the channel's last batch
     error: str = ""  # the engine loop died of this: the worker is gone for good
+    # Speculative decoding since the engine started (LLMEngine.spec_stats; 0 while off).
+    # Totals rather than increments: any one report is the whole truth, for the status
+    # and for the worker's counters, which add the difference to the previous report.
+    spec_num_steps: int = 0  # verify steps
+    spec_num_draft_tokens: int = 0  # tokens proposed
+    spec_num_accepted_tokens: int = 0  # proposed tokens the target accepted
     kind: ClassVar[str] = "report"
 
 

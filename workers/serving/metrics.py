@@ -1,4 +1,5 @@
-"""A worker's Prometheus metrics (docs/metrics.md): load, KV cache, queueing, KV hand-off.
+"""A worker's Prometheus metrics (docs/metrics.md): load, KV cache, queueing, KV hand-off,
+speculative decoding.
 
 Recorded by rank 0 of a replica on its engine loop's thread (``workers/serving/service.py``);
 the node's exporter serves them (``workers/serving/metrics_node.py``). Every series carries
@@ -75,6 +76,21 @@ LEASE_EXPIRIES = Counter(
     "Prefill KV leases that ended unread by their deadline (blocks freed then)",
     LABELS,
 )
+SPEC_STEPS = Counter(
+    "baton_spec_decode_verify_steps",
+    "Speculative verify steps (one per speculating request per engine step)",
+    LABELS,
+)
+SPEC_DRAFT_TOKENS = Counter(
+    "baton_spec_decode_draft_tokens",
+    "Tokens proposed by speculative decoding (ngram lookup or draft model)",
+    LABELS,
+)
+SPEC_ACCEPTED_TOKENS = Counter(
+    "baton_spec_decode_accepted_tokens",
+    "Proposed tokens the target model accepted",
+    LABELS,
+)
 
 
 class WorkerMetrics:
@@ -93,6 +109,10 @@ class WorkerMetrics:
         self._offer_failures = TRANSFER_FAILURES.labels(*labels, "offer")
         self._receive_failures = TRANSFER_FAILURES.labels(*labels, "receive")
         self._expiries = LEASE_EXPIRIES.labels(*labels)
+        self._spec_steps = SPEC_STEPS.labels(*labels)
+        self._spec_draft = SPEC_DRAFT_TOKENS.labels(*labels)
+        self._spec_accepted = SPEC_ACCEPTED_TOKENS.labels(*labels)
+        self._spec_seen = (0, 0, 0)  # the last report's cumulative counts
 
     def first_scheduled(self, req: Request) -> None:
         """The scheduler's hook: ``req`` was scheduled for the first time. Its queue time,
@@ -109,6 +129,18 @@ class WorkerMetrics:
         self._waiting.set(report.num_waiting)
         total = report.kv_blocks_total
         self._kv_usage.set(report.kv_blocks_used / total if total else 0.0)
+        # The report's counts are the engine's totals since it started; this worker's
+        # counters (a process of its own, started with the engine) add what is new.
+        seen = (
+            report.spec_num_steps,
+            report.spec_num_draft_tokens,
+            report.spec_num_accepted_tokens,
+        )
+        counters = (self._spec_steps, self._spec_draft, self._spec_accepted)
+        for counter, now, before in zip(counters, seen, self._spec_seen, strict=True):
+            if now > before:
+                counter.inc(now - before)
+        self._spec_seen = seen
 
     def transferred(self, seconds: float, num_bytes: int) -> None:
         self._transfer_time.observe(seconds)

@@ -1,6 +1,7 @@
 """What a worker tells the router about itself with every batch it pushes.
 
-The router's policies need each worker's load and its cached block hashes (``kv_aware``).
+The router's policies need each worker's load and its cached block hashes (``kv_aware``);
+``baton status`` and the worker's metrics also show its speculative-decoding counters.
 Collecting the hashes walks the block manager, so it is done at most every
 ``HASHES_EVERY_S``, and the set travels only when it changed since the last report sent:
 a hash set of thousands of blocks is not re-sent with every token.
@@ -48,6 +49,7 @@ class ReportBuilder:
     def next(self, healthy: bool, error: str = "") -> WorkerReport:
         """The report to send now; it carries the hashes only if the last one did not."""
         sched, bm = self.engine.scheduler, self.engine.block_manager
+        spec = self.engine.spec_stats
         hashes = None if self._version == self._sent_version else self._hashes_tuple
         self._sent_version = self._version
         return WorkerReport(
@@ -63,4 +65,7 @@ class ReportBuilder:
             hashes_version=self._version,
             cached_hashes=hashes,
             error=error,
+            spec_num_steps=spec.num_steps,
+            spec_num_draft_tokens=spec.num_draft_tokens,
+            spec_num_accepted_tokens=spec.num_accepted_tokens,
         )

@@ -136,6 +136,19 @@ The cluster config the head runs: .Values.config plus what the chart owns.
 {{- if and (lt (int (dig "prefill" "replicas" 1 .Values.config)) 1) (ne (dig "router" "disaggregation" "auto" .Values.config) "never") -}}
 {{- fail "config.prefill.replicas: 0 prefill workers needs config.router.disaggregation: never" -}}
 {{- end -}}
+{{- $spec := dig "decode" "speculative" (dict) .Values.config -}}
+{{- if and $spec.method (or (gt (int (dig "decode" "tensor_parallel" 1 .Values.config)) 1) (gt (int (dig "decode" "pipeline_parallel" 1 .Values.config)) 1)) -}}
+{{- fail "config.decode.speculative.method: speculative decoding needs single-rank decode replicas (config.decode.tensor_parallel and pipeline_parallel 1)" -}}
+{{- end -}}
+{{- if and (eq (toString $spec.method) "draft") (not $spec.draft_model) -}}
+{{- fail "config.decode.speculative: method: draft needs draft_model (the draft model's directory)" -}}
+{{- end -}}
+{{- with $spec.draft_model -}}
+{{- $mount := trimSuffix "/" $.Values.model.mountPath -}}
+{{- if not (hasPrefix (printf "%s/" $mount) .) -}}
+{{- fail (printf "config.decode.speculative.draft_model (%s) is not under model.mountPath (%s), the only volume with weights" . $mount) -}}
+{{- end -}}
+{{- end -}}
 {{- $cfg := deepCopy .Values.config -}}
 {{- range $section := list "model" "prefill" "decode" "metrics" -}}
 {{- if not (hasKey $cfg $section) -}}

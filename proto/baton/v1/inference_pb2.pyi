@@ -36,7 +36,7 @@ class TokenIds(_message.Message):
     def __init__(self, ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class SamplingParams(_message.Message):
-    __slots__ = ("temperature", "top_p", "top_k", "min_p", "seed", "repetition_penalty", "presence_penalty", "frequency_penalty")
+    __slots__ = ("temperature", "top_p", "top_k", "min_p", "seed", "repetition_penalty", "presence_penalty", "frequency_penalty", "speculative")
     TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
     TOP_P_FIELD_NUMBER: _ClassVar[int]
     TOP_K_FIELD_NUMBER: _ClassVar[int]
@@ -45,6 +45,7 @@ class SamplingParams(_message.Message):
     REPETITION_PENALTY_FIELD_NUMBER: _ClassVar[int]
     PRESENCE_PENALTY_FIELD_NUMBER: _ClassVar[int]
     FREQUENCY_PENALTY_FIELD_NUMBER: _ClassVar[int]
+    SPECULATIVE_FIELD_NUMBER: _ClassVar[int]
     temperature: float
     top_p: float
     top_k: int
@@ -53,7 +54,8 @@ class SamplingParams(_message.Message):
     repetition_penalty: float
     presence_penalty: float
     frequency_penalty: float
-    def __init__(self, temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., min_p: _Optional[float] = ..., seed: _Optional[int] = ..., repetition_penalty: _Optional[float] = ..., presence_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ...) -> None: ...
+    speculative: bool
+    def __init__(self, temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., min_p: _Optional[float] = ..., seed: _Optional[int] = ..., repetition_penalty: _Optional[float] = ..., presence_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., speculative: _Optional[bool] = ...) -> None: ...
 
 class StoppingCriteria(_message.Message):
     __slots__ = ("max_tokens", "min_tokens", "stop", "stop_token_ids", "ignore_eos")
@@ -222,7 +224,7 @@ class GetClusterStatusRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class WorkerStatus(_message.Message):
-    __slots__ = ("name", "role", "healthy", "tensor_parallel", "pipeline_parallel", "num_running", "num_waiting", "kv_blocks_total", "kv_blocks_used", "kv_blocks_cached", "state", "restarts", "num_incoming")
+    __slots__ = ("name", "role", "healthy", "tensor_parallel", "pipeline_parallel", "num_running", "num_waiting", "kv_blocks_total", "kv_blocks_used", "kv_blocks_cached", "state", "restarts", "num_incoming", "spec_num_steps", "spec_num_draft_tokens", "spec_num_accepted_tokens")
     NAME_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
     HEALTHY_FIELD_NUMBER: _ClassVar[int]
@@ -236,6 +238,9 @@ class WorkerStatus(_message.Message):
     STATE_FIELD_NUMBER: _ClassVar[int]
     RESTARTS_FIELD_NUMBER: _ClassVar[int]
     NUM_INCOMING_FIELD_NUMBER: _ClassVar[int]
+    SPEC_NUM_STEPS_FIELD_NUMBER: _ClassVar[int]
+    SPEC_NUM_DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    SPEC_NUM_ACCEPTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     name: str
     role: str
     healthy: bool
@@ -249,7 +254,10 @@ class WorkerStatus(_message.Message):
     state: str
     restarts: int
     num_incoming: int
-    def __init__(self, name: _Optional[str] = ..., role: _Optional[str] = ..., healthy: _Optional[bool] = ..., tensor_parallel: _Optional[int] = ..., pipeline_parallel: _Optional[int] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., kv_blocks_total: _Optional[int] = ..., kv_blocks_used: _Optional[int] = ..., kv_blocks_cached: _Optional[int] = ..., state: _Optional[str] = ..., restarts: _Optional[int] = ..., num_incoming: _Optional[int] = ...) -> None: ...
+    spec_num_steps: int
+    spec_num_draft_tokens: int
+    spec_num_accepted_tokens: int
+    def __init__(self, name: _Optional[str] = ..., role: _Optional[str] = ..., healthy: _Optional[bool] = ..., tensor_parallel: _Optional[int] = ..., pipeline_parallel: _Optional[int] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., kv_blocks_total: _Optional[int] = ..., kv_blocks_used: _Optional[int] = ..., kv_blocks_cached: _Optional[int] = ..., state: _Optional[str] = ..., restarts: _Optional[int] = ..., num_incoming: _Optional[int] = ..., spec_num_steps: _Optional[int] = ..., spec_num_draft_tokens: _Optional[int] = ..., spec_num_accepted_tokens: _Optional[int] = ...) -> None: ...
 
 class PoolStatus(_message.Message):
     __slots__ = ("role", "replicas", "healthy_replicas", "workers")
@@ -264,17 +272,19 @@ class PoolStatus(_message.Message):
     def __init__(self, role: _Optional[str] = ..., replicas: _Optional[int] = ..., healthy_replicas: _Optional[int] = ..., workers: _Optional[_Iterable[_Union[WorkerStatus, _Mapping]]] = ...) -> None: ...
 
 class ClusterStatus(_message.Message):
-    __slots__ = ("model", "pools", "kv_transfer_backend", "policy", "disaggregation", "draining")
+    __slots__ = ("model", "pools", "kv_transfer_backend", "policy", "disaggregation", "draining", "speculative")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     POOLS_FIELD_NUMBER: _ClassVar[int]
     KV_TRANSFER_BACKEND_FIELD_NUMBER: _ClassVar[int]
     POLICY_FIELD_NUMBER: _ClassVar[int]
     DISAGGREGATION_FIELD_NUMBER: _ClassVar[int]
     DRAINING_FIELD_NUMBER: _ClassVar[int]
+    SPECULATIVE_FIELD_NUMBER: _ClassVar[int]
     model: str
     pools: _containers.RepeatedCompositeFieldContainer[PoolStatus]
     kv_transfer_backend: str
     policy: str
     disaggregation: str
     draining: bool
-    def __init__(self, model: _Optional[str] = ..., pools: _Optional[_Iterable[_Union[PoolStatus, _Mapping]]] = ..., kv_transfer_backend: _Optional[str] = ..., policy: _Optional[str] = ..., disaggregation: _Optional[str] = ..., draining: _Optional[bool] = ...) -> None: ...
+    speculative: str
+    def __init__(self, model: _Optional[str] = ..., pools: _Optional[_Iterable[_Union[PoolStatus, _Mapping]]] = ..., kv_transfer_backend: _Optional[str] = ..., policy: _Optional[str] = ..., disaggregation: _Optional[str] = ..., draining: _Optional[bool] = ..., speculative: _Optional[str] = ...) -> None: ...
