@@ -4,6 +4,8 @@ that a launch configuration fits, before a GPU is at hand)."""
 
 from __future__ import annotations
 
+import itertools
+
 import torch
 
 
@@ -23,6 +25,7 @@ def compile_only(arch: int, hidden: int) -> None:
     from triton.compiler import ASTSource
 
     from kernels import triton_activation as act
+    from kernels import triton_int4_linear as int4
     from kernels import triton_kv_store as kv
     from kernels import triton_paged_decode as dec
     from kernels import triton_prefill_attention as pre
@@ -32,13 +35,17 @@ def compile_only(arch: int, hidden: int) -> None:
     cuobjdump = os.path.join(os.path.dirname(nvidia.__file__), "bin", "cuobjdump")
     target = GPUTarget("cuda", arch, 32)
 
-    def usage(fn, dtype: str, constants: dict, num_warps: int, num_stages: int) -> str:
+    def usage(
+        fn, dtype: str, constants: dict, num_warps: int, num_stages: int, kv_ptr: str = ""
+    ) -> str:
+        """``kv_ptr``: the cache pointer's type when it differs from ``dtype`` (an FP8
+        cache is packed uint8 rows)."""
         names = fn.arg_names
-        floats = {"scale_log2", "eps"}
+        floats = {"scale_log2", "eps", "k_scale", "v_scale"}
         int_pointers = {"block_tables_ptr": "*i32", "seq_lens_ptr": "*i32"}
         int_pointers |= {"query_start_loc_ptr": "*i32", "slot_mapping_ptr": "*i64"}
-        int_pointers |= {"positions_ptr": "*i64"}
-        fp32_pointers = {"partial_out_ptr", "partial_lse_ptr"}
+        int_pointers |= {"positions_ptr": "*i64", "qweight_ptr": "*i32"}
+        fp32_pointers = {"partial_out_ptr", "partial_lse_ptr", "scales_ptr", "zeros_ptr"}
         signature = {}
         for name in names:
             if name in constants:
@@ -47,6 +54,8 @@ def compile_only(arch: int, hidden: int) -> None:
                 signature[name] = int_pointers[name]
             elif name in fp32_pointers:
                 signature[name] = "*fp32"
+            elif name == "kv_ptr" and kv_ptr:
+                signature[name] = kv_ptr
             elif name.endswith("_ptr"):
                 signature[name] = f"*{dtype}"
             else:
@@ -76,30 +85,41 @@ def compile_only(arch: int, hidden: int) -> None:
     for dtype, torch_dtype in (("bf16", torch.bfloat16), ("fp32", torch.float32)):
         precision = dec.dot_precision(torch_dtype)
         block_n, warps = dec.launch_config(torch_dtype, is_cuda=True)
-        for head_dim, is_split in ((128, False), (128, True), (80, True)):
+        # The FP8 cache rows (packed uint8, IS_FP8) only with bf16 queries: Triton's fp8
+        # type needs sm_89+, and fp32 models keep an fp32 cache in practice.
+        fp8_rows = (False, True) if dtype == "bf16" else (False,)
+        for (head_dim, is_split), is_fp8 in itertools.product(
+            ((128, False), (128, True), (80, True)), fp8_rows
+        ):
             pad = triton.next_power_of_2(head_dim)
             constants = dict(GROUP=4, GROUP_PAD=16, HEAD_DIM=head_dim, HEAD_DIM_PAD=pad)
             constants |= dict(BLOCK_SIZE=16, BLOCK_N=block_n, IS_SPLIT=is_split)
+            constants |= dict(DOT_PRECISION=precision, IS_FP8=is_fp8)
             config = f"D={head_dim} split={is_split} BLOCK_N={block_n} warps={warps}"
-            result = usage(
-                dec._paged_decode_kernel, dtype, constants | {"DOT_PRECISION": precision}, warps, 2
-            )
+            config += " fp8-kv" if is_fp8 else ""
+            kv_type = "*u8" if is_fp8 else ""
+            result = usage(dec._paged_decode_kernel, dtype, constants, warps, 2, kv_type)
             print(f"| decode | {dtype} | {config} | {result} |")
         constants = dict(HEAD_DIM=128, HEAD_DIM_PAD=128, SPLITS_PAD=16)
         print(
             f"| decode reduce | {dtype} | 16 splits | {usage(dec._decode_reduce_kernel, dtype, constants, 4, 1)} |"
         )
-        for head_dim in (64, 128, 256):
+        for head_dim, is_fp8 in itertools.product((64, 128, 256), fp8_rows):
             bm, bn, warps, stages = pre.launch_config(torch_dtype, head_dim, is_cuda=True)
             constants = dict(GROUP=4, HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim, BLOCK_SIZE=16)
-            constants |= dict(BLOCK_M=bm, BLOCK_N=bn, DOT_PRECISION=precision)
+            constants |= dict(BLOCK_M=bm, BLOCK_N=bn, DOT_PRECISION=precision, IS_FP8=is_fp8)
             config = f"D={head_dim} {bm}x{bn} warps={warps} stages={stages}"
-            result = usage(pre._prefill_attention_kernel, dtype, constants, warps, stages)
+            config += " fp8-kv" if is_fp8 else ""
+            kv_type = "*u8" if is_fp8 else ""
+            result = usage(pre._prefill_attention_kernel, dtype, constants, warps, stages, kv_type)
             print(f"| prefill | {dtype} | {config} | {result} |")
-        constants = dict(NUM_KV_HEADS=8, HEAD_DIM=128, HEADS_PAD=8, HEAD_DIM_PAD=128, BLOCK_SIZE=16)
-        print(
-            f"| store_kv | {dtype} | Hkv=8 D=128 | {usage(kv._store_kv_kernel, dtype, constants, 4, 1)} |"
-        )
+        for is_fp8 in fp8_rows:
+            constants = dict(NUM_KV_HEADS=8, HEAD_DIM=128, HEADS_PAD=8, HEAD_DIM_PAD=128)
+            constants |= dict(BLOCK_SIZE=16, IS_FP8=is_fp8, HAS_K_SCALE=False, HAS_V_SCALE=False)
+            config = "Hkv=8 D=128" + (" fp8-kv" if is_fp8 else "")
+            kv_type = "*u8" if is_fp8 else ""
+            result = usage(kv._store_kv_kernel, dtype, constants, 4, 1, kv_type)
+            print(f"| store_kv | {dtype} | {config} | {result} |")
         constants = dict(HIDDEN_SIZE=hidden, BLOCK=hidden, HAS_RESIDUAL=True)
         print(
             f"| fused_add_rms_norm | {dtype} | H={hidden} | {usage(norm._rms_norm_kernel, dtype, constants, 16, 1)} |"
@@ -113,3 +133,9 @@ def compile_only(arch: int, hidden: int) -> None:
         print(
             f"| silu_and_mul | {dtype} | BLOCK=1024 | {usage(act._silu_and_mul_kernel, dtype, constants, 4, 1)} |"
         )
+        for block_m in (16, 64):  # the launcher's tile for decode batches and for prefill
+            constants = dict(GROUP_SIZE=128, HAS_BIAS=False, DOT_PRECISION=precision)
+            constants |= dict(BLOCK_M=block_m, BLOCK_N=64, BLOCK_K=64)
+            config = f"group 128 {block_m}x64x64"
+            result = usage(int4._int4_linear_kernel, dtype, constants, 4, 1)
+            print(f"| int4_linear | {dtype} | {config} | {result} |")
