@@ -27,7 +27,6 @@ from __future__ import annotations
 import hashlib
 from dataclasses import asdict, dataclass
 
-from kernels.fp8_kv import SCALE_BYTES
 from kvtransfer.errors import LayoutMismatchError
 
 _ITEMSIZE = {
@@ -40,6 +39,10 @@ _ITEMSIZE = {
 }
 
 # How a row's scales are stored: none, or one float32 after each token row's values.
+# One float32 scale after each packed FP8 token row: kernels/fp8_kv.py's SCALE_BYTES, not
+# imported from there because kernels/ loads torch and the router's bring-up reads layouts
+# (tests/kvtransfer/test_fp8_layout.py holds the two equal).
+SCALE_BYTES = 4
 _SCALE_ROW_BYTES = {"none": 0, "per_token_head_f32": SCALE_BYTES}
 
 # Fields that must be equal for two caches to exchange KV; they make the fingerprint.

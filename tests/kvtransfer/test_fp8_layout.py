@@ -63,3 +63,12 @@ def test_heterogeneous_tp_hand_off_moves_each_heads_values_and_scales(p, d):
     assert torch.equal(reassembled, full[src])
     for side in (*prefills, *decodes):
         side.conn.close()
+
+
+def test_the_layouts_scale_size_is_the_caches():
+    """kvtransfer keeps its own copy of the FP8 row's scale size (kernels/ loads torch, the
+    router's bring-up must not): the two must agree, or P and D would disagree on rows."""
+    from kernels.fp8_kv import SCALE_BYTES as cache_scale_bytes
+    from kvtransfer.layout import SCALE_BYTES as layout_scale_bytes
+
+    assert layout_scale_bytes == cache_scale_bytes
