@@ -20,6 +20,7 @@ from __future__ import annotations
 import time
 import uuid
 from collections.abc import Callable, Sequence
+from functools import partial
 
 import torch
 
@@ -36,7 +37,7 @@ from workers.engine.request import Request
 from workers.engine.resume import resume_outputs
 from workers.engine.sampler import Sampler, SamplerOutput, SamplingRow, make_generator
 from workers.engine.scheduler import ScheduledChunk, Scheduler, SchedulerOutput
-from workers.engine.speculative.decoder import SpeculativeDecoder
+from workers.engine.speculative.decoder import SpeculativeDecoder, check_single_rank
 from workers.engine.speculative.draft import DraftProposer
 from workers.engine.speculative.rejection import Verified
 from workers.engine.speculative.stats import SpecDecodeStats
@@ -70,15 +71,7 @@ class LLMEngine:
         (default: one per pipeline stage; 1 runs the stages one batch at a time)."""
         self.config = config
         self.parallel = parallel or ParallelContext()
-        if config.speculative_method is not None and (
-            self.parallel.tp_size > 1 or self.parallel.pp_size > 1 or (batches_in_flight or 1) > 1
-        ):
-            raise ValueError(
-                f"speculative_method: {config.speculative_method} is not supported on a "
-                f"tensor/pipeline-parallel replica (tp={self.parallel.tp_size}, "
-                f"pp={self.parallel.pp_size}, batches_in_flight={batches_in_flight}); "
-                "unset it or use a single-rank replica"
-            )
+        check_single_rank(config, self.parallel.tp_size, self.parallel.pp_size, batches_in_flight)
         self.device = config.resolve_device()
         self.dtype = config.resolve_dtype(self.device)
         if self.device.type == "cpu":
@@ -311,7 +304,7 @@ class LLMEngine:
         before_prepare = None
         if self.spec is not None and not self._in_flight:
             self.spec.propose(self.scheduler, self.max_model_len)
-            before_prepare = self._draft_proposals
+            before_prepare = partial(self.spec.before_prepare, requests=self.scheduler.requests)
         self._in_flight.launch(self.scheduler, self.runner, before_prepare)
         if not self._in_flight:
             deltas, self._pending = self._pending, []
@@ -323,10 +316,6 @@ class LLMEngine:
             self.spec.observe(self._last_sched, num_tokens, self._spec_clock() - start)
         deltas, self._pending = self._pending + deltas, []
         return deltas
-
-    def _draft_proposals(self, sched: SchedulerOutput) -> None:
-        assert self.spec is not None
-        self.spec.before_prepare(sched, self.scheduler.requests)
 
     def drain(self) -> None:
         """Sample every batch in flight; their deltas come with the next ``step``.
@@ -363,22 +352,10 @@ class LLMEngine:
     def _sample(
         self, live: list[tuple[ScheduledChunk, Request]], logits: torch.Tensor
     ) -> tuple[SamplerOutput, list[Verified]]:
-        """Plain rows through the sampler, verify chunks' rows through the speculative
-        verification; ``logits`` has ``chunk.num_sample_rows`` rows per live chunk."""
-        plain = [r for c, r in live if c.needs_sample and not c.num_spec]
-        verify = [(c, r) for c, r in live if c.num_spec]
-        if not verify:
-            return self.sampler(logits, [SamplingRow.of(r) for r in plain]), []
-        assert self.spec is not None
-        plain_rows, verify_rows, row = [], [], 0
-        for c, _ in live:
-            (verify_rows if c.num_spec else plain_rows).extend(range(row, row + c.num_sample_rows))
-            row += c.num_sample_rows
-        sampled = SamplerOutput([], [])
-        if plain:
-            rows = [SamplingRow.of(r) for r in plain]
-            sampled = self.sampler(logits[torch.tensor(plain_rows)], rows)
-        return sampled, self.spec.verify(logits[torch.tensor(verify_rows)], verify)
+        if self.spec is not None:
+            return self.spec.sample(live, logits)
+        plain = [SamplingRow.of(r) for c, r in live if c.needs_sample]
+        return self.sampler(logits, plain), []
 
     def _update(
         self,

@@ -29,7 +29,7 @@ import torch
 
 from workers.engine.config import EngineConfig
 from workers.engine.request import Request
-from workers.engine.sampler import Sampler
+from workers.engine.sampler import Sampler, SamplerOutput, SamplingRow
 from workers.engine.scheduler import ScheduledChunk, Scheduler, SchedulerOutput
 from workers.engine.speculative.draft import DraftProposer, rolled_back
 from workers.engine.speculative.ngram import NgramProposer
@@ -66,6 +66,21 @@ class _Backoff:
         for table in (self.skip, self.level):
             for request_id in [r for r in table if r not in live]:
                 del table[request_id]
+
+
+def check_single_rank(
+    config: EngineConfig, tp_size: int, pp_size: int, batches_in_flight: int | None
+) -> None:
+    """Refuse speculation on a multi-rank replica or with several batches in flight: the
+    draft model and the verify step's rollback live on the one rank that samples."""
+    if config.speculative_method is not None and (
+        tp_size > 1 or pp_size > 1 or (batches_in_flight or 1) > 1
+    ):
+        raise ValueError(
+            f"speculative_method: {config.speculative_method} is not supported on a "
+            f"tensor/pipeline-parallel replica (tp={tp_size}, pp={pp_size}, "
+            f"batches_in_flight={batches_in_flight}); unset it or use a single-rank replica"
+        )
 
 
 class SpeculativeDecoder:
@@ -124,6 +139,27 @@ class SpeculativeDecoder:
     def before_prepare(self, sched: SchedulerOutput, requests: dict[str, Request]) -> None:
         if self.draft is not None:
             self._draft_probs = self.draft.propose(sched, requests, self.sampler)
+
+    def sample(
+        self, live: Sequence[tuple[ScheduledChunk, Request]], logits: torch.Tensor
+    ) -> tuple[SamplerOutput, list[Verified]]:
+        """A batch's rows: plain chunks' through the sampler, verify chunks' through
+        ``verify``; ``logits`` has ``chunk.num_sample_rows`` rows per live chunk."""
+        plain = [r for c, r in live if c.needs_sample and not c.num_spec]
+        verify = [(c, r) for c, r in live if c.num_spec]
+        if not verify:
+            return self.sampler(logits, [SamplingRow.of(r) for r in plain]), []
+        plain_rows: list[int] = []
+        verify_rows: list[int] = []
+        row = 0
+        for c, _ in live:
+            (verify_rows if c.num_spec else plain_rows).extend(range(row, row + c.num_sample_rows))
+            row += c.num_sample_rows
+        sampled = SamplerOutput([], [])
+        if plain:
+            rows = [SamplingRow.of(r) for r in plain]
+            sampled = self.sampler(logits[torch.tensor(plain_rows)], rows)
+        return sampled, self.verify(logits[torch.tensor(verify_rows)], verify)
 
     def verify(
         self, logits: torch.Tensor, chunks: Sequence[tuple[ScheduledChunk, Request]]
