@@ -5,7 +5,9 @@ and a function that runs it, returning the exit code. Adding one (``serve``, ``s
 ``bench``) is adding two functions and a line in ``_COMMANDS``. The commands that talk to
 a running router (``generate --target``, ``status``) run in ``cli_client.py``; what both
 share with the terminal (program name, exit codes, prompt, summary line) is in
-``cli_terminal.py``, so the imports go one way: cli -> cli_client -> cli_terminal.
+``cli_terminal.py``, so the imports go one way: cli -> cli_client -> cli_terminal. The
+commands that write model directories (``make-model``, ``train-model``) are in
+``cli_models.py``.
 
 Exit codes: 0 ok, 1 failure at run time (I/O, a gRPC error), 2 bad arguments or
 configuration (argparse's own errors, every ``ValueError`` and a server's INVALID_ARGUMENT,
@@ -19,8 +21,9 @@ import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
 
+from cluster import cli_models
+from cluster.cli_models import DTYPES as _DTYPES
 from cluster.cli_terminal import (
     EXIT_FAILURE,
     EXIT_INTERRUPTED,
@@ -32,12 +35,6 @@ from cluster.cli_terminal import (
 )
 from cluster.loadgen import command as _bench  # its module imports only the standard library
 
-# Literals, not imports from workers: building the parser must not load torch.
-_ARCHS = ("llama", "qwen2", "qwen3", "mistral")
-_SIZES = ("tiny", "small")
-_DTYPES = ("float32", "bfloat16", "float16")
-# workers/models/quant/export.py SCHEMES (not imported here: the parser loads no torch)
-_QUANTIZE_SCHEMES = ("fp8", "fp8-channel", "int4-gptq", "int4-gptq-asym", "int4-awq")
 _DISAGGREGATION = ("always", "never", "auto")  # cluster.client.DISAGGREGATION_CHOICES
 
 
@@ -54,102 +51,6 @@ def _positive_seconds(text: str) -> float:
     if not value > 0:  # also rejects nan
         raise argparse.ArgumentTypeError(f"must be > 0 seconds, got {text!r}")
     return value
-
-
-# ---- make-model -----------------------------------------------------------------------
-
-
-def _add_make_model_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("dir", metavar="DIR", help="directory to write the model to")
-    parser.add_argument("--arch", choices=_ARCHS, default="llama", help="architecture (llama)")
-    parser.add_argument("--size", choices=_SIZES, default="tiny", help="tiny or small (tiny)")
-    parser.add_argument("--seed", type=int, default=0, help="seed of the random weights (0)")
-    parser.add_argument(
-        "--dtype",
-        choices=_DTYPES,
-        default=None,
-        help="dtype of the stored weights (float32 for tiny, bfloat16 for small)",
-    )
-    parser.add_argument(
-        "--overwrite", action="store_true", help="replace the model files in a non-empty DIR"
-    )
-    parser.add_argument(
-        "--quantize",
-        choices=_QUANTIZE_SCHEMES,
-        default=None,
-        help="write the decoder's linear weights quantized, in a published layout "
-        "(docs/quantization.md)",
-    )
-    parser.add_argument(
-        "--group-size", type=int, default=128, help="int4: input columns per scale (128)"
-    )
-
-
-def _run_make_model(args: argparse.Namespace) -> int:
-    from cluster.tools.make_model import make_config, make_model, num_parameters
-
-    config = make_config(args.arch, args.size, dtype=args.dtype)
-    out = make_model(
-        args.dir,
-        args.arch,
-        args.size,
-        seed=args.seed,
-        overwrite=args.overwrite,
-        dtype=args.dtype,
-        progress=True,
-    )
-    if args.quantize is not None:
-        from workers.models.quant.export import quantize_checkpoint
-
-        quantize_checkpoint(out, args.quantize, args.group_size)
-        print(f"quantized: {args.quantize}")
-    print(
-        f"wrote {args.arch} {args.size} ({num_parameters(config) / 1e6:.1f}M parameters, "
-        f"{config['dtype']}, vocab {config['vocab_size']}) to {out}"
-    )
-    return 0
-
-
-# ---- train-model ----------------------------------------------------------------------
-
-_TRAIN_RECIPES = ("test", "bench")  # cluster.tools.train.RECIPES
-
-
-def _add_train_model_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument(
-        "dir",
-        metavar="DIR",
-        nargs="?",
-        help="empty directory to write DIR/target, DIR/draft, DIR/report.json to "
-        "(default: the cache, ~/.cache/baton/trained; reused when already trained)",
-    )
-    parser.add_argument(
-        "--recipe",
-        choices=_TRAIN_RECIPES,
-        default="test",
-        help="test: ~1.7M parameters in minutes; bench: a ~20M target (test)",
-    )
-
-
-def _run_train_model(args: argparse.Namespace) -> int:
-    import json
-
-    from cluster.tools.train import RECIPES, train_pair, trained_pair
-
-    if args.dir is None:
-        target, _ = trained_pair(args.recipe)
-        pair = target.parent
-    else:
-        train_pair(RECIPES[args.recipe], args.dir, progress=True)
-        pair = args.dir
-    report = json.loads((Path(pair) / "report.json").read_text())
-    held_out = report["held_out"]
-    print(
-        f"{pair}: held-out perplexity target {held_out['target_ppl']:.2f}, "
-        f"draft {held_out['draft_ppl']:.2f}; draft/target greedy agreement "
-        f"{held_out['agreement']:.1%}"
-    )
-    return 0
 
 
 # ---- generate -------------------------------------------------------------------------
@@ -347,14 +248,14 @@ _COMMANDS = (
     _Command(
         "make-model",
         "write a random-weight Hugging Face model directory (offline)",
-        _add_make_model_arguments,
-        _run_make_model,
+        cli_models.add_make_model_arguments,
+        cli_models.run_make_model,
     ),
     _Command(
         "train-model",
         "train a small Llama target + draft pair on the Python standard library (CPU)",
-        _add_train_model_arguments,
-        _run_train_model,
+        cli_models.add_train_model_arguments,
+        cli_models.run_train_model,
     ),
     _Command(
         "generate",

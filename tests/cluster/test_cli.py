@@ -4,7 +4,7 @@ import sys
 
 import pytest
 
-from cluster import cli
+from cluster import cli, cli_models
 from cluster.tools import make_model as make_model_module
 
 
@@ -33,9 +33,9 @@ def test_make_model(tmp_path, capsys):
 
 
 def test_parser_choices_match_make_model():
-    assert cli._ARCHS == make_model_module.ARCHS
-    assert cli._SIZES == make_model_module.SIZES
-    assert cli._DTYPES == make_model_module.DTYPES
+    assert cli_models.ARCHS == make_model_module.ARCHS
+    assert cli_models.SIZES == make_model_module.SIZES
+    assert cli_models.DTYPES == make_model_module.DTYPES
 
 
 @pytest.mark.parametrize(

@@ -10,7 +10,7 @@ import pytest
 import torch
 import transformers
 
-from cluster import cli
+from cluster import cli, cli_models
 from cluster.tools import train
 from cluster.tools.train import RECIPES, TEST_PAIR_DIR, load_trainable, train_pair, trained_pair
 from cluster.tools.train_corpus import eval_windows, stdlib_split, token_stream
@@ -163,4 +163,4 @@ def test_cli_reports_the_committed_pair(capsys):
     out = capsys.readouterr().out
     report = json.loads((TEST_PAIR_DIR / "report.json").read_text())
     assert f"target {report['held_out']['target_ppl']:.2f}" in out
-    assert tuple(RECIPES) == cli._TRAIN_RECIPES
+    assert tuple(RECIPES) == cli_models.TRAIN_RECIPES

@@ -241,10 +241,10 @@ def test_malformed_int4_tensors_are_named(dense_dir, tmp_path):
 
 
 def test_make_model_quantize_writes_a_loadable_checkpoint(tmp_path, capsys):
-    from cluster import cli
+    from cluster import cli, cli_models
     from workers.models.quant.export import SCHEMES
 
-    assert cli._QUANTIZE_SCHEMES == SCHEMES
+    assert cli_models.QUANTIZE_SCHEMES == SCHEMES
     out = tmp_path / "gptq"
     argv = [
         "make-model",
