@@ -34,6 +34,7 @@ import torch
 import torch.nn.functional as F
 from tokenizers import Tokenizer
 
+from cluster.tools.train import held_out_windows
 from kernels.attention_metadata import build_attention_metadata, slot_mapping_for
 from workers.engine.kv_cache import allocate_kv_cache
 from workers.models import load_model
@@ -57,25 +58,6 @@ BF16_VARIANTS = (
     Variant("bf16", torch.bfloat16, "auto", "bf16"),
     Variant("bf16+fp8", torch.bfloat16, "fp8_e4m3", "bf16"),
 )
-
-
-def held_out_windows(kind: str, tokenizer: Tokenizer, max_windows: int | None) -> torch.Tensor:
-    """[num_windows, seq_len + 1] held-out token windows, as the trainer evaluates."""
-    from cluster.tools.train import RECIPES
-    from cluster.tools.train_corpus import eval_windows, stdlib_split, token_stream
-
-    recipe = RECIPES[kind]
-    split = stdlib_split(recipe.max_train_bytes)
-    eos_id = tokenizer.token_to_id("<|end_of_text|>")
-    if eos_id is None:
-        raise ValueError("the tokenizer has no <|end_of_text|> token")
-
-    def encode_batch(texts: list[str]) -> list[list[int]]:
-        return [e.ids for e in tokenizer.encode_batch(texts)]
-
-    stream = token_stream(encode_batch, split.held_out, eos_id)
-    windows = eval_windows(stream, recipe.target_schedule.seq_len, recipe.eval_tokens)
-    return windows[:max_windows] if max_windows else windows
 
 
 def window_logits(model, config, variant: Variant, windows: torch.Tensor) -> torch.Tensor:
@@ -147,7 +129,8 @@ def main() -> None:
 
         args.model, _ = trained_pair(args.kind)
     tokenizer = Tokenizer.from_file(str(args.model / "tokenizer.json"))
-    windows = held_out_windows(args.kind, tokenizer, args.max_windows)
+    windows = held_out_windows(args.kind, tokenizer)
+    windows = windows[: args.max_windows] if args.max_windows else windows
     variants = VARIANTS + (BF16_VARIANTS if args.bf16 else ())
     results = evaluate(args.model, windows, variants)
     print(f"{args.model}: {windows.shape[0]} windows x {windows.shape[1] - 1} tokens held out")

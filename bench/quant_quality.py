@@ -39,6 +39,7 @@ import torch
 import torch.nn.functional as F
 from tokenizers import Tokenizer
 
+from cluster.tools.train import held_out_windows
 from kernels.attention_metadata import build_attention_metadata, slot_mapping_for
 from workers.engine.kv_cache import allocate_kv_cache
 from workers.models import load_model
@@ -72,24 +73,6 @@ def make_kv_cache(variant: Variant, config, num_blocks: int) -> torch.Tensor:
         num_blocks, config.num_hidden_layers, config.num_key_value_heads, BLOCK_SIZE,
         config.head_dim, torch.float32, torch.device("cpu"), variant.kv_cache_dtype,
     )  # fmt: skip
-
-
-def held_out_windows(kind: str, tokenizer: Tokenizer) -> torch.Tensor:
-    """[num_windows, seq_len + 1] held-out token windows, as the trainer evaluates."""
-    from cluster.tools.train import RECIPES
-    from cluster.tools.train_corpus import eval_windows, stdlib_split, token_stream
-
-    recipe = RECIPES[kind]
-    split = stdlib_split(recipe.max_train_bytes)
-    eos_id = tokenizer.token_to_id("<|end_of_text|>")
-    if eos_id is None:
-        raise ValueError("the tokenizer has no <|end_of_text|> token")
-
-    def encode_batch(texts: list[str]) -> list[list[int]]:
-        return [e.ids for e in tokenizer.encode_batch(texts)]
-
-    stream = token_stream(encode_batch, split.held_out, eos_id)
-    return eval_windows(stream, recipe.target_schedule.seq_len, recipe.eval_tokens)
 
 
 def window_logits(model, config, variant: Variant, windows: torch.Tensor) -> torch.Tensor:

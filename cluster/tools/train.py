@@ -144,6 +144,22 @@ def trained_pair(kind: str = "test") -> tuple[Path, Path]:
     return pair / "target", pair / "draft"
 
 
+def held_out_windows(kind: str, tokenizer: Tokenizer) -> torch.Tensor:
+    """Recipe ``kind``'s held-out evaluation windows ([num, seq_len + 1]) encoded with
+    ``tokenizer`` (a trained pair's): what the trainer reports its perplexity on, and what
+    the benches that score a trained model (quantization, FP8 KV) evaluate."""
+    recipe = RECIPES[kind]
+    eos_id = tokenizer.token_to_id("<|end_of_text|>")
+    if eos_id is None:
+        raise ValueError("the tokenizer has no <|end_of_text|> token")
+
+    def encode_batch(texts: list[str]) -> list[list[int]]:
+        return [e.ids for e in tokenizer.encode_batch(texts)]
+
+    stream = token_stream(encode_batch, stdlib_split(recipe.max_train_bytes).held_out, eos_id)
+    return eval_windows(stream, recipe.target_schedule.seq_len, recipe.eval_tokens)
+
+
 def cache_root() -> Path:
     base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
     return Path(base) / "baton" / "trained"
