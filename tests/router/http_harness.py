@@ -48,12 +48,16 @@ class Served:
         return asyncio.run_coroutine_threadsafe(fn(), self.loop).result(30)  # type: ignore[arg-type]
 
     def wait_settled(self, timeout_s: float = 10.0) -> None:
-        """Until the router has no request in flight (each ended on its worker)."""
-        deadline = time.monotonic() + timeout_s
-        while self.router.num_in_flight:
-            if time.monotonic() > deadline:
-                raise AssertionError(f"{self.router.num_in_flight} requests still in flight")
-            time.sleep(0.01)
+        wait_settled(self.router, timeout_s)
+
+
+def wait_settled(router, timeout_s: float = 10.0) -> None:
+    """Until ``router`` has no request in flight (each ended on its worker)."""
+    deadline = time.monotonic() + timeout_s
+    while router.num_in_flight:
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{router.num_in_flight} requests still in flight")
+        time.sleep(0.01)
 
 
 @contextlib.contextmanager

@@ -12,8 +12,6 @@ left in flight. Bugs it found are pinned with ``@example``.
 
 from __future__ import annotations
 
-import time
-
 import grpc
 import pytest
 from hypothesis import HealthCheck, example, given, settings
@@ -23,6 +21,7 @@ from cluster.tools.make_model import build_tokenizer
 from proto.baton.v1 import inference_pb2 as pb
 from proto.baton.v1 import inference_pb2_grpc as pb_grpc
 from tests.router.fuzz_harness import FIELD_FIRST, Counter, examples, fuzz_router, serve_grpc
+from tests.router.http_harness import wait_settled
 from workers.text.tokenizer import Tokenizer
 
 VOCAB = 512
@@ -144,13 +143,6 @@ def normal_request_succeeds(channel) -> None:
     assert messages[-1].final.usage.completion_tokens == 4
 
 
-def settled(router, timeout_s: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while router.num_in_flight and time.monotonic() < deadline:
-        time.sleep(0.01)
-    assert router.num_in_flight == 0, "requests left in flight"
-
-
 def test_generated_messages_get_an_answer_or_a_clear_refusal(served, channel):
     stub = pb_grpc.InferenceStub(channel)
     count = Counter("grpc_messages")
@@ -166,7 +158,7 @@ def test_generated_messages_get_an_answer_or_a_clear_refusal(served, channel):
 
     fuzz()
     count.flush()
-    settled(served.router)
+    wait_settled(served.router)
     normal_request_succeeds(channel)
 
 
@@ -188,5 +180,5 @@ def test_random_bytes_as_a_message_are_refused_or_answered(served, channel):
 
     fuzz()
     count.flush()
-    settled(served.router)
+    wait_settled(served.router)
     normal_request_succeeds(channel)
