@@ -74,6 +74,18 @@ class EngineConfig:
     gpu_memory_fraction: float = setting(
         0.90, "Share of GPU memory for weights + KV cache", gt=0.0, le=1.0
     )
+    # KV tiers below the pool (docs/kv-tiers.md): blocks the pool evicts are written down
+    # instead of dropped, and a prefix lookup consults the pool, host memory, disk, peers.
+    kv_host_tier_gib: float = setting(
+        0.0, "Host-memory KV tier (G2) per worker, GiB; 0 = off (pinned on CUDA)", ge=0.0
+    )
+    kv_disk_tier_path: str | None = setting(
+        None, "Directory of the disk KV tier (G3), one per worker; unset = off"
+    )
+    kv_disk_tier_gib: float = setting(16.0, "Most disk the KV tier (G3) may use, GiB", gt=0.0)
+    kv_peer_sharing: bool = setting(
+        False, "Pull prefixes other workers hold (G4) over NIXL instead of recomputing"
+    )
     max_num_seqs: int = setting(64, "Most requests running at once on a replica", ge=1)
     # Longer prompts are prefilled in chunks of at most this many tokens.
     max_num_batched_tokens: int = setting(2048, "Token budget of one engine step", ge=1)
