@@ -10,8 +10,8 @@ offset  size  field
 24      8     block hash (u64, the chained prefix hash)
 32      8     payload length (bytes; the tier's block_bytes)
 40      8     payload checksum: xxh3_64 of the payload
-48      8     header checksum: xxh3_64 of bytes 0..48
-56      8     zero
+48      8     zero (reserved)
+56      8     header checksum: xxh3_64 of bytes 0..56
 64      ...   payload: the bytes of kv_cache[block_id] (docs/kv-cache-layout.md)
 ```
 
@@ -39,8 +39,9 @@ import xxhash
 MAGIC = b"BATONKVB"
 VERSION = 1
 HEADER_LEN = 64
-_FIELDS = struct.Struct("<8sHHI8sQQQ")  # everything the header checksum covers (48 bytes)
+_FIELDS = struct.Struct("<8sHHI8sQQQ8x")  # everything the header checksum covers (56 bytes)
 _HEADER_SUM = struct.Struct("<Q")
+assert _FIELDS.size + _HEADER_SUM.size == HEADER_LEN
 SUFFIX = ".kvb"
 TEMP_SUFFIX = ".tmp"
 
@@ -90,8 +91,7 @@ def make_header(digest: bytes, block_hash: int, payload: memoryview) -> bytes:
         payload.nbytes,
         xxhash.xxh3_64_intdigest(payload),
     )
-    header = fields + _HEADER_SUM.pack(xxhash.xxh3_64_intdigest(fields))
-    return header + bytes(HEADER_LEN - len(header))
+    return fields + _HEADER_SUM.pack(xxhash.xxh3_64_intdigest(fields))
 
 
 def write_block(path: Path, header: bytes, payload: memoryview, mtime_ns: int) -> None:

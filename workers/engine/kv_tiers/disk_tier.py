@@ -18,9 +18,9 @@ rejected put; writes then pause for ``write_backoff_s`` (doubling up to ten time
 they keep failing) and reads go on: a full disk stops offload, not serving.
 
 Threads: one lock guards the index, counters and events; file I/O runs outside it, so the
-engine's get does not wait for an offload thread's write. A file removed while a get has
-it open is still read whole (POSIX unlink semantics); one removed before the open is a
-plain miss.
+engine's get does not wait for an offload thread's write (puts run one at a time under a
+second lock). A file evicted while a get has it open is still read whole (POSIX unlink
+semantics); one evicted before the open is a plain miss, not an error.
 """
 
 from __future__ import annotations
