@@ -219,3 +219,15 @@ def test_puts_on_one_thread_and_gets_on_another_never_read_wrong_bytes(tmp_path:
     held = tier.hashes()
     assert len(held) == 6 and num_blocks - 1 in held
     assert {p.name for p in (tmp_path / FP.digest).iterdir()} == {f"{h:016x}.kvb" for h in held}
+
+
+def test_prefetch_is_a_hint_for_held_blocks_only(tmp_path: Path) -> None:
+    tier = make(tmp_path)
+    for h in (1, 2, 3):
+        tier.put(h, block(h))
+    (tmp_path / FP.digest / f"{3:016x}.kvb").unlink()  # gone behind the tier's back
+    assert tier.prefetch([1, 2, 3, 4]) == 3  # 4 is not held; 3's file fails quietly
+    for h in (1, 2):
+        got = read(tier, h)
+        assert got is not None and torch.equal(got, block(h))
+    assert read(tier, 3) is None and tier.stats().errors == 1  # get reports it
