@@ -190,6 +190,15 @@ def test_a_wrong_buffer_is_a_clear_error(tmp_path: Path, bad: torch.Tensor) -> N
         tier.get(1, bad)
 
 
+@pytest.mark.parametrize("bad_hash", [-1, 2**64])
+def test_a_hash_out_of_range_is_a_clear_error(tmp_path: Path, bad_hash: int) -> None:
+    tier = make(tmp_path)
+    with pytest.raises(ValueError, match="unsigned 64-bit"):
+        tier.put(bad_hash, block(1))
+    with pytest.raises(ValueError, match="unsigned 64-bit"):
+        read(tier, bad_hash)
+
+
 def test_puts_on_one_thread_and_gets_on_another_never_read_wrong_bytes(tmp_path: Path) -> None:
     tier = make(tmp_path, capacity_blocks=6)
     num_blocks = 60

@@ -245,3 +245,16 @@ def test_a_read_error_is_a_miss(tmp_path: Path, monkeypatch: pytest.MonkeyPatch)
     monkeypatch.undo()
     got = read(tier, 2)
     assert got is not None and torch.equal(got, block(2))
+
+
+def test_a_directory_removed_behind_the_tier_is_made_again(tmp_path: Path) -> None:
+    clock = Clock()
+    tier = DiskTier(tmp_path, FP, BLOCK_BYTES, 8 * FILE_BYTES, clock=clock)
+    assert tier.put(1, block(1))
+    shutil.rmtree(tmp_path / FP.digest)
+    assert read(tier, 1) is None and tier.stats().errors == 1
+    assert not tier.put(2, block(2)) and tier.stats().rejected == 1
+    clock.now += 60
+    assert tier.put(2, block(2))
+    got = read(tier, 2)
+    assert got is not None and torch.equal(got, block(2))

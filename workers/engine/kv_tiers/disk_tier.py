@@ -94,7 +94,7 @@ class DiskTier:
             return block_hash in self._index
 
     def get(self, block_hash: int, out: torch.Tensor) -> bool:
-        self._check_buffer(out, "out")
+        self._check_args(block_hash, out, "out")
         with self._lock:
             if self._closed or block_hash not in self._index:
                 self._counts["misses"] += 1
@@ -125,7 +125,7 @@ class DiskTier:
             return False
 
     def put(self, block_hash: int, data: torch.Tensor) -> bool:
-        self._check_buffer(data, "data")
+        self._check_args(block_hash, data, "data")
         # Puts run one at a time (there is one offload thread anyway), so a block's file
         # is never unlinked as a victim by one put while another writes it anew.
         with self._put_lock:
@@ -267,6 +267,11 @@ class DiskTier:
         self._changed.setdefault(block_hash, held_before)
 
     def _write_failed(self, exc: OSError) -> None:
+        if isinstance(exc, FileNotFoundError):
+            # The directory was removed behind the tier's back: make it again for the
+            # next try (the blocks it held are gone; their gets will be counted misses).
+            with contextlib.suppress(OSError):
+                self.directory.mkdir(parents=True, exist_ok=True)
         with self._lock:
             self._counts["rejected"] += 1
             self._failed_writes_in_row += 1
@@ -293,7 +298,9 @@ class DiskTier:
     def _path(self, block_hash: int) -> Path:
         return self.directory / block_file.file_name(block_hash)
 
-    def _check_buffer(self, tensor: torch.Tensor, what: str) -> None:
+    def _check_args(self, block_hash: int, tensor: torch.Tensor, what: str) -> None:
+        if not 0 <= block_hash < 2**64:
+            raise ValueError(f"a block hash is an unsigned 64-bit integer, got {block_hash}")
         if (
             tensor.dtype != torch.uint8
             or not tensor.is_contiguous()
