@@ -17,6 +17,9 @@ parent's hash and block i's token ids, so equal hashes mean equal prefixes. The
 hash is blake2b (not Python's ``hash``) so that it is stable across processes:
 the router compares hashes reported by different workers.
 
+Eviction hands a cached block's KV to ``on_evict`` first (the KV tiers copy it down,
+docs/kv-tiers.md) while its bytes are still intact.
+
 Who frees what: the scheduler calls ``free`` when a request finishes, is
 aborted or preempted; a block whose count drops to zero keeps its KV (cached)
 if it was full and hashed, and the request's tail blocks are released first so

@@ -19,6 +19,10 @@ Disaggregated roles differ only at the two ends of a request's life:
   ``finish_receiving`` says the KV arrived; then it decodes like any running request.
   The hand-off tracks it meanwhile and decides when its blocks may be freed.
 
+**KV tiers** (``tiers``, docs/kv-tiers.md): admission continues the pool's prefix hit
+through the tiers below it (host memory, disk) and onboards the blocks found there into
+fresh blocks before the request's first chunk; they count as computed, like a prefix hit.
+
 **Slots** (pipeline stages): with ``num_slots > 1`` every request belongs to one slot,
 chosen when it is added (the slot with the fewest unfinished requests), and
 ``schedule(slot)`` considers that slot's requests: its running ones, and its waiting

@@ -83,7 +83,13 @@ def build_kv_tiers(
     pin = kv_cache.device.type == "cuda"
     host = None
     if config.kv_host_tier_gib > 0:
-        host = HostTier(fingerprint, block_bytes, int(config.kv_host_tier_gib * 2**30), pin)
+        host_bytes = int(config.kv_host_tier_gib * 2**30)
+        if host_bytes < block_bytes:
+            raise ValueError(
+                f"kv_host_tier_gib: {config.kv_host_tier_gib} GiB holds no KV block of "
+                f"{block_bytes} bytes; raise it or set 0 (off)"
+            )
+        host = HostTier(fingerprint, block_bytes, host_bytes, pin)
     disk = staging = None
     if config.kv_disk_tier_path is not None:
         from workers.engine.kv_tiers.disk_tier import DiskTier  # only where a disk is set
