@@ -205,6 +205,21 @@ class DiskTier:
         with self._lock:
             self._closed = True
 
+    # -- beyond the protocol ------------------------------------------------------------
+
+    def check_integrity(self) -> None:
+        """Raise AssertionError if the index and the directory disagree (tests): every
+        held block has its file, every block file is held, and the tier fits."""
+        with self._put_lock, self._lock:
+            names = {
+                e.name
+                for e in os.scandir(self.directory)
+                if block_file.parse_file_name(e.name) is not None
+            }
+            held = {block_file.file_name(h) for h in self._index}
+            assert names == held, f"files {sorted(names ^ held)} disagree with the index"
+            assert len(self._index) <= self._capacity_blocks
+
     # -- internals ---------------------------------------------------------------------
 
     def _scan(self) -> None:
