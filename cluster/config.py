@@ -14,6 +14,7 @@ The KV hand-off's settings likewise come from ``kvtransfer.KVTransferConfig``
 from __future__ import annotations
 
 import dataclasses
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
@@ -139,6 +140,37 @@ class KVCacheSection:
     cpu_memory_gib: float = engine_option("kv_cache_memory_gib")
     enable_prefix_caching: bool = engine_option("enable_prefix_caching")
     dtype: KVCacheDtype = engine_option("kv_cache_dtype")
+    # The tiers below the pool (docs/kv-tiers.md). A worker's disk tier is its own
+    # directory, <disk_tier_path>/<worker name> (workers/serving/worker_spec.py).
+    host_tier_gib: float = engine_option("kv_host_tier_gib")
+    disk_tier_path: str | None = engine_option("kv_disk_tier_path")
+    disk_tier_gib: float = engine_option("kv_disk_tier_gib")
+    peer_sharing: bool = engine_option("kv_peer_sharing")
+
+    def __post_init__(self) -> None:
+        if self.disk_tier_path is not None:
+            _check_disk_tier_path(self.disk_tier_path)
+
+    @property
+    def has_tier(self) -> bool:
+        """Whether any tier below the pool is on."""
+        return self.host_tier_gib > 0 or self.disk_tier_path is not None or self.peer_sharing
+
+
+def _check_disk_tier_path(path: str) -> None:
+    """``disk_tier_path`` must be a directory this process can write, or one it can make.
+
+    Checked where the config is loaded (like ``model.path``): on one machine, or on a
+    Kubernetes node whose pods mount the same volume, that is where the workers write."""
+    root = Path(path).expanduser()
+    if root.exists() and not root.is_dir():
+        raise ValueError(f"disk_tier_path: {root} exists and is not a directory")
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise ValueError(f"disk_tier_path: cannot create {root}: {exc.strerror}") from None
+    if not os.access(root, os.W_OK | os.X_OK):
+        raise ValueError(f"disk_tier_path: {root} is not writable")
 
 
 @dataclass(frozen=True)
@@ -269,12 +301,35 @@ class ClusterConfig:
                 f"pipeline_parallel={decode.pipeline_parallel} (set both to 1, or unset "
                 f"decode.speculative.method)"
             )
+        self._check_tiers_single_rank()
         router = self.router
         if router.restart_max_backoff_seconds < router.restart_backoff_seconds:
             raise ValueError(
                 f"router.restart_max_backoff_seconds ({router.restart_max_backoff_seconds}) "
                 f"is below router.restart_backoff_seconds ({router.restart_backoff_seconds})"
             )
+
+    def _check_tiers_single_rank(self) -> None:
+        # A tier holds whole blocks of one rank's cache; a tensor- or pipeline-parallel
+        # replica's blocks are split over its ranks, which the tiers do not coordinate yet.
+        if not self.kv_cache.has_tier:
+            return
+        for role, pool in (("prefill", self.prefill), ("decode", self.decode)):
+            if pool.replicas and (pool.tensor_parallel > 1 or pool.pipeline_parallel > 1):
+                raise ValueError(
+                    f"kv_cache: the KV tiers (host_tier_gib, disk_tier_path, peer_sharing) "
+                    f"need single-rank replicas; {role} has tensor_parallel="
+                    f"{pool.tensor_parallel}, pipeline_parallel={pool.pipeline_parallel} "
+                    f"(set both to 1, or turn the tiers off)"
+                )
+
+
+# The embedded default (`baton serve` with no CONFIG: a small model on CPU, one prefill and
+# one decode worker) turns on a host-memory tier of 0.5 GiB per worker: a quarter of its
+# 2 GiB pool again, so a second turn of a conversation the pool evicted is onboarded, not
+# recomputed, for 1 GiB of RAM in all. No disk tier: it would write to a directory the user
+# did not choose, up to disk_tier_gib, and keep it there across runs.
+EMBEDDED_DEFAULT = ClusterConfig(kv_cache=KVCacheSection(host_tier_gib=0.5))
 
 
 def engine_config(config: ClusterConfig, pool: PoolSection, **per_worker: Any) -> EngineConfig:
@@ -311,7 +366,7 @@ def parse_config(data: Any) -> ClusterConfig:
 def load_config(path: str | Path | None) -> ClusterConfig:
     """Read and validate a YAML config file; None = the embedded default."""
     if path is None:
-        return ClusterConfig()
+        return EMBEDDED_DEFAULT
     path = Path(path)
     try:
         text = path.read_text()
