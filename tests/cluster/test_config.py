@@ -7,7 +7,13 @@ from pathlib import Path
 
 import pytest
 
-from cluster.config import KVCacheSection, ClusterConfig, config_json_schema, load_config, parse_config
+from cluster.config import (
+    ClusterConfig,
+    KVCacheSection,
+    config_json_schema,
+    load_config,
+    parse_config,
+)
 from cluster.config_schema import ConfigError
 
 ROOT = Path(__file__).resolve().parents[2]
