@@ -235,6 +235,18 @@ class RouterSection:
     kv_balance_rel: float = option(
         1.5, "... and more than this times the least loaded's (SGLang's balance test)", ge=1.0
     )
+    kv_host_tier_weight: float = option(
+        0.1,
+        "kv_aware: cost of a prompt block onboarded from a worker's host-memory tier (G2), "
+        "as a share of computing it (docs/kv-tiers.md)",
+        ge=0.0,
+    )
+    kv_disk_tier_weight: float = option(
+        0.5,
+        "kv_aware: cost of a prompt block onboarded from a worker's disk tier (G3), as a "
+        "share of computing it",
+        ge=0.0,
+    )
     max_queued_requests: int = option(
         1024, "Requests admitted but not finished; beyond: RESOURCE_EXHAUSTED", ge=1
     )

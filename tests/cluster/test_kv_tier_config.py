@@ -10,6 +10,7 @@ import pytest
 
 from cluster.config import engine_config, load_config, parse_config
 from cluster.config_schema import ConfigError
+from router.policy import KVWeights
 from workers.engine.config import EngineConfig
 from workers.serving.worker_spec import WorkerSpec
 
@@ -102,3 +103,14 @@ def test_the_embedded_default_turns_on_a_host_tier_only():
     kv = load_config(None).kv_cache
     assert kv.host_tier_gib > 0
     assert kv.disk_tier_path is None and kv.peer_sharing is False
+
+
+def test_the_routers_tier_weights_default_to_the_policys_and_reach_it():
+    config = parse_config({"router": {"kv_host_tier_weight": 0.2, "kv_disk_tier_weight": 0.7}})
+    assert (config.router.kv_host_tier_weight, config.router.kv_disk_tier_weight) == (0.2, 0.7)
+    default = parse_config(None).router
+    weights = KVWeights()
+    assert default.kv_host_tier_weight == weights.host_tier_weight
+    assert default.kv_disk_tier_weight == weights.disk_tier_weight
+    with pytest.raises(ConfigError, match=r"router\.kv_disk_tier_weight: must be >= 0"):
+        parse_config({"router": {"kv_disk_tier_weight": -1}})
