@@ -3,14 +3,17 @@ kept from the workers' numbered stored / removed events (router/workers.py)."""
 
 from __future__ import annotations
 
+import dataclasses
 import logging
+from types import SimpleNamespace
 
 import pytest
 
 from router.policy import KVWeights, RouteRequest, WorkerState, cached_prefix_blocks, pick, route
+from router.status import TierUsage, cluster_status
 from router.workers import WorkerView
 from workers.protocol.block_hashes import hash_prompt_blocks
-from workers.protocol.wire import KVEvents, WorkerReport
+from workers.protocol.wire import KVEvents, TierStatus, WorkerReport
 
 BS = 4
 PROMPT = list(range(40))  # 10 full blocks
@@ -132,3 +135,21 @@ def test_a_restarted_workers_snapshot_replaces_the_dead_ones_tiers():
     assert held(view) == {"host": set(), "disk": {2}}
     view.update(report(2, KVEvents("host", (8,))))
     assert held(view) == {"host": {8}, "disk": {2}}
+
+
+def test_the_status_shows_each_workers_tiers_from_its_last_report():
+    view = WorkerView(Client())
+    host = TierStatus("host", 3, 3 * 64, 16, 16 * 64, 5, 2, 0, 320, 0.01, 640, 0.02, 1, 0)
+    view.update(dataclasses.replace(report(1, snapshot=True), kv_tiers=(host,)))
+    config = SimpleNamespace(
+        model_name="tiny", kv_transfer_backend="local", policy="kv_aware",
+        disaggregation="auto", speculative="",
+    )  # fmt: skip
+    router = SimpleNamespace(
+        config=config, prefill=[], decode=[view], recovery=None, is_draining=False
+    )
+    (pool,) = [p for p in cluster_status(router).pools if p.workers]
+    assert pool.workers[0].kv_tiers == (TierUsage("host", 3, 192, 16, 1024, 5, 2),)
+    assert WorkerView(Client()).report is None  # no report yet: no tiers shown
+    router.decode = [WorkerView(Client())]
+    assert cluster_status(router).pools[1].workers[0].kv_tiers == ()
