@@ -24,41 +24,46 @@ def _gauge(name: str, doc: str) -> Gauge:
 BLOCKS = _gauge("baton_kv_tier_blocks", "KV blocks a tier below the pool holds")
 BYTES = _gauge("baton_kv_tier_bytes", "Bytes a tier below the pool holds")
 CAPACITY = _gauge("baton_kv_tier_capacity_bytes", "Most bytes a tier below the pool may hold")
+HITS = Counter("baton_kv_tier_hits", "Block lookups a tier answered with the block", _TIER_LABELS)
+MISSES = Counter(
+    "baton_kv_tier_misses",
+    "Block lookups a tier could not answer (absent or unusable; errors included)",
+    _TIER_LABELS,
+)
+ERRORS = Counter(
+    "baton_kv_tier_errors",
+    "Blocks a tier found unusable (bad checksum, truncated, I/O error): served as misses",
+    _TIER_LABELS,
+)
+ONBOARD_BYTES = Counter(
+    "baton_kv_tier_onboard_bytes", "Bytes read out of a tier into the pool", _TIER_LABELS
+)
+ONBOARD_SECONDS = Counter(
+    "baton_kv_tier_onboard_seconds", "Time spent reading blocks out of a tier", _TIER_LABELS
+)
+OFFLOAD_BYTES = Counter(
+    "baton_kv_tier_offload_bytes", "Bytes written down into a tier", _TIER_LABELS
+)
+OFFLOAD_SECONDS = Counter(
+    "baton_kv_tier_offload_seconds", "Time spent writing blocks into a tier", _TIER_LABELS
+)
+EVICTIONS = Counter("baton_kv_tier_evictions", "Blocks a tier dropped to make room", _TIER_LABELS)
+REJECTED = Counter(
+    "baton_kv_tier_rejected_offloads",
+    "Blocks a tier refused to store (full disk, an I/O error): offload stops, serving goes on",
+    _TIER_LABELS,
+)
 # TierStatus field -> its counter (prometheus-client adds ``_total`` to each name).
 COUNTERS = {
-    "hits": Counter(
-        "baton_kv_tier_hits", "Block lookups a tier answered with the block", _TIER_LABELS
-    ),
-    "misses": Counter(
-        "baton_kv_tier_misses",
-        "Block lookups a tier could not answer (absent or unusable; errors included)",
-        _TIER_LABELS,
-    ),
-    "errors": Counter(
-        "baton_kv_tier_errors",
-        "Blocks a tier found unusable (bad checksum, truncated, I/O error): served as misses",
-        _TIER_LABELS,
-    ),
-    "onboard_bytes": Counter(
-        "baton_kv_tier_onboard_bytes", "Bytes read out of a tier into the pool", _TIER_LABELS
-    ),
-    "onboard_seconds": Counter(
-        "baton_kv_tier_onboard_seconds", "Time spent reading blocks out of a tier", _TIER_LABELS
-    ),
-    "offload_bytes": Counter(
-        "baton_kv_tier_offload_bytes", "Bytes written down into a tier", _TIER_LABELS
-    ),
-    "offload_seconds": Counter(
-        "baton_kv_tier_offload_seconds", "Time spent writing blocks into a tier", _TIER_LABELS
-    ),
-    "evictions": Counter(
-        "baton_kv_tier_evictions", "Blocks a tier dropped to make room", _TIER_LABELS
-    ),
-    "rejected": Counter(
-        "baton_kv_tier_rejected_offloads",
-        "Blocks a tier refused to store (full disk, an I/O error): offload stops, serving goes on",
-        _TIER_LABELS,
-    ),
+    "hits": HITS,
+    "misses": MISSES,
+    "errors": ERRORS,
+    "onboard_bytes": ONBOARD_BYTES,
+    "onboard_seconds": ONBOARD_SECONDS,
+    "offload_bytes": OFFLOAD_BYTES,
+    "offload_seconds": OFFLOAD_SECONDS,
+    "evictions": EVICTIONS,
+    "rejected": REJECTED,
 }
 
 
