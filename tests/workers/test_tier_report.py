@@ -12,6 +12,7 @@ import torch
 
 from workers.engine.kv_tiers.tier import TierEvents, TierStats
 from workers.protocol.wire import OutputBatch, decode_as, encode
+from workers.serving import tier_report
 from workers.serving.tier_report import TierReporter
 from workers.serving.worker_report import ReportBuilder
 
@@ -142,6 +143,38 @@ def test_the_first_report_and_a_resend_carry_a_snapshot_and_nothing_new_keeps_th
     assert (seq, snapshot) == (2, True) and set(events[0].stored) == {5, 6, 7, 8}
     reporter.refresh()
     assert reporter.take_events() == (2, False, ())
+
+
+def test_a_big_snapshot_goes_out_in_chunks_that_skip_blocks_removed_meanwhile(monkeypatch):
+    monkeypatch.setattr(tier_report, "SNAPSHOT_CHUNK", 10)
+    disk = ListTier("disk", 100)
+    for h in range(35):
+        disk.put(h)
+    reporter = TierReporter([disk])
+    reporter.refresh()
+    known: dict[str, set[int]] = {}
+    seq, snapshot, (events,) = reporter.take_events()
+    assert snapshot and len(events.stored) == 10
+    apply(known, seq, snapshot, (events,))
+    sizes = []
+    removed = 0
+    for step in range(5):
+        if step < 3:  # meanwhile blocks come and go, some of them in the part not sent yet
+            disk.remove(removed)
+            disk.remove(34 - removed)
+            disk.put(100 + removed)
+            removed += 1
+        reporter.refresh()
+        seq, snapshot, events = reporter.take_events()
+        if not events:
+            break
+        assert not snapshot and len(events) == 1
+        sizes.append(len(events[0].stored))
+        apply(known, seq, snapshot, events)
+    # Three more chunks (the last three of them less what was removed), each with the
+    # block stored meanwhile, then nothing.
+    assert len(sizes) == 3 and max(sizes) <= 10 + 1
+    assert known == {"disk": set(disk.hashes())}
 
 
 def _engine(kv_tiers) -> SimpleNamespace:

@@ -14,6 +14,12 @@ Events are set operations (stored = add, removed = discard), so duplicates are h
 and only the order within one hash matters: a hash both stored and removed since the
 last report is settled by asking the tier (``contains``) what holds now.
 
+A snapshot of a big tier does not go in one frame (the event channel refuses frames over
+64 MiB, and a disk tier of small blocks may hold millions): the snapshot report carries
+at most ``SNAPSHOT_CHUNK`` hashes per tier, and the rest follow as ``stored`` events of
+the next reports, each re-checked with ``contains`` when it is sent, so that a block
+removed in between is not announced after its removal.
+
 Everything here runs on the engine loop's thread; the tiers themselves are thread-safe.
 """
 
@@ -27,6 +33,7 @@ from workers.engine.kv_tiers.tier import KVTier
 from workers.protocol.wire import KVEvents, TierStatus
 
 SNAPSHOT_EVERY_S = 30.0
+SNAPSHOT_CHUNK = 65536  # hashes per tier per report while a snapshot goes out (~600 KB)
 
 
 class HasTiers(Protocol):
@@ -66,6 +73,7 @@ class TierReporter:
         # Per tier: hashes stored / removed since the last report that carried events.
         self._stored: list[set[int]] = [set() for _ in self.tiers]
         self._removed: list[set[int]] = [set() for _ in self.tiers]
+        self._backlog: list[list[int]] = [[] for _ in self.tiers]  # a snapshot's rest
         self._snapshot_due = True  # nobody has heard of these tiers yet
         self._snapshot_at = time.monotonic()
 
@@ -99,11 +107,19 @@ class TierReporter:
                 tier.drain_events()  # what they said is in hashes() now (or comes next)
                 self._stored[i].clear()
                 self._removed[i].clear()
-                events.append(KVEvents(tier.name, tuple(tier.hashes()), ()))
+                held = list(tier.hashes())
+                self._backlog[i] = held[SNAPSHOT_CHUNK:]
+                events.append(KVEvents(tier.name, tuple(held[:SNAPSHOT_CHUNK]), ()))
             self.seq += 1
             return self.seq, True, tuple(events)
         events = []
         for i, tier in enumerate(self.tiers):
+            if self._backlog[i]:
+                chunk = self._backlog[i][:SNAPSHOT_CHUNK]
+                del self._backlog[i][:SNAPSHOT_CHUNK]
+                held = {h for h in chunk if tier.contains(h)}
+                self._removed[i] -= held
+                self._stored[i] |= held
             if self._stored[i] or self._removed[i]:
                 events.append(KVEvents(tier.name, tuple(self._stored[i]), tuple(self._removed[i])))
                 self._stored[i] = set()
