@@ -149,7 +149,9 @@ class KVCacheSection:
 
     def __post_init__(self) -> None:
         if self.disk_tier_path is not None:
-            _check_disk_tier_path(self.disk_tier_path)
+            # Absolute: the workers (Ray actors) do not run in this process's directory.
+            root = _check_disk_tier_path(self.disk_tier_path)
+            object.__setattr__(self, "disk_tier_path", str(root))
 
     @property
     def has_tier(self) -> bool:
@@ -157,8 +159,9 @@ class KVCacheSection:
         return self.host_tier_gib > 0 or self.disk_tier_path is not None or self.peer_sharing
 
 
-def _check_disk_tier_path(path: str) -> None:
-    """``disk_tier_path`` must be a directory this process can write, or one it can make.
+def _check_disk_tier_path(path: str) -> Path:
+    """``disk_tier_path`` must be a directory this process can write, or one it can make;
+    returns it absolute.
 
     Checked where the config is loaded (like ``model.path``): on one machine, or on a
     Kubernetes node whose pods mount the same volume, that is where the workers write."""
@@ -171,6 +174,7 @@ def _check_disk_tier_path(path: str) -> None:
         raise ValueError(f"disk_tier_path: cannot create {root}: {exc.strerror}") from None
     if not os.access(root, os.W_OK | os.X_OK):
         raise ValueError(f"disk_tier_path: {root} is not writable")
+    return root.resolve()
 
 
 @dataclass(frozen=True)

@@ -77,6 +77,15 @@ def test_a_tier_is_allowed_when_the_multi_rank_pool_has_no_replicas():
     assert config.kv_cache.host_tier_gib == 1.0
 
 
+def test_a_relative_disk_tier_path_is_made_absolute_where_the_config_loads(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    config = parse_config({"kv_cache": {"disk_tier_path": "kv/cache"}})
+    assert config.kv_cache.disk_tier_path == str(tmp_path.resolve() / "kv" / "cache")
+    assert engine_config(config, config.decode, model="/m").kv_disk_tier_path == str(
+        tmp_path.resolve() / "kv" / "cache"
+    )
+
+
 def test_a_disk_tier_path_that_is_a_file_is_refused(tmp_path):
     file = tmp_path / "file"
     file.write_text("x")
