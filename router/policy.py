@@ -15,19 +15,20 @@ the cursor, passed in and returned: one step per request.
   does not count) plus the prompt tokens already queued there, and the KV blocks in use
   there (reported, plus the routed requests' expected ones). A prefix block the worker
   holds in a tier below its pool (G2 host memory, G3 disk) is onboarded, not computed: it
-  counts as a fraction of a prefill block (``host_tier_weight``, ``disk_tier_weight``). When the pool's load is out
-  of balance (most - least loaded > ``balance_abs_requests`` and most > ``balance_rel`` ×
-  least, SGLang's cache-aware test), load wins: ``least_loaded`` decides.
+  counts as a fraction of a prefill block (``host_tier_weight``, ``disk_tier_weight``).
+  When the pool's load is out of balance (most - least loaded > ``balance_abs_requests``
+  and most > ``balance_rel`` × least, SGLang's cache-aware test), load wins:
+  ``least_loaded`` decides.
 
 Exact ties go round robin over the tied workers (by the cursor), never by name: a burst
 onto idle equal workers spreads from its first request.
 
 Disaggregation ``auto`` prefills on the decode worker when the part of the prompt that
-worker has not cached (in any tier) is at most ``auto_local_prefill_tokens``, or when every prefill
-worker is saturated (its waiting queue at least ``saturated_queue``); otherwise it hands
-off (with no healthy prefill worker it degrades to local prefill). ``always`` and ``never``
-force the choice; ``always`` with no healthy prefill worker raises ``NoHealthyWorker``, which
-the router answers with UNAVAILABLE.
+worker has not cached (in any tier) is at most ``auto_local_prefill_tokens``, or when
+every prefill worker is saturated (its waiting queue at least ``saturated_queue``);
+otherwise it hands off (with no healthy prefill worker it degrades to local prefill).
+``always`` and ``never`` force the choice; ``always`` with no healthy prefill worker raises
+``NoHealthyWorker``, which the router answers with UNAVAILABLE.
 """
 
 from __future__ import annotations

@@ -6,8 +6,8 @@ tests). Each worker pushes its token events and :class:`~workers.protocol.wire.W
 router, which dispatches them as they arrive (``Router._on_batch``);
 :class:`WorkerView` keeps the latest report and the worker's cached block hashes for the
 routing policy: its pool's (G1) from the report's full set, its lower tiers' by applying
-the report's numbered stored / removed events (``WorkerReport.kv_events``). ``abort_on`` and ``decline`` are the two calls the router makes to end a
-request's work on a worker.
+the report's numbered stored / removed events (``WorkerReport.kv_events``). ``abort_on``
+and ``decline`` are the two calls the router makes to end a request's work on a worker.
 """
 
 from __future__ import annotations
