@@ -148,6 +148,12 @@ class KVCacheSection:
     peer_sharing: bool = engine_option("kv_peer_sharing")
 
     def __post_init__(self) -> None:
+        if self.has_tier and not self.enable_prefix_caching:
+            # The engine would turn the tiers off (with a log line): say so here instead.
+            raise ValueError(
+                "the KV tiers (host_tier_gib, disk_tier_path, peer_sharing) need "
+                "enable_prefix_caching: true (they find blocks by the prefix cache's hashes)"
+            )
         if self.disk_tier_path is not None:
             # Absolute: the workers (Ray actors) do not run in this process's directory.
             root = _check_disk_tier_path(self.disk_tier_path)

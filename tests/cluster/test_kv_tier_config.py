@@ -66,6 +66,13 @@ def test_a_tier_on_a_multi_rank_pool_is_refused_in_yaml_keys(tmp_path, pool, tie
     assert parse_config(pool)
 
 
+@pytest.mark.parametrize("tiers", [{"host_tier_gib": 1}, {"peer_sharing": True}])
+def test_a_tier_without_prefix_caching_is_refused(tiers):
+    with pytest.raises(ConfigError, match=r"kv_cache: the KV tiers .* need enable_prefix_caching"):
+        parse_config({"kv_cache": {**tiers, "enable_prefix_caching": False}})
+    assert parse_config({"kv_cache": {"enable_prefix_caching": False}})
+
+
 def test_a_tier_is_allowed_when_the_multi_rank_pool_has_no_replicas():
     config = parse_config(
         {
