@@ -11,7 +11,7 @@ from types import SimpleNamespace
 import torch
 
 from workers.engine.kv_tiers.tier import TierEvents, TierStats
-from workers.protocol.wire import OutputBatch, decode_as, encode
+from workers.protocol.wire import KVEvents, OutputBatch, decode_as, encode
 from workers.serving import tier_report
 from workers.serving.tier_report import TierReporter
 from workers.serving.worker_report import ReportBuilder
@@ -215,3 +215,17 @@ def test_a_worker_without_tiers_reports_none():
     builder = ReportBuilder(_engine(None), "prefill-0", "prefill")
     report = builder.next(healthy=True)
     assert (report.kv_events_seq, report.kv_events, report.kv_tiers) == (0, (), ())
+
+
+def test_a_snapshot_also_goes_out_every_snapshot_every_s(monkeypatch):
+    host = ListTier("host", 8)
+    reporter = TierReporter([host])
+    assert reporter.take_events()[1]  # the first
+    host.put(1)
+    reporter.refresh()
+    assert reporter.take_events() == (2, False, (KVEvents("host", (1,), ()),))
+    monkeypatch.setattr(tier_report, "SNAPSHOT_EVERY_S", 0.0)  # the period has passed
+    host.put(2)
+    reporter.refresh()
+    seq, snapshot, events = reporter.take_events()
+    assert (seq, snapshot) == (3, True) and set(events[0].stored) == {1, 2}
