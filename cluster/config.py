@@ -14,7 +14,6 @@ The KV hand-off's settings likewise come from ``kvtransfer.KVTransferConfig``
 from __future__ import annotations
 
 import dataclasses
-import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
@@ -22,6 +21,7 @@ from typing import Any, Literal
 import yaml
 
 from cluster.config_schema import ConfigError, json_schema, load_section, option, section
+from cluster.config_tiers import check_disk_tier_path, check_tiers_single_rank
 from kvtransfer import KVTransferConfig
 from workers.engine.config import (
     Dtype,
@@ -156,31 +156,13 @@ class KVCacheSection:
             )
         if self.disk_tier_path is not None:
             # Absolute: the workers (Ray actors) do not run in this process's directory.
-            root = _check_disk_tier_path(self.disk_tier_path)
+            root = check_disk_tier_path(self.disk_tier_path)
             object.__setattr__(self, "disk_tier_path", str(root))
 
     @property
     def has_tier(self) -> bool:
         """Whether any tier below the pool is on."""
         return self.host_tier_gib > 0 or self.disk_tier_path is not None or self.peer_sharing
-
-
-def _check_disk_tier_path(path: str) -> Path:
-    """``disk_tier_path`` must be a directory this process can write, or one it can make;
-    returns it absolute.
-
-    Checked where the config is loaded (like ``model.path``): on one machine, or on a
-    Kubernetes node whose pods mount the same volume, that is where the workers write."""
-    root = Path(path).expanduser()
-    if root.exists() and not root.is_dir():
-        raise ValueError(f"disk_tier_path: {root} exists and is not a directory")
-    try:
-        root.mkdir(parents=True, exist_ok=True)
-    except OSError as exc:
-        raise ValueError(f"disk_tier_path: cannot create {root}: {exc.strerror}") from None
-    if not os.access(root, os.W_OK | os.X_OK):
-        raise ValueError(f"disk_tier_path: {root} is not writable")
-    return root.resolve()
 
 
 @dataclass(frozen=True)
@@ -323,27 +305,14 @@ class ClusterConfig:
                 f"pipeline_parallel={decode.pipeline_parallel} (set both to 1, or unset "
                 f"decode.speculative.method)"
             )
-        self._check_tiers_single_rank()
+        pools = {"prefill": self.prefill, "decode": self.decode}
+        check_tiers_single_rank(self.kv_cache.has_tier, pools)
         router = self.router
         if router.restart_max_backoff_seconds < router.restart_backoff_seconds:
             raise ValueError(
                 f"router.restart_max_backoff_seconds ({router.restart_max_backoff_seconds}) "
                 f"is below router.restart_backoff_seconds ({router.restart_backoff_seconds})"
             )
-
-    def _check_tiers_single_rank(self) -> None:
-        # A tier holds whole blocks of one rank's cache; a tensor- or pipeline-parallel
-        # replica's blocks are split over its ranks, which the tiers do not coordinate yet.
-        if not self.kv_cache.has_tier:
-            return
-        for role, pool in (("prefill", self.prefill), ("decode", self.decode)):
-            if pool.replicas and (pool.tensor_parallel > 1 or pool.pipeline_parallel > 1):
-                raise ValueError(
-                    f"kv_cache: the KV tiers (host_tier_gib, disk_tier_path, peer_sharing) "
-                    f"need single-rank replicas; {role} has tensor_parallel="
-                    f"{pool.tensor_parallel}, pipeline_parallel={pool.pipeline_parallel} "
-                    f"(set both to 1, or turn the tiers off)"
-                )
 
 
 # The embedded default (`baton serve` with no CONFIG: a small model on CPU, one prefill and
