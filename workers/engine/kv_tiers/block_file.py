@@ -32,7 +32,6 @@ import contextlib
 import enum
 import os
 import struct
-from pathlib import Path
 
 import xxhash
 
@@ -94,12 +93,13 @@ def make_header(digest: bytes, block_hash: int, payload: memoryview) -> bytes:
     return fields + _HEADER_SUM.pack(xxhash.xxh3_64_intdigest(fields))
 
 
-def write_block(path: Path, header: bytes, payload: memoryview, mtime_ns: int) -> None:
+def write_block(path: str, header: bytes, payload: memoryview, mtime_ns: int) -> None:
     """Write a block file atomically: a temporary file beside ``path``, then a rename.
 
     ``mtime_ns`` is stamped on the file (the tier's recency order, read back at start-up).
     Raises OSError (ENOSPC, EIO, ...) with nothing left behind under either name."""
-    temp = path.with_name(f".{path.name}.{os.getpid()}{TEMP_SUFFIX}")
+    head, name = os.path.split(path)
+    temp = os.path.join(head, f".{name}.{os.getpid()}{TEMP_SUFFIX}")
     fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o644)
     try:
         try:
@@ -130,7 +130,7 @@ def _write_all(fd: int, buffers: list) -> None:
 
 
 def read_block(
-    path: Path, digest: bytes, block_hash: int, out: memoryview, touch_ns: int | None
+    path: str, digest: bytes, block_hash: int, out: memoryview, touch_ns: int | None
 ) -> BadBlock | None:
     """Read the block's payload into ``out`` (exactly the payload's size) and verify it.
 
@@ -165,10 +165,11 @@ def check_header(
     """Whether a file of ``num_read`` bytes starting with ``header`` can hold the block."""
     if num_read < HEADER_LEN:
         return BadBlock.TRUNCATED
-    fields = bytes(header[: _FIELDS.size])
-    magic, version, header_len, _flags, file_digest, file_hash, file_len, _ = _FIELDS.unpack(fields)
+    magic, version, header_len, _flags, file_digest, file_hash, file_len, _ = _FIELDS.unpack_from(
+        header
+    )
     (header_sum,) = _HEADER_SUM.unpack_from(header, _FIELDS.size)
-    if magic != MAGIC or header_sum != xxhash.xxh3_64_intdigest(fields):
+    if magic != MAGIC or header_sum != xxhash.xxh3_64_intdigest(memoryview(header)[: _FIELDS.size]):
         return BadBlock.CORRUPT
     if version != VERSION or header_len != HEADER_LEN:
         return BadBlock.CORRUPT
@@ -182,4 +183,4 @@ def check_header(
 
 
 def _payload_sum(header: bytes | bytearray) -> int:
-    return _FIELDS.unpack(bytes(header[: _FIELDS.size]))[7]
+    return _FIELDS.unpack_from(header)[7]

@@ -64,6 +64,7 @@ class DiskTier:
         self.block_bytes = block_bytes
         self.directory = Path(root) / fingerprint.digest
         self.directory.mkdir(parents=True, exist_ok=True)
+        self._dir_prefix = f"{self.directory}{os.sep}"  # str paths: pathlib costs µs per get
         self._digest = block_file.digest_bytes(fingerprint.digest)
         self._file_bytes = HEADER_LEN + block_bytes
         self._capacity_blocks = max(0, capacity_bytes) // self._file_bytes
@@ -101,7 +102,7 @@ class DiskTier:
                 return False
             touch_ns = self._next_stamp_ns()
         start = time.perf_counter()
-        host = out if out.device.type == "cpu" else torch.empty_like(out, device="cpu")
+        host = out if out.is_cpu else torch.empty_like(out, device="cpu")
         bad = block_file.read_block(
             self._path(block_hash), self._digest, block_hash, _bytes_view(host), touch_ns
         )
@@ -145,7 +146,7 @@ class DiskTier:
             for victim in victims:
                 self._unlink(self._path(victim))
             start = time.perf_counter()
-            payload = _bytes_view(data if data.device.type == "cpu" else data.cpu())
+            payload = _bytes_view(data if data.is_cpu else data.cpu())
             header = block_file.make_header(self._digest, block_hash, payload)
             try:
                 block_file.write_block(self._path(block_hash), header, payload, stamp_ns)
@@ -227,7 +228,7 @@ class DiskTier:
         found: list[tuple[int, int]] = []
         for entry in os.scandir(self.directory):
             if entry.name.endswith(block_file.TEMP_SUFFIX) and entry.name.startswith("."):
-                self._unlink(Path(entry.path))  # an interrupted write of a previous run
+                self._unlink(entry.path)  # an interrupted write of a previous run
                 continue
             block_hash = block_file.parse_file_name(entry.name)
             if block_hash is None:
@@ -240,7 +241,7 @@ class DiskTier:
             if not entry.is_file(follow_symlinks=False) or st.st_size != self._file_bytes:
                 self._counts["errors"] += 1
                 self._log_once("bad_size", f"{entry.path} cannot be a block file (removed)")
-                self._unlink(Path(entry.path))
+                self._unlink(entry.path)
                 continue
             found.append((st.st_mtime_ns, block_hash))
         found.sort()
@@ -310,8 +311,8 @@ class DiskTier:
         self._last_stamp_ns = max(self._last_stamp_ns + 1, time.time_ns())
         return self._last_stamp_ns
 
-    def _path(self, block_hash: int) -> Path:
-        return self.directory / block_file.file_name(block_hash)
+    def _path(self, block_hash: int) -> str:
+        return self._dir_prefix + block_file.file_name(block_hash)
 
     def _check_args(self, block_hash: int, tensor: torch.Tensor, what: str) -> None:
         if not 0 <= block_hash < 2**64:
@@ -327,7 +328,7 @@ class DiskTier:
             )
 
     @staticmethod
-    def _unlink(path: Path) -> None:
+    def _unlink(path: str) -> None:
         # Already gone, or the disk is failing: either way the index no longer has it.
         with contextlib.suppress(OSError):
             os.unlink(path)
