@@ -65,8 +65,6 @@ class DiskTier:
         self.directory = Path(root) / fingerprint.digest
         self.directory.mkdir(parents=True, exist_ok=True)
         self._dir_prefix = f"{self.directory}{os.sep}"  # str paths: pathlib costs µs per get
-        # Page-cache misses are read with O_DIRECT where the file system takes it.
-        self._direct = block_file.direct_io_works(str(self.directory))
         self._digest = block_file.digest_bytes(fingerprint.digest)
         self._file_bytes = HEADER_LEN + block_bytes
         self._capacity_blocks = max(0, capacity_bytes) // self._file_bytes
@@ -106,12 +104,7 @@ class DiskTier:
         start = time.perf_counter()
         host = out if out.is_cpu else torch.empty_like(out, device="cpu")
         bad = block_file.read_block(
-            self._path(block_hash),
-            self._digest,
-            block_hash,
-            _bytes_view(host),
-            touch_ns,
-            direct=self._direct,
+            self._path(block_hash), self._digest, block_hash, _bytes_view(host), touch_ns
         )
         if bad is None and host is not out:
             out.copy_(host)
