@@ -175,3 +175,10 @@ class HostTier:
 
     def _note(self, block_hash: int, held_before: bool) -> None:
         self._changed.setdefault(block_hash, held_before)
+        if len(self._changed) > 4 * self.capacity_blocks + 64:
+            # Nobody drains (an offline engine, the manager's internal staging tier): keep
+            # only net changes, at most the blocks held at the last drain plus those held
+            # now, so the record stays within twice the capacity.
+            self._changed = {
+                h: was for h, was in self._changed.items() if was != (h in self._slots)
+            }
