@@ -181,6 +181,11 @@ class KVTierManager:
         """Copy ``hit``'s blocks into ``block_ids`` (fresh pool blocks, one per hit, in
         order); returns how many leading ones arrived. The first miss ends it: the request
         computes from that block on (never raises for a bad block)."""
+        for index, tier in enumerate(self._lookup):
+            prefetch = getattr(tier, "prefetch", None)  # the disk's: read ahead, all at once
+            if prefetch is not None and index in hit.tier_indexes:
+                pairs = zip(hit.block_hashes, hit.tier_indexes, strict=True)
+                prefetch([h for h, i in pairs if i == index])
         for count, (block_hash, index, block_id) in enumerate(
             zip(hit.block_hashes, hit.tier_indexes, block_ids, strict=True)
         ):
