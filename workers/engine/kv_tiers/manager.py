@@ -70,10 +70,13 @@ class KVTierManager:
         host: HostTier | None,
         disk: KVTier | None = None,
         staging: HostTier | None = None,
+        inline_writes: bool = False,
     ) -> None:
         """``host``: G2 or None; ``disk``: G3 or None. ``staging``: with a disk and no host
         tier, the internal host-memory buffer the disk writer reads behind (not a tier
         reported in ``tiers``, though lookups use it: what it holds is valid KV).
+        ``inline_writes``: write to the disk inside ``offload``, without the writer's
+        thread (tests whose schedules must not depend on a thread's timing).
         Registers ``offload`` as the block manager's eviction hook."""
         if host is None and disk is None:
             raise ValueError("KVTierManager needs at least one tier")
@@ -88,7 +91,11 @@ class KVTierManager:
             raise ValueError("a disk tier without a host tier needs a staging HostTier")
         assert self._first is not None
         self._lookup: tuple[KVTier, ...] = (self._first, *((disk,) if disk else ()))
-        self._writer = WriteBehind(self._first, disk, self._first.capacity_blocks) if disk else None
+        self._writer = (
+            WriteBehind(self._first, disk, self._first.capacity_blocks, inline_writes)
+            if disk
+            else None
+        )
         # A tier that is not host memory may not read into device memory: bounce via host.
         self._bounce = (
             torch.empty(self.block_bytes, dtype=torch.uint8, pin_memory=True)
