@@ -52,6 +52,7 @@ def test_events_are_net_changes_since_the_last_drain():
     assert tier.drain_events() == TierEvents()
     tier.close()
     assert set(tier.drain_events().removed) == {4, 1}
+    assert not tier.put(5, block(5)) and not tier.contains(5)  # closed: refuses, holds nothing
 
 
 def test_peek_and_touch_leave_counters_alone():

@@ -82,6 +82,8 @@ class HostTier:
         self._check(data, "data")
         t0 = time.perf_counter()
         with self._lock:
+            if not self._data.numel():  # closed
+                return False
             if block_hash in self._slots:  # blocks are immutable: only its recency changes
                 self._slots.move_to_end(block_hash)
                 return True

@@ -104,6 +104,7 @@ class KVTierManager:
         )
         self._offloaded = self._offload_failed = self._onboarded = self._onboard_failed = 0
         self._logged = False
+        self._closed = False
         block_manager.on_evict = self.offload
 
     # ---- what the other parts read -------------------------------------------------
@@ -135,8 +136,10 @@ class KVTierManager:
             self._writer.wait_idle()
 
     def close(self) -> None:
-        """Stop the writer and release the tiers (the disk tier's files stay)."""
+        """Stop the writer and release the tiers (the disk tier's files stay). The engine
+        goes on without tiers: no offload, no onboarding."""
         self.block_manager.on_evict = None
+        self._closed = True
         if self._writer is not None:
             self._writer.close()
         for tier in {id(t): t for t in self._lookup}.values():
@@ -165,6 +168,8 @@ class KVTierManager:
         """The blocks after ``prefix`` (the pool's hit) that the tiers hold, chain order,
         leaving at least the last token to compute. Changes nothing but recency: host-tier
         hits become most recent so the offloads of the coming allocation evict others."""
+        if self._closed:
+            return TierHit()
         max_blocks = (len(token_ids) - 1) // self.block_size
         first = prefix.num_blocks
         parent = prefix.block_hashes[-1] if first else NONE_HASH
