@@ -15,7 +15,7 @@ producing half-filled objects.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 from typing import ClassVar
 
 import msgpack
@@ -56,7 +56,26 @@ class KVHandle:
     first_token_id: int  # sampled by prefill
     lease_seconds: float
     issued_unix: float  # owner's wall clock at issue (the reader checks the lease is not stale)
+    # The lease's blocks from this index on: ``block_ids`` are the lease's
+    # ``[first_block:]``. A decode worker that holds the prompt's first blocks itself
+    # receives only the rest (``from_block``); the owner always issues 0.
+    first_block: int = 0
     kind: ClassVar[str] = "handle"
+
+    def __post_init__(self) -> None:
+        if self.first_block < 0:
+            raise ValueError(f"first_block must be >= 0, got {self.first_block}")
+
+    def from_block(self, first_block: int) -> KVHandle:
+        """The same lease, read from its block ``first_block`` on (a partial receive: the
+        reader already holds the blocks before it). At least one block must remain."""
+        skip = first_block - self.first_block
+        if skip < 0 or skip >= len(self.block_ids):
+            raise ValueError(
+                f"cannot read from block {first_block}: the handle holds blocks "
+                f"{self.first_block}..{self.first_block + len(self.block_ids) - 1}"
+            )
+        return replace(self, block_ids=self.block_ids[skip:], first_block=first_block)
 
 
 @dataclass(frozen=True)
@@ -92,7 +111,12 @@ class PushRequest:
     req_id: str
     block_ids: tuple[int, ...]
     timeout_s: float  # the owner gives up writing before the reader stops waiting
+    first_block: int = 0  # write the lease's blocks from this index on (partial receive)
     kind: ClassVar[str] = "push"
+
+    def __post_init__(self) -> None:
+        if self.first_block < 0:
+            raise ValueError(f"first_block must be >= 0, got {self.first_block}")
 
 
 _SCALARS = {"str": str, "bytes": bytes, "int": int, "float": (int, float)}

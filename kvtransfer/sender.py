@@ -95,15 +95,15 @@ class Sender:
             fail = LeaseExpiredError(f"no lease {request.lease_id} (expired or released)")
         elif not peer.write_segments:
             fail = LayoutMismatchError(f"{sender} holds none of this rank's kv heads")
-        elif len(request.block_ids) != len(lease.block_ids):
-            n, m = len(request.block_ids), len(lease.block_ids)
+        elif len(request.block_ids) != len(lease.block_ids) - request.first_block:
+            # A partial receive reads the lease's blocks from first_block on.
+            n, m = len(request.block_ids), len(lease.block_ids) - request.first_block
             fail = KVTransferError(f"{n} destination blocks for {m} source blocks")
         if fail is None:
             done = CompletionNotice(self.name, request.lease_id, request.req_id, "done")
+            source = lease.block_ids[request.first_block :]
             try:
-                xfer = self._backend.post(
-                    sender, "WRITE", lease.block_ids, request.block_ids, encode(done)
-                )
+                xfer = self._backend.post(sender, "WRITE", source, request.block_ids, encode(done))
             except KVTransferError as exc:
                 fail = exc
         if fail is not None:

@@ -9,7 +9,9 @@ the prompt's KV)::
       |                +--offer_failed / lease_ended--> (released: blocks freed)
       +--abort / release--> (released: blocks freed; no lease exists yet)
 
-Decode side (the request was admitted with P's handles; its prompt's KV comes from P)::
+Decode side (the request was admitted with P's handles; its prompt's KV comes from P,
+except the leading blocks D's own prefix cache already holds: those are shared, never
+written, and only the rest is received, ``KVReceive.first_block``)::
 
     AWAITING --start_receiving--> RECEIVING --received--> (received: the request runs on)
        |                              |
@@ -66,6 +68,7 @@ from __future__ import annotations
 import enum
 from collections import Counter
 from collections.abc import Iterable
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -92,6 +95,17 @@ class HandoffError(ValueError):
     """A transition that is not allowed in the request's current hand-off state."""
 
 
+@dataclass(frozen=True)
+class KVReceive:
+    """A receive the worker must start: P's prompt blocks from ``first_block`` on go into
+    ``block_ids`` (D's fresh blocks, in order). The request's blocks before them are D's
+    own prefix-cache hits, shared with other requests: the transfer never touches them."""
+
+    request_id: str
+    block_ids: tuple[int, ...]
+    first_block: int = 0  # prompt blocks D holds already (0: receive the whole prompt)
+
+
 class KVHandoff:
     def __init__(self, block_manager: BlockManager):
         self._block_manager = block_manager
@@ -99,7 +113,10 @@ class KVHandoff:
         self._counts: Counter[HandoffState] = Counter()  # of _states' values (reports, steps)
         self._held_block_ids: dict[str, tuple[int, ...]] = {}  # prefill side
         # Decode side, for the worker to take: receives to start, handles to decline.
-        self._new_receives: list[tuple[str, tuple[int, ...]]] = []
+        self._new_receives: list[KVReceive] = []
+        # Decode side, since start: prompt blocks to receive, and those D held already.
+        self.num_receive_blocks = 0  # asked of P (a failed receive included)
+        self.num_reused_blocks = 0  # found in D's own prefix cache instead
         self._new_declines: list[str] = []
 
     # ---- queries -----------------------------------------------------------------------
@@ -183,15 +200,25 @@ class KVHandoff:
         (-> AWAITING blocks)."""
         self._move(request_id, "expect", (None,), HandoffState.AWAITING)
 
-    def start_receiving(self, request_id: str, block_ids: Iterable[int]) -> None:
-        """The scheduler gave the request fresh blocks for its prompt (AWAITING ->
+    def start_receiving(
+        self, request_id: str, block_ids: Iterable[int], first_block: int = 0
+    ) -> None:
+        """The scheduler gave the request fresh blocks for its prompt from block
+        ``first_block`` on (the ones before are its own prefix-cache hits) (AWAITING ->
         RECEIVING); the worker takes them from ``take_receives``."""
+        if first_block < 0:
+            raise HandoffError(f"first_block must be >= 0, got {first_block}")
+        block_ids = tuple(block_ids)
+        if not block_ids:
+            raise HandoffError(f"start_receiving of {request_id!r}: no block to receive")
         self._move(request_id, "start_receiving", (HandoffState.AWAITING,), HandoffState.RECEIVING)
-        self._new_receives.append((request_id, tuple(block_ids)))
+        self._new_receives.append(KVReceive(request_id, block_ids, first_block))
+        self.num_receive_blocks += len(block_ids)
+        self.num_reused_blocks += first_block
 
-    def take_receives(self) -> list[tuple[str, tuple[int, ...]]]:
-        """(request_id, block_ids) of the receives started since the last call: the worker
-        transfers each prompt's KV into exactly these blocks, then reports ``received``."""
+    def take_receives(self) -> list[KVReceive]:
+        """The receives started since the last call: the worker transfers P's prompt blocks
+        from ``first_block`` on into exactly ``block_ids``, then reports ``received``."""
         receives, self._new_receives = self._new_receives, []
         return receives
 

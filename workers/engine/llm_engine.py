@@ -29,7 +29,7 @@ from workers.engine.block_manager import BlockManager
 from workers.engine.cache_sizing import resolve_max_model_len, resolve_num_blocks
 from workers.engine.config import EngineConfig
 from workers.engine.cpu_memory import keep_freed_memory_mapped
-from workers.engine.handoff import KVHandoff
+from workers.engine.handoff import KVHandoff, KVReceive
 from workers.engine.kv_cache import allocate_kv_cache
 from workers.engine.kv_tiers.build import build_kv_tiers, check_single_rank_tiers
 from workers.engine.model_runner import ModelRunner
@@ -273,11 +273,12 @@ class LLMEngine:
         """Prefill role: the request's KV blocks are held for a decode worker."""
         return self.handoff.is_held(request_id)
 
-    def take_kv_receives(self) -> list[tuple[str, tuple[int, ...]]]:
-        """Decode role: (request_id, block_ids) of the requests admitted into RECEIVING
-        since the last call (by ``step``; also in a step that computed nothing). The
-        worker transfers each prompt's KV into exactly those blocks, in order, and then
-        calls ``kv_received`` for it."""
+    def take_kv_receives(self) -> list[KVReceive]:
+        """Decode role: the requests admitted into RECEIVING since the last call (by
+        ``step``; also in a step that computed nothing). The worker transfers each
+        prompt's blocks from ``first_block`` on (the ones before are this worker's own
+        prefix-cache hits) into exactly ``block_ids``, in order, and then calls
+        ``kv_received`` for it."""
         return self.handoff.take_receives()
 
     def kv_received(self, request_id: str, ok: bool) -> None:

@@ -14,7 +14,8 @@ Disaggregated roles differ only at the two ends of a request's life:
   its blocks to the KV hand-off (``workers/engine/handoff.py``), which frees them once the
   decode worker has pulled them.
 - decode: a request whose prompt was prefilled elsewhere (``is_remote_prefill``) is
-  admitted like any other, but gets blocks for its prompt only and waits in RECEIVING
+  admitted like any other, but gets blocks for its prompt only (sharing the leading ones
+  its prefix cache holds: only the rest is received) and waits in RECEIVING
   (counted against ``max_num_seqs``, never scheduled, never preempted) until
   ``finish_receiving`` says the KV arrived; then it decodes like any running request.
   The hand-off tracks it meanwhile and decides when its blocks may be freed.
@@ -186,7 +187,8 @@ class Scheduler:
 
         ``ok``: the prompt's KV is in place; it counts as computed and its full blocks go
         into the prefix cache. Not ``ok``: the blocks are kept and the prompt is recomputed
-        into them from position 0. Either way the request joins ``running``. If it was
+        into them after the shared prefix it was admitted with (from position 0 without
+        one), never into the shared blocks. Either way the request joins ``running``. If it was
         aborted meanwhile, it is finished (ABORT) now, its blocks freed. Raises ValueError
         (HandoffError) for a request that is not RECEIVING.
         """
@@ -339,18 +341,29 @@ class Scheduler:
     def _admit_receiving(self, req: Request) -> bool:
         """Admit the head of the queue (remote prefill) into RECEIVING, if blocks allow.
 
-        Fresh blocks for the prompt only, no prefix-cache sharing: the transfer overwrites
-        every block it is given, and a shared block would be overwritten under its other
-        owners. The first output token's slot is allocated by its first decode step.
+        The prompt's leading blocks that this worker's prefix cache holds are shared (they
+        count as computed); fresh blocks take the rest, and only those are received. The
+        transfer never writes a shared block (it would be overwritten under its other
+        owners). At least the last prompt block is received (``find_prefix`` leaves one
+        token), so there is always one transfer, whose notice frees P's lease. The first
+        output token's slot is allocated by its first decode step.
         """
-        if not self.block_manager.allocate_slots(req.request_id, 0, req.num_prompt_tokens):
+        bm = self.block_manager
+        prefix = bm.find_prefix(req.prompt_token_ids)
+        num_cached = prefix.num_blocks * bm.block_size
+        if not bm.allocate_slots(
+            req.request_id, num_cached, req.num_prompt_tokens - num_cached, prefix
+        ):
             return False
         self.waiting.remove(req)
         if req.first_scheduled_time is None:
+            req.num_cached_tokens = num_cached
             self._first_scheduled(req)
-        req.num_computed_tokens = 0
+        # The prefix is computed; a failed receive recomputes from here (finish_receiving).
+        req.num_computed_tokens = num_cached
         req.status = RequestStatus.RECEIVING
-        self.handoff.start_receiving(req.request_id, self.block_manager.block_table(req.request_id))
+        table = bm.block_table(req.request_id)
+        self.handoff.start_receiving(req.request_id, table[prefix.num_blocks :], prefix.num_blocks)
         return True
 
     def _onboard(self, req: Request, prefix: PrefixHit, hit: TierHit) -> int:

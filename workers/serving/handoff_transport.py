@@ -22,7 +22,9 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
 
-from kvtransfer import KVConnector
+from kvtransfer import KVConnector, KVHandle
+from kvtransfer.messages import decode_as as decode_kv
+from kvtransfer.messages import encode as encode_kv
 from workers.engine.llm_engine import LLMEngine
 from workers.engine.outputs import StreamDelta
 from workers.parallel.replica_kv import ReplicaKV
@@ -39,6 +41,15 @@ class _Receive:
 
     future: Future  # completes once nothing writes the request's blocks any more
     is_cancelled: bool = False  # the connector was asked to stop it
+    first_block: int = 0  # prompt blocks this worker held already (not received)
+    num_blocks: int = 1  # prompt blocks received
+
+
+def suffix_handles(handles: Sequence[bytes], first_block: int) -> tuple[bytes, ...]:
+    """P's handles (msgpack), each reading its lease from block ``first_block`` on."""
+    if first_block == 0:
+        return tuple(handles)
+    return tuple(encode_kv(decode_kv(h, KVHandle).from_block(first_block)) for h in handles)
 
 
 class HandoffTransport:
@@ -69,6 +80,9 @@ class HandoffTransport:
         self._errors: dict[str, str] = {}  # why a request failed, for its final event
         self._retryable: set[str] = set()  # of those, failed by a transfer: may migrate
         self._transfer: dict[str, tuple[float, int]] = {}  # (seconds, bytes) received
+        # Decode: bytes of prompt blocks not received because this worker held them
+        # (its prefix cache), over the receives that succeeded.
+        self.bytes_not_received = 0
 
     @property
     def is_pending(self) -> bool:
@@ -116,19 +130,30 @@ class HandoffTransport:
     def start_receives(self) -> int:
         """Start the receive of every request the engine gave blocks; how many."""
         started = self.handoff.take_receives()
-        for request_id, block_ids in started:
+        for receive in started:
+            request_id = receive.request_id
             handles = self.handles.pop(request_id)
             if self.connector is None:
                 self._errors[request_id] = "no KV connector on this worker"
                 self.engine.abort_request(request_id)
                 self.engine.kv_received(request_id, ok=False)
                 continue
+            future = Future()
             try:
-                future = self.kv.receive(handles, block_ids)
-            except Exception as exc:
-                future = Future()
+                # The prompt's first blocks are this worker's own prefix-cache hits: read
+                # P's blocks from there on (on every rank: the handles travel as they are).
+                wanted = suffix_handles(handles, receive.first_block)
+            except ValueError as exc:  # P's handles cover fewer blocks: nothing was read
+                self.decline(handles)
                 future.set_exception(exc)
-            self.receives[request_id] = _Receive(future)
+            else:
+                try:
+                    future = self.kv.receive(wanted, receive.block_ids)
+                except Exception as exc:
+                    future.set_exception(exc)
+            self.receives[request_id] = _Receive(
+                future, first_block=receive.first_block, num_blocks=len(receive.block_ids)
+            )
             future.add_done_callback(lambda _f: self._wake())
         return len(started)
 
@@ -144,6 +169,10 @@ class HandoffTransport:
                 result = future.result()
                 self._transfer[request_id] = (result.seconds, result.num_bytes)
                 self.metrics.transferred(result.seconds, result.num_bytes)
+                # Every block has the same bytes: what the blocks held here saved.
+                self.bytes_not_received += (
+                    result.num_bytes * receive.first_block // receive.num_blocks
+                )
                 self.engine.kv_received(request_id, ok=True)
             elif receive.is_cancelled:
                 self.engine.kv_received(request_id, ok=False)  # finished as ABORT
