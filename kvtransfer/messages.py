@@ -57,8 +57,9 @@ class KVHandle:
     lease_seconds: float
     issued_unix: float  # owner's wall clock at issue (the reader checks the lease is not stale)
     # The lease's blocks from this index on: ``block_ids`` are the lease's
-    # ``[first_block:]``. A decode worker that holds the prompt's first blocks itself
-    # receives only the rest (``from_block``); the owner always issues 0.
+    # ``[first_block:first_block + len(block_ids)]``. A decode worker that holds the
+    # prompt's first blocks itself receives only the rest (``from_block``); the owner
+    # always issues 0.
     first_block: int = 0
     kind: ClassVar[str] = "handle"
 
@@ -66,16 +67,19 @@ class KVHandle:
         if self.first_block < 0:
             raise ValueError(f"first_block must be >= 0, got {self.first_block}")
 
-    def from_block(self, first_block: int) -> KVHandle:
+    def from_block(self, first_block: int, end_block: int | None = None) -> KVHandle:
         """The same lease, read from its block ``first_block`` on (a partial receive: the
-        reader already holds the blocks before it). At least one block must remain."""
-        skip = first_block - self.first_block
-        if skip < 0 or skip >= len(self.block_ids):
+        reader holds the blocks before it), up to ``end_block`` (exclusive; None: to the
+        end; a peer pull reads only a prefix). At least one block must remain."""
+        end = self.first_block + len(self.block_ids)
+        end_block = end if end_block is None else end_block
+        if not self.first_block <= first_block < end_block <= end:
             raise ValueError(
-                f"cannot read from block {first_block}: the handle holds blocks "
-                f"{self.first_block}..{self.first_block + len(self.block_ids) - 1}"
+                f"cannot read blocks {first_block}..{end_block - 1}: the handle holds "
+                f"blocks {self.first_block}..{end - 1}"
             )
-        return replace(self, block_ids=self.block_ids[skip:], first_block=first_block)
+        ids = self.block_ids[first_block - self.first_block : end_block - self.first_block]
+        return replace(self, block_ids=ids, first_block=first_block)
 
 
 @dataclass(frozen=True)
@@ -112,6 +116,7 @@ class PushRequest:
     block_ids: tuple[int, ...]
     timeout_s: float  # the owner gives up writing before the reader stops waiting
     first_block: int = 0  # write the lease's blocks from this index on (partial receive)
+    # (as many as ``block_ids``: a peer pull reads a prefix of the lease)
     kind: ClassVar[str] = "push"
 
     def __post_init__(self) -> None:

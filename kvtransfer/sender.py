@@ -95,13 +95,15 @@ class Sender:
             fail = LeaseExpiredError(f"no lease {request.lease_id} (expired or released)")
         elif not peer.write_segments:
             fail = LayoutMismatchError(f"{sender} holds none of this rank's kv heads")
-        elif len(request.block_ids) != len(lease.block_ids) - request.first_block:
-            # A partial receive reads the lease's blocks from first_block on.
+        elif request.first_block + len(request.block_ids) > len(lease.block_ids):
+            # A partial receive reads the lease's blocks from first_block on (a peer pull
+            # only a prefix of them): never past the lease's end.
             n, m = len(request.block_ids), len(lease.block_ids) - request.first_block
             fail = KVTransferError(f"{n} destination blocks for {m} source blocks")
         if fail is None:
             done = CompletionNotice(self.name, request.lease_id, request.req_id, "done")
-            source = lease.block_ids[request.first_block :]
+            end = request.first_block + len(request.block_ids)
+            source = lease.block_ids[request.first_block : end]
             try:
                 xfer = self._backend.post(sender, "WRITE", source, request.block_ids, encode(done))
             except KVTransferError as exc:

@@ -229,6 +229,7 @@ LEGAL: dict[str, dict[HandoffState | None, object]] = {
     "start_receiving": {AWAITING: RECEIVING},
     "received": {RECEIVING: ENDED, ABORTING: ENDED},
     "request_ended": {NEW: NEW, AWAITING: DECLINING},
+    "not_needed": {AWAITING: NEW},
     "abort": {
         NEW: NEW,
         HELD: FREED,

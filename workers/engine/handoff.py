@@ -11,12 +11,15 @@ the prompt's KV)::
 
 Decode side (the request was admitted with P's handles; its prompt's KV comes from P,
 except the leading blocks D's own prefix cache already holds: those are shared, never
-written, and only the rest is received, ``KVReceive.first_block``)::
+written, and only the rest is received, ``KVReceive.first_block``). A peer pull (G4) is
+the same on the worker that pulls: a request whose prompt's first blocks come from
+another worker's lease, the rest computed here after the receive::
 
     AWAITING --start_receiving--> RECEIVING --received--> (received: the request runs on)
        |                              |
        |                              +--abort--> ABORTING --received--> (released)
        +--request_ended--> DECLINING --take_declines--> (released)
+       +--not_needed--> (no hand-off: a peer prefix its own cache covers; declined)
 
 Who frees what (docs/serving.md, "Ending early", has the router's side of each row):
 
@@ -104,6 +107,22 @@ class KVReceive:
     request_id: str
     block_ids: tuple[int, ...]
     first_block: int = 0  # prompt blocks D holds already (0: receive the whole prompt)
+
+
+def check_peer_prefix(
+    num_tokens: int, num_prompt_tokens: int, block_size: int, remote_first_token: int | None
+) -> None:
+    """A peer prefix (``LLMEngine.add_request(peer_prefix_tokens=...)``) is whole blocks
+    of the prompt, leaving at least one token to compute here; ValueError otherwise."""
+    if not num_tokens:
+        return
+    if remote_first_token is not None:
+        raise ValueError("peer_prefix_tokens and remote_first_token exclude each other")
+    if num_tokens < 0 or num_tokens % block_size or num_tokens >= num_prompt_tokens:
+        raise ValueError(
+            f"peer_prefix_tokens: {num_tokens} is not whole blocks of {block_size} tokens "
+            f"shorter than the prompt ({num_prompt_tokens} tokens)"
+        )
 
 
 class KVHandoff:
@@ -216,6 +235,14 @@ class KVHandoff:
         self.num_receive_blocks += len(block_ids)
         self.num_reused_blocks += first_block
 
+    def not_needed(self, request_id: str) -> None:
+        """A peer prefix (G4) the worker's own cache covers by now: nothing will be read,
+        the handles are declined (``take_declines``) and the request is admitted as any
+        other (AWAITING -> no hand-off)."""
+        self._check(request_id, "not_needed", (HandoffState.AWAITING,))
+        self._drop(request_id)
+        self._new_declines.append(request_id)
+
     def take_receives(self) -> list[KVReceive]:
         """The receives started since the last call: the worker transfers P's prompt blocks
         from ``first_block`` on into exactly ``block_ids``, then reports ``received``."""
@@ -245,7 +272,8 @@ class KVHandoff:
         once instead of at lease expiry; their hand-off is over."""
         declines, self._new_declines = self._new_declines, []
         for request_id in declines:
-            self._drop(request_id)
+            if request_id in self._states:  # not_needed dropped its state already
+                self._drop(request_id)
         return declines
 
     # ---- either side -------------------------------------------------------------------

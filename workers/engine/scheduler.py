@@ -131,7 +131,7 @@ class Scheduler:
             for other in self.requests.values():
                 load[other.slot] += 1
             req.slot = load.index(min(load))
-        if req.is_remote_prefill:
+        if req.num_remote_tokens:  # a remote prefill, or a peer's prefix (G4)
             self.handoff.expect(req.request_id)
         self.requests[req.request_id] = req
         self.waiting.append(req)
@@ -185,8 +185,8 @@ class Scheduler:
     def finish_receiving(self, request_id: str, ok: bool) -> Request:
         """Decode role: the transfer into a RECEIVING request's blocks has ended.
 
-        ``ok``: the prompt's KV is in place; it counts as computed and its full blocks go
-        into the prefix cache. Not ``ok``: the blocks are kept and the prompt is recomputed
+        ``ok``: the prompt's KV is in place (a peer pull: its prefix; the rest is computed
+        here next); it counts as computed and its full blocks go into the prefix cache. Not ``ok``: the blocks are kept and the prompt is recomputed
         into them after the shared prefix it was admitted with (from position 0 without
         one), never into the shared blocks. Either way the request joins ``running``. If it was
         aborted meanwhile, it is finished (ABORT) now, its blocks freed. Raises ValueError
@@ -199,10 +199,12 @@ class Scheduler:
             self.finish(req, FinishReason.ABORT)
             return req
         if ok:
-            req.num_computed_tokens = req.num_prompt_tokens
+            req.num_computed_tokens = req.num_remote_tokens
             self.block_manager.commit_computed(
-                request_id, req.prompt_token_ids, req.num_prompt_tokens
+                request_id, req.prompt_token_ids, req.num_remote_tokens
             )
+            if not req.is_remote_prefill:  # a peer's prefix: not computed here either
+                req.num_cached_tokens = req.num_remote_tokens
         self.running.append(req)
         return req
 
@@ -339,21 +341,29 @@ class Scheduler:
         return True
 
     def _admit_receiving(self, req: Request) -> bool:
-        """Admit the head of the queue (remote prefill) into RECEIVING, if blocks allow.
+        """Admit the head of the queue into RECEIVING, if blocks allow: a remote prefill
+        (its whole prompt's KV comes from P) or a peer pull (its first
+        ``num_remote_tokens`` come from another worker; the rest is computed here after).
 
         The prompt's leading blocks that this worker's prefix cache holds are shared (they
-        count as computed); fresh blocks take the rest, and only those are received. The
-        transfer never writes a shared block (it would be overwritten under its other
-        owners). At least the last prompt block is received (``find_prefix`` leaves one
-        token), so there is always one transfer, whose notice frees P's lease. The first
+        count as computed); fresh blocks take the rest of the remote part, and only those
+        are received. The transfer never writes a shared block (it would be overwritten
+        under its other owners). A remote prefill receives at least its last prompt block
+        (``find_prefix`` leaves one token), so there is always one transfer, whose notice
+        frees P's lease. A peer prefix this cache already covers is not received at all:
+        its handles are declined and the request is admitted as any other (returns True
+        without admitting: the caller looks at the head of the queue again). The first
         output token's slot is allocated by its first decode step.
         """
         bm = self.block_manager
         prefix = bm.find_prefix(req.prompt_token_ids)
         num_cached = prefix.num_blocks * bm.block_size
-        if not bm.allocate_slots(
-            req.request_id, num_cached, req.num_prompt_tokens - num_cached, prefix
-        ):
+        num_remote = req.num_remote_tokens
+        if num_cached >= num_remote:  # a peer prefix only: a remote prefill never gets here
+            self.handoff.not_needed(req.request_id)
+            req.num_peer_tokens = 0
+            return True
+        if not bm.allocate_slots(req.request_id, num_cached, num_remote - num_cached, prefix):
             return False
         self.waiting.remove(req)
         if req.first_scheduled_time is None:
