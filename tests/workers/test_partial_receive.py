@@ -54,8 +54,8 @@ def shared_prompts():
 class Pair:
     """A prefill and a decode engine with connected NIXL connectors."""
 
-    def __init__(self, model_dir: str):
-        self.p, self.d = make_engine(model_dir), make_engine(model_dir)
+    def __init__(self, model_dir: str, **decode_settings):
+        self.p, self.d = make_engine(model_dir), make_engine(model_dir, **decode_settings)
         self.released: list[str] = []
         self.p_conn = self._connector(self.p, "prefill", self.released.append)
         self.d_conn = self._connector(self.d, "decode", lambda rid: None)
@@ -107,18 +107,24 @@ def warm(d: LLMEngine, shared: list[int]) -> tuple[int, ...]:
     return hit.block_ids
 
 
+@pytest.mark.parametrize("where", ["pool", "host_tier"])
 def test_decode_holding_a_prefix_receives_only_the_rest_and_gives_the_same_tokens(
-    model_dir, shared_prompts
+    model_dir, shared_prompts, where
 ):
+    """D holds the prefix in its pool (shared blocks), or only in its host tier (G2:
+    onboarded into fresh blocks, not received)."""
     shared, prompts = shared_prompts
     params = [GREEDY] * len(prompts)
     agg = make_engine(model_dir)
     want = [tokens(deltas) for deltas in aggregated(agg, prompts, params)]
     assert all(len(set(w)) > 3 for w in want)  # not degenerate
-    pair = Pair(model_dir)
+    pair = Pair(model_dir, **({"kv_host_tier_gib": 1 / 1024} if where == "host_tier" else {}))
     d = pair.d
     try:
         shared_blocks = warm(d, shared)
+        if where == "host_tier":
+            assert d.block_manager.evict() > 0  # the pool forgets it; G2 keeps it
+            assert d.block_manager.find_prefix([*shared, 7]).num_blocks == 0
         before = d.kv_cache[list(shared_blocks)].clone()
         held, handles = pair.hand_off(prompts, params)
         out: dict[str, list] = {}
@@ -129,7 +135,10 @@ def test_decode_holding_a_prefix_receives_only_the_rest_and_gives_the_same_token
             for receive in d.take_kv_receives():
                 rid = receive.request_id
                 table = d.block_manager.block_table(rid)
-                assert tuple(table[: receive.first_block]) == shared_blocks[: receive.first_block]
+                if where == "pool":
+                    assert (
+                        table[: receive.first_block] == list(shared_blocks)[: receive.first_block]
+                    )
                 handle = handles[rid].from_block(receive.first_block)
                 result = pair.d_conn.receive([handle], list(receive.block_ids)).result(30)
                 first_blocks[rid] = receive.first_block
@@ -144,7 +153,10 @@ def test_decode_holding_a_prefix_receives_only_the_rest_and_gives_the_same_token
         assert received_blocks == all_blocks - 3 * SHARED == d.handoff.num_receive_blocks
         assert d.handoff.num_reused_blocks == 3 * SHARED
         assert received_bytes == received_blocks * pair.block_bytes
-        assert torch.equal(d.kv_cache[list(shared_blocks)], before)  # never written
+        if where == "pool":
+            assert torch.equal(d.kv_cache[list(shared_blocks)], before)  # never written
+        else:  # onboarded once, then shared from the pool by the other two
+            assert d.kv_tiers.stats().onboarded == SHARED
         pair.wait_released(len(prompts))
     finally:
         pair.close()

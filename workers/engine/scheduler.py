@@ -346,7 +346,8 @@ class Scheduler:
         ``num_remote_tokens`` come from another worker; the rest is computed here after).
 
         The prompt's leading blocks that this worker's prefix cache holds are shared (they
-        count as computed); fresh blocks take the rest of the remote part, and only those
+        count as computed), those the tiers below it hold are onboarded into fresh blocks
+        (``_onboard``); fresh blocks take the rest of the remote part, and only those
         are received. The transfer never writes a shared block (it would be overwritten
         under its other owners). A remote prefill receives at least its last prompt block
         (``find_prefix`` leaves one token), so there is always one transfer, whose notice
@@ -356,8 +357,11 @@ class Scheduler:
         output token's slot is allocated by its first decode step.
         """
         bm = self.block_manager
-        prefix = bm.find_prefix(req.prompt_token_ids)
-        num_cached = prefix.num_blocks * bm.block_size
+        prompt = req.prompt_token_ids
+        prefix = bm.find_prefix(prompt)
+        # The tiers below the pool too: their blocks are onboarded, not received.
+        hit = self.tiers.find(prompt, prefix) if self.tiers else None
+        num_cached = (prefix.num_blocks + (hit.num_blocks if hit else 0)) * bm.block_size
         num_remote = req.num_remote_tokens
         if num_cached >= num_remote:  # a peer prefix only: a remote prefill never gets here
             self.handoff.not_needed(req.request_id)
@@ -365,6 +369,8 @@ class Scheduler:
             return True
         if not bm.allocate_slots(req.request_id, num_cached, num_remote - num_cached, prefix):
             return False
+        if hit is not None and hit.num_blocks:
+            num_cached = self._onboard(req, prefix, hit)  # fewer may arrive: receive those
         self.waiting.remove(req)
         if req.first_scheduled_time is None:
             req.num_cached_tokens = num_cached
@@ -372,8 +378,8 @@ class Scheduler:
         # The prefix is computed; a failed receive recomputes from here (finish_receiving).
         req.num_computed_tokens = num_cached
         req.status = RequestStatus.RECEIVING
-        table = bm.block_table(req.request_id)
-        self.handoff.start_receiving(req.request_id, table[prefix.num_blocks :], prefix.num_blocks)
+        first = num_cached // bm.block_size
+        self.handoff.start_receiving(req.request_id, bm.block_table(req.request_id)[first:], first)
         return True
 
     def _onboard(self, req: Request, prefix: PrefixHit, hit: TierHit) -> int:
