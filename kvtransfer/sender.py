@@ -64,6 +64,11 @@ class Sender:
     def offer(self, req_id: str, block_ids, num_readers: int, lease_seconds: float) -> Lease:
         return self._leases.add(req_id, block_ids, num_readers, lease_seconds)
 
+    def end_lease(self, lease_id: int, status: str) -> None:
+        """We decline our own lease (nobody will read it): it ends now, unless one of our
+        writes from it is in flight (then a reader has it, and that write ends it)."""
+        self._leases.end(lease_id, status)
+
     def shutdown(self) -> None:
         self._leases.release_all("shutdown")
 
