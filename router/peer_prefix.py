@@ -33,6 +33,7 @@ from dataclasses import dataclass, replace
 
 from router.policy import WorkerState, cached_prefix_blocks
 from router.workers import WorkerView, abort_on
+from workers.protocol.block_hashes import hash_prompt_blocks
 from workers.protocol.sampling_params import SamplingParams
 from workers.protocol.wire import TokenEvent, WorkItem
 
@@ -135,6 +136,37 @@ class PeerExports:
             self._give_up(export_id, source, future)
             return None
 
+    async def attach(
+        self,
+        item: WorkItem,
+        target: WorkerView,
+        workers: Sequence[WorkerView],
+        block_size: int,
+        min_blocks: int,
+    ) -> WorkItem:
+        """``item`` (full or prefill, for ``target``) with a peer's handles on its prompt's
+        first blocks when another worker holds enough more of it; else ``item`` unchanged."""
+        if item.mode == "decode" or item.output_token_ids or item.kv_handles:
+            return item
+        prompt = item.prompt_token_ids
+        source = choose_source(
+            target.state(),
+            [w.state() for w in workers],
+            hash_prompt_blocks(list(prompt), block_size),
+            len(prompt),
+            block_size,
+            min_blocks,
+        )
+        if source is None:
+            return item
+        view = next(w for w in workers if w.name == source.worker)
+        handles = await self.export(view, prompt, source.num_blocks, block_size)
+        if handles is None:
+            self.num_fallbacks += 1
+            return item
+        self.num_pulled += 1
+        return replace(item, kv_handles=handles)
+
     def _give_up(self, export_id: str, source: WorkerView, future: asyncio.Future) -> None:
         """Nobody will read this export: abort it on ``source`` (a held one is left to
         its lease), and decline handles that came already. Handles that come later find
@@ -150,35 +182,3 @@ class PeerExports:
         task = loop.create_task(coro)
         self._tasks.add(task)  # asyncio keeps only weak references
         task.add_done_callback(self._tasks.discard)
-
-
-async def attach_peer_prefix(
-    exports: PeerExports,
-    item: WorkItem,
-    target: WorkerView,
-    workers: Sequence[WorkerView],
-    block_hashes: Sequence[int],
-    block_size: int,
-    min_blocks: int,
-) -> WorkItem:
-    """``item`` (full or prefill, for ``target``) with a peer's handles on its prompt's
-    first blocks when another worker holds enough more of it; else ``item`` unchanged."""
-    if item.mode == "decode" or item.output_token_ids or item.kv_handles:
-        return item
-    source = choose_source(
-        target.state(),
-        [w.state() for w in workers],
-        block_hashes,
-        len(item.prompt_token_ids),
-        block_size,
-        min_blocks,
-    )
-    if source is None:
-        return item
-    view = next(w for w in workers if w.name == source.worker)
-    handles = await exports.export(view, item.prompt_token_ids, source.num_blocks, block_size)
-    if handles is None:
-        exports.num_fallbacks += 1
-        return item
-    exports.num_pulled += 1
-    return replace(item, kv_handles=handles)

@@ -34,7 +34,7 @@ from router.errors import ErrorCode, RouterError
 from router.events import GenerateEvent
 from router.metrics import MIGRATIONS
 from router.migration import WorkerLost, check_limit, no_worker_left
-from router.peer_prefix import PeerExports, attach_peer_prefix
+from router.peer_prefix import PeerExports
 from router.pending import SETTLE_TIMEOUT_S, Pending
 from router.policy import NoHealthyWorker, RouteDecision, RouteRequest, route
 from router.recovery import Recovery, Restarter, RestartPolicy
@@ -307,15 +307,8 @@ class Router:
         if self.peers is None:
             return item
         cfg = self.config
-        item = await attach_peer_prefix(
-            self.peers,
-            item,
-            target,
-            [*self.prefill, *self.decode],
-            hash_prompt_blocks(list(item.prompt_token_ids), cfg.block_size),
-            cfg.block_size,
-            cfg.peer_min_blocks,
-        )
+        workers = [*self.prefill, *self.decode]
+        item = await self.peers.attach(item, target, workers, cfg.block_size, cfg.peer_min_blocks)
         pending.unread_handles = item.kv_handles  # declined if the submit fails
         return item
 
