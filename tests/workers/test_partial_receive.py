@@ -54,19 +54,21 @@ def shared_prompts():
 class Pair:
     """A prefill and a decode engine with connected NIXL connectors."""
 
-    def __init__(self, model_dir: str, **decode_settings):
+    def __init__(self, model_dir: str, direction: str = "pull", **decode_settings):
         self.p, self.d = make_engine(model_dir), make_engine(model_dir, **decode_settings)
         self.released: list[str] = []
-        self.p_conn = self._connector(self.p, "prefill", self.released.append)
-        self.d_conn = self._connector(self.d, "decode", lambda rid: None)
+        self.p_conn = self._connector(self.p, "prefill", self.released.append, direction)
+        self.d_conn = self._connector(self.d, "decode", lambda rid: None, direction)
         self.d_conn.add_peer(self.p_conn.metadata())
         self.p_conn.add_peer(self.d_conn.metadata())
         self.block_bytes = self.d_conn.layout.block_bytes
 
     @staticmethod
-    def _connector(engine: LLMEngine, name: str, on_release):
+    def _connector(engine: LLMEngine, name: str, on_release, direction: str):
         layout = KVLayout.from_tensor(engine.kv_cache, model_id="tiny", num_kv_heads=2)
-        config = KVTransferConfig(backend="nixl", transfer_timeout_s=20, lease_seconds=60)
+        config = KVTransferConfig(
+            backend="nixl", direction=direction, transfer_timeout_s=20, lease_seconds=60
+        )
         return create_connector(
             config, layout, engine.kv_cache, name, lambda rid, why: on_release(rid)
         )
@@ -107,18 +109,21 @@ def warm(d: LLMEngine, shared: list[int]) -> tuple[int, ...]:
     return hit.block_ids
 
 
-@pytest.mark.parametrize("where", ["pool", "host_tier"])
+@pytest.mark.parametrize(
+    ("where", "direction"), [("pool", "pull"), ("pool", "push"), ("host_tier", "pull")]
+)
 def test_decode_holding_a_prefix_receives_only_the_rest_and_gives_the_same_tokens(
-    model_dir, shared_prompts, where
+    model_dir, shared_prompts, where, direction
 ):
     """D holds the prefix in its pool (shared blocks), or only in its host tier (G2:
-    onboarded into fresh blocks, not received)."""
+    onboarded into fresh blocks, not received); D pulls the rest, or P pushes it."""
     shared, prompts = shared_prompts
     params = [GREEDY] * len(prompts)
     agg = make_engine(model_dir)
     want = [tokens(deltas) for deltas in aggregated(agg, prompts, params)]
     assert all(len(set(w)) > 3 for w in want)  # not degenerate
-    pair = Pair(model_dir, **({"kv_host_tier_gib": 1 / 1024} if where == "host_tier" else {}))
+    tier = {"kv_host_tier_gib": 1 / 1024} if where == "host_tier" else {}
+    pair = Pair(model_dir, direction, **tier)
     d = pair.d
     try:
         shared_blocks = warm(d, shared)
@@ -141,6 +146,7 @@ def test_decode_holding_a_prefix_receives_only_the_rest_and_gives_the_same_token
                     )
                 handle = handles[rid].from_block(receive.first_block)
                 result = pair.d_conn.receive([handle], list(receive.block_ids)).result(30)
+                assert result.direction == direction
                 first_blocks[rid] = receive.first_block
                 received_blocks += len(receive.block_ids)
                 received_bytes += result.num_bytes
