@@ -186,11 +186,12 @@ class Scheduler:
         """Decode role: the transfer into a RECEIVING request's blocks has ended.
 
         ``ok``: the prompt's KV is in place (a peer pull: its prefix; the rest is computed
-        here next); it counts as computed and its full blocks go into the prefix cache. Not ``ok``: the blocks are kept and the prompt is recomputed
-        into them after the shared prefix it was admitted with (from position 0 without
-        one), never into the shared blocks. Either way the request joins ``running``. If it was
-        aborted meanwhile, it is finished (ABORT) now, its blocks freed. Raises ValueError
-        (HandoffError) for a request that is not RECEIVING.
+        here next); it counts as computed and its full blocks go into the prefix cache.
+        Not ``ok``: the blocks are kept and the prompt is recomputed into them after the
+        prefix it was admitted with (from position 0 without one), never into shared
+        blocks. Either way the request joins ``running``. If it was aborted meanwhile, it
+        is finished (ABORT) now, its blocks freed. Raises ValueError (HandoffError) for a
+        request that is not RECEIVING.
         """
         was_aborted = self.handoff.received(request_id)
         req = self.requests[request_id]
