@@ -186,7 +186,7 @@ def bring_up(config: ClusterConfig) -> Cluster:
             clients[role].append(RayWorkerClient(worker, role, replica.ranks[0], listener))
         pairs = [(d.name, p.name) for d in clients["decode"] for p in clients["prefill"]]
         # Peer pull (G4, router/peer_prefix.py): any worker may read any other's lease.
-        peer_sharing = bool(getattr(config.kv_cache, "peer_sharing", False))
+        peer_sharing = config.kv_cache.peer_sharing
         if peer_sharing:
             for pool in clients.values():
                 pairs += [(a.name, b.name) for i, a in enumerate(pool) for b in pool[i + 1 :]]
