@@ -60,10 +60,10 @@ def choose_source(
     block_size: int,
     min_blocks: int,
 ) -> PeerSource | None:
-    """Pure: the healthy worker other than ``target`` whose cache holds the longest
-    prefix of the prompt (ties: the least loaded), when it holds at least ``min_blocks``
-    blocks more than ``target``; None otherwise. The target computes at least the
-    prompt's last token, so the prefix stops one token short of the prompt."""
+    """Pure: the healthy worker other than ``target`` that holds the longest prefix of
+    the prompt (pool and tiers: ``cached_prefix_blocks``; ties: the least loaded), when it
+    holds at least ``min_blocks`` blocks more than ``target``; None otherwise. The target
+    computes at least the prompt's last token, so the prefix stops one token short."""
     own = cached_prefix_blocks(target, block_hashes)
     usable = (num_prompt_tokens - 1) // block_size
     best: tuple[int, int] | None = None  # (-blocks, load)

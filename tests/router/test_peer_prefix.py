@@ -136,3 +136,9 @@ def test_choose_source_takes_the_longest_prefix_when_it_is_worth_it():
     # A prompt of exactly 4 blocks: the target computes the last token itself, so only 3.
     assert choose_source(target, workers, hashes, 32, 8, 2) == PeerSource("c", 3)
     assert choose_source(target, [target], hashes, 60, 8, 1) is None
+    # A prefix held in a worker's host tier counts (its export onboards it first), and so
+    # does the target's own tier (it onboards rather than pulls).
+    in_tier = WorkerState("e", tier_hashes=(("host", frozenset(hashes)),))
+    assert choose_source(target, [target, in_tier], hashes, 60, 8, 4) == PeerSource("e", 6)
+    covered = WorkerState("b", tier_hashes=(("disk", frozenset(hashes[:4])),))
+    assert choose_source(covered, [covered, in_tier], hashes, 60, 8, 4) is None
