@@ -124,9 +124,16 @@ class PeerExports:
         future: asyncio.Future = asyncio.get_running_loop().create_future()
         self._waiting[export_id] = (source.name, future)
         prompt = tuple(token_ids[: num_blocks * block_size + 1])
-        try:
+
+        async def run() -> tuple[bytes, ...]:
             await source.client.submit(WorkItem(export_id, prompt, EXPORT_PARAMS, "prefill"))
-            return await asyncio.wait_for(asyncio.shield(future), self.timeout_s)
+            return await asyncio.shield(future)
+
+        try:
+            # The submit too: a busy exporter must not hold the request up for longer. An
+            # export that still runs after this holds its blocks until its unclaimed
+            # handles are declined (Router._on_batch), or its lease expires.
+            return await asyncio.wait_for(run(), self.timeout_s)
         except asyncio.CancelledError:
             self._give_up(export_id, source, future)
             raise

@@ -95,7 +95,7 @@ def test_a_prefix_computed_on_one_worker_is_pulled_by_the_other(model_dir):
 
 def test_a_slow_export_falls_back_to_recompute_and_frees_the_exporter(model_dir):
     want = reference(model_dir)
-    cluster = peer_cluster(model_dir, peer_export_timeout_s=0.0)  # never in time
+    cluster = peer_cluster(model_dir, peer_export_timeout_s=0.001)  # never in time
 
     async def body(router):
         return await warm_then_ask(cluster, router, prefix_blocks(cluster))
