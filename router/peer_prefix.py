@@ -84,7 +84,7 @@ class PeerExports:
     """The router's exports in flight: which worker runs each, and its future handles."""
 
     def __init__(self, timeout_s: float, decline: Callable[[tuple[bytes, ...]], Awaitable[None]]):
-        """``decline``: frees handles nobody will read (through a worker that knows A)."""
+        """``decline``: frees handles nobody will read (through any worker, A included)."""
         self.timeout_s = timeout_s
         self._decline = decline
         self._waiting: dict[str, tuple[str, asyncio.Future]] = {}
