@@ -51,12 +51,12 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from workers.engine.block_manager import BlockManager, PrefixHit
+from workers.engine.block_manager import BlockManager
 from workers.engine.handoff import HandoffState, KVHandoff
 from workers.engine.request import FinishReason, Request, RequestStatus
 
 if TYPE_CHECKING:
-    from workers.engine.kv_tiers.manager import KVTierManager, TierHit
+    from workers.engine.kv_tiers.manager import KVTierManager
 
 
 @dataclass(frozen=True)
@@ -258,8 +258,8 @@ class Scheduler:
             num_new = min(req.num_tokens - num_cached, budget)
             if not bm.allocate_slots(req.request_id, num_cached, num_new, prefix):
                 break  # FCFS: no one overtakes the head of the queue
-            if hit is not None and hit.num_blocks:
-                num_cached = self._onboard(req, prefix, hit)
+            if self.tiers is not None and hit is not None and hit.num_blocks:
+                num_cached = self.tiers.onboard_request(req.request_id, req.token_ids, prefix, hit)
                 # Fewer blocks arrived than found: compute from the first missing one. The
                 # blocks allocated cover it (num_cached only went down, num_new not up).
                 num_new = min(req.num_tokens - num_cached, budget)
@@ -352,20 +352,6 @@ class Scheduler:
         req.status = RequestStatus.RECEIVING
         self.handoff.start_receiving(req.request_id, self.block_manager.block_table(req.request_id))
         return True
-
-    def _onboard(self, req: Request, prefix: PrefixHit, hit: TierHit) -> int:
-        """Copy the tiers' blocks of ``req``'s prefix into the fresh blocks after the pool's
-        own hit and publish them in the prefix cache like computed ones (other requests
-        admitted in this step share them). Returns the tokens now computed: the pool's
-        hit plus the blocks that arrived (a tier's miss ends the run there)."""
-        assert self.tiers is not None
-        bm = self.block_manager
-        first = prefix.num_blocks
-        table = bm.block_table(req.request_id)
-        num_arrived = self.tiers.onboard(hit, table[first : first + hit.num_blocks])
-        num_cached = (first + num_arrived) * bm.block_size
-        bm.commit_computed(req.request_id, req.token_ids, num_cached)
-        return num_cached
 
     def _head_of_queue(self, slot: int) -> Request | None:
         """The first waiting request of ``slot`` (FCFS within the slot)."""

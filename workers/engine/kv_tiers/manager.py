@@ -207,6 +207,22 @@ class KVTierManager:
             self._onboarded += 1
         return hit.num_blocks
 
+    def onboard_request(
+        self, req_id: str, token_ids: Sequence[int], prefix: PrefixHit, hit: TierHit
+    ) -> int:
+        """Admission, once ``req_id`` has its blocks (the pool's ``prefix`` first, then
+        fresh ones): copy ``hit`` into the fresh blocks after the prefix and publish them
+        in the prefix cache like computed ones (requests admitted later in the same step
+        share them). Returns the tokens now computed: the prefix plus the blocks that
+        arrived (a tier's miss ends the run there)."""
+        bm = self.block_manager
+        first = prefix.num_blocks
+        table = bm.block_table(req_id)
+        num_arrived = self.onboard(hit, table[first : first + hit.num_blocks])
+        num_cached = (first + num_arrived) * self.block_size
+        bm.commit_computed(req_id, token_ids, num_cached)
+        return num_cached
+
     # ---- internals -------------------------------------------------------------------
     def _host_view(self, block_id: int) -> torch.Tensor:
         return self._g1[block_id]
