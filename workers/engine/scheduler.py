@@ -52,12 +52,12 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from workers.engine.block_manager import BlockManager
+from workers.engine.block_manager import BlockManager, PrefixHit
 from workers.engine.handoff import HandoffState, KVHandoff
 from workers.engine.request import FinishReason, Request, RequestStatus
 
 if TYPE_CHECKING:
-    from workers.engine.kv_tiers.manager import KVTierManager
+    from workers.engine.kv_tiers.manager import KVTierManager, TierHit
 
 
 @dataclass(frozen=True)
@@ -263,8 +263,8 @@ class Scheduler:
             num_new = min(req.num_tokens - num_cached, budget)
             if not bm.allocate_slots(req.request_id, num_cached, num_new, prefix):
                 break  # FCFS: no one overtakes the head of the queue
-            if self.tiers is not None and hit is not None and hit.num_blocks:
-                num_cached = self.tiers.onboard_request(req.request_id, req.token_ids, prefix, hit)
+            if hit is not None and hit.num_blocks:
+                num_cached = self._onboard(req, prefix, hit)
                 # Fewer blocks arrived than found: compute from the first missing one. The
                 # blocks allocated cover it (num_cached only went down, num_new not up).
                 num_new = min(req.num_tokens - num_cached, budget)
@@ -382,6 +382,12 @@ class Scheduler:
         first = num_cached // bm.block_size
         self.handoff.start_receiving(req.request_id, bm.block_table(req.request_id)[first:], first)
         return True
+
+    def _onboard(self, req: Request, prefix: PrefixHit, hit: TierHit) -> int:
+        """Onboard the tiers' blocks of ``req``'s prefix into its fresh blocks after
+        ``prefix`` (``KVTierManager.onboard_request``); returns the tokens now computed."""
+        assert self.tiers is not None
+        return self.tiers.onboard_request(req.request_id, req.token_ids, prefix, hit)
 
     def _head_of_queue(self, slot: int) -> Request | None:
         """The first waiting request of ``slot`` (FCFS within the slot)."""
