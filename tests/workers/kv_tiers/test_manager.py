@@ -173,6 +173,10 @@ def test_onboard_stops_at_the_first_unreadable_block():
     assert mgr.onboard(mgr.find(tokens, prefix), table[:3]) == 3
     for block_id, h in zip(table[:3], hashes, strict=True):
         assert bytes(kv[block_id].flatten().numpy()) == disk.blocks[h]
+    assert mgr.lookup(tokens) == 3  # all on disk (and G1 holds none of them: not committed)
+    bm.commit_computed("b", tokens, 3 * BS)
+    disk.blocks.clear()
+    assert mgr.lookup(tokens) == 3  # now all in G1
     bm.free("b")
     mgr.close()
 
