@@ -191,8 +191,9 @@ class KVTierManager:
 
     def onboard(self, hit: TierHit, block_ids: Sequence[int]) -> int:
         """Copy ``hit``'s blocks into ``block_ids`` (fresh pool blocks, one per hit, in
-        order); returns how many leading ones arrived. The first miss ends it: the request
-        computes from that block on (never raises for a bad block)."""
+        order); returns how many leading ones arrived. A block the tier ``find`` chose fails
+        to deliver is read from a lower tier that holds it; one no tier delivers ends it: the
+        request computes from that block on (never raises for a bad block)."""
         for index, tier in enumerate(self._lookup):
             prefetch = getattr(tier, "prefetch", None)  # the disk's: read ahead, all at once
             if prefetch is not None and index in hit.tier_indexes:
@@ -201,7 +202,10 @@ class KVTierManager:
         for count, (block_hash, index, block_id) in enumerate(
             zip(hit.block_hashes, hit.tier_indexes, block_ids, strict=True)
         ):
-            if not self._read(self._lookup[index], block_hash, block_id):
+            # A tier that fails to deliver (corrupt, evicted meanwhile): the next one down
+            # may hold the block too (every host block is written behind to the disk).
+            lower = [t for t in self._lookup[index + 1 :] if t.contains(block_hash)]
+            if not any(self._read(t, block_hash, block_id) for t in (self._lookup[index], *lower)):
                 self._onboard_failed += hit.num_blocks - count
                 return count
             self._onboarded += 1
