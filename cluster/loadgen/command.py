@@ -13,7 +13,7 @@ import sys
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-_DATASETS = ("random", "shared-prefix", "trace")
+_DATASETS = ("random", "shared-prefix", "trace", "multi-turn")
 
 
 def _rate(text: str) -> float:
@@ -40,7 +40,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--dataset", choices=_DATASETS, default="random", help="(random)")
     parser.add_argument("--num-prompts", type=int, default=100, help="requests per rate (100)")
-    parser.add_argument("--input-len", type=int, default=256, help="prompt tokens (256)")
+    parser.add_argument(
+        "--input-len", type=int, default=256, help="prompt tokens; multi-turn: per user message"
+    )
     parser.add_argument("--output-len", type=int, default=64, help="max_tokens (64)")
     parser.add_argument(
         "--range-ratio", type=float, default=0.0, help="random: lengths in len×[1-r, 1+r] (0)"
@@ -52,12 +54,23 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--trace", type=Path, help="trace: JSONL of timestamp/input_length/output_length"
     )
+    parser.add_argument("--num-sessions", type=int, default=16, help="multi-turn: sessions (16)")
+    parser.add_argument("--num-turns", type=int, default=4, help="multi-turn: turns each (4)")
+    parser.add_argument(
+        "--system-prompt-len", type=int, default=256, help="multi-turn: shared system prompt (256)"
+    )
+    parser.add_argument(
+        "--think-time", type=float, default=1.0, help="multi-turn: mean pause between turns, s (1)"
+    )
+    parser.add_argument(
+        "--max-sessions", type=int, default=None, help="multi-turn: most sessions in progress"
+    )
     rate = parser.add_mutually_exclusive_group()
     rate.add_argument(
         "--request-rate",
         type=_rate,
         default=None,
-        help="req/s (default inf; trace: its timestamps)",
+        help="req/s (default inf; trace: its timestamps; multi-turn: new sessions/s)",
     )
     rate.add_argument("--rates", type=_rates, help="a sweep, e.g. 1,2,4: one run per rate")
     parser.add_argument(
@@ -92,44 +105,61 @@ class _Model:
 
 
 def run(args: argparse.Namespace) -> int:
-    from cluster.loadgen.metrics import Slo, summarize
+    from cluster.loadgen.metrics import Slo, summarize, turn_summary
 
     slo = Slo.parse(args.slo)
     for name in ("num_prompts", "input_len", "output_len"):
         if getattr(args, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')}: must be >= 1")
-    if args.max_concurrency is not None and args.max_concurrency < 1:
-        raise ValueError("--max-concurrency: must be >= 1")
+    for name in ("max_concurrency", "max_sessions"):
+        if getattr(args, name) is not None and getattr(args, name) < 1:
+            raise ValueError(f"--{name.replace('_', '-')}: must be >= 1")
+    if args.dataset == "multi-turn" and args.backend != "grpc":
+        raise ValueError(
+            "--dataset multi-turn: gRPC only (each turn re-sends the model's earlier replies "
+            "as token ids; the HTTP API streams text)"
+        )
     target = _target(args)
     try:
         info = _model_info(args, target)
     except ConnectionError as exc:
         print(f"baton: error: {exc}", file=sys.stderr)
         return 1
-    requests = _dataset(args, info.vocab_size, args.seed)
-    too_long = [r for r in requests if len(r.prompt_ids) + r.max_tokens > info.max_model_len]
-    if too_long:
-        raise ValueError(
-            f"{len(too_long)} requests exceed the model's max_model_len ({info.max_model_len}) "
-            "with prompt + output tokens: shorten --input-len / --output-len / --prefix-len"
-        )
+    multi_turn = args.dataset == "multi-turn"
+    if multi_turn:
+        _workload(args, info, args.seed)  # bad arguments fail before the warm-up
+    else:
+        requests = _dataset(args, info.vocab_size, args.seed)
+        too_long = [r for r in requests if len(r.prompt_ids) + r.max_tokens > info.max_model_len]
+        if too_long:
+            raise ValueError(
+                f"{len(too_long)} requests exceed the model's max_model_len ({info.max_model_len}) "
+                "with prompt + output tokens: shorten --input-len / --output-len / --prefix-len"
+            )
     if args.warmup:
-        warm = _dataset(args, info.vocab_size, args.seed + 1)[: args.warmup]
+        warm = _warmup_requests(args, info.vocab_size)
         _run_once(args, target, info.name, warm, [0.0] * len(warm), "warm-up")
     rates = args.rates or [args.request_rate]
     results, runs = [], []
     for index, rate in enumerate(rates):
-        if index:
-            # Fresh prompts for each later rate of a sweep (lengths from the same
-            # distribution, the trace's own): the earlier rates' prompts are in the
-            # workers' prefix caches and would be served from there.
-            requests = _dataset(args, info.vocab_size, args.seed + _SWEEP_SEED_STEP * index)
-        offsets = _offsets(args, requests, rate)
-        records, duration = _run_once(args, target, info.name, requests, offsets, _label(rate))
+        if multi_turn:
+            # Each rate of a sweep: sessions of its own (seed + 1000 i), as below.
+            workload = _workload(args, info, args.seed + _SWEEP_SEED_STEP * index)
+            records, duration = _run_sessions(args, target, workload, rate)
+        else:
+            if index:
+                # Fresh prompts for each later rate of a sweep (lengths from the same
+                # distribution, the trace's own): the earlier rates' prompts are in the
+                # workers' prefix caches and would be served from there.
+                requests = _dataset(args, info.vocab_size, args.seed + _SWEEP_SEED_STEP * index)
+            offsets = _offsets(args, requests, rate)
+            records, duration = _run_once(args, target, info.name, requests, offsets, _label(rate))
         summary = {
             "request_rate": _rate_value(rate),
             **summarize(records, duration, slo),
         }
+        if multi_turn:
+            summary["multi_turn"] = turn_summary(records)
         print(format_summary(summary))
         results.append({**summary, "requests": [asdict(r) for r in records]})
         runs.append((_label(rate), records))
@@ -212,6 +242,53 @@ def _dataset(args: argparse.Namespace, vocab_size: int, seed: int):
     return datasets.trace_dataset(args.trace, args.num_prompts, vocab_size, seed)
 
 
+def _workload(args: argparse.Namespace, info: _Model, seed: int):
+    from cluster.loadgen.multiturn import multi_turn_workload
+
+    workload = multi_turn_workload(
+        args.num_sessions, args.num_turns, args.system_prompt_len, args.input_len,
+        args.output_len, args.range_ratio, args.think_time, info.vocab_size, seed,
+    )  # fmt: skip
+    if workload.longest_request() > info.max_model_len:
+        raise ValueError(
+            f"multi-turn: the last turns need up to {workload.longest_request()} tokens "
+            f"(history + reply), over the model's max_model_len ({info.max_model_len}): "
+            "lower --num-turns / --system-prompt-len / --input-len / --output-len"
+        )
+    return workload
+
+
+def _warmup_requests(args: argparse.Namespace, vocab_size: int):
+    if args.dataset != "multi-turn":
+        return _dataset(args, vocab_size, args.seed + 1)[: args.warmup]
+    from cluster.loadgen.datasets import random_dataset
+
+    # Single requests of a user message's length: they share no prefix with the sessions.
+    return random_dataset(
+        args.warmup, args.input_len, args.output_len, 0.0, vocab_size, args.seed + 1
+    )
+
+
+def _run_sessions(args: argparse.Namespace, target: str, workload, rate: float | None):
+    from tqdm import tqdm
+
+    from cluster.loadgen.arrivals import arrival_offsets
+    from cluster.loadgen.sessions import run_sessions
+
+    offsets = arrival_offsets(len(workload.sessions), rate or math.inf, args.burstiness, args.seed)
+    label = f"{_label(rate)} (sessions)"
+    total = workload.num_requests
+    with tqdm(total=total, desc=label, unit="req", file=sys.stderr, disable=None) as bar:
+        return asyncio.run(
+            run_sessions(
+                target, workload, offsets, max_concurrency=args.max_concurrency,
+                max_sessions=args.max_sessions, ignore_eos=args.ignore_eos,
+                disaggregation=args.disaggregation, timeout_s=args.timeout,
+                on_done=lambda _: bar.update(1),
+            )
+        )  # fmt: skip
+
+
 def _offsets(args: argparse.Namespace, requests, rate: float | None) -> list[float]:
     from cluster.loadgen.arrivals import arrival_offsets
 
@@ -291,4 +368,23 @@ def format_summary(s: dict) -> str:
             for k in ("mean", "median", "p90", "p99")
         )
         lines.append(f"{key[:-3].upper():<6}{cells}")
+    if "multi_turn" in s:
+        lines += _format_turns(s["multi_turn"])
     return "\n".join(lines)
+
+
+def _format_turns(m: dict) -> list[str]:
+    lines = [f"{'turns':<8}{'done':>6}{'cached':>9}{'TTFT p50':>11}{'p90':>10}{'p99':>10}"]
+    for key, name in (("first_turn", "first"), ("later_turns", "later")):
+        part, ttft = m[key], m[key]["ttft_ms"]
+        share = f"{part['cached_share']:.0%}" if part["cached_share"] is not None else "-"
+        cells = "".join(
+            f"{ttft[k]:>{w}.2f}" if ttft[k] is not None else f"{'-':>{w}}"
+            for k, w in (("median", 11), ("p90", 10), ("p99", 10))
+        )
+        lines.append(f"{name:<8}{part['completed']:>6}{share:>9}{cells}")
+    lines.append(
+        f"requests per worker: {m['requests_per_worker']}; "
+        f"sessions on more than one worker: {m['sessions_moved']}"
+    )
+    return lines
