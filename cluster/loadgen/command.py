@@ -139,7 +139,9 @@ def run(args: argparse.Namespace) -> int:
     if args.warmup:
         warm = _warmup_requests(args, info.vocab_size)
         _run_once(args, target, info.name, warm, [0.0] * len(warm), "warm-up")
-    rates = args.rates or [args.request_rate]
+    # No rate: a trace keeps its timestamps, anything else goes all at once.
+    unset = None if args.dataset == "trace" else math.inf
+    rates = args.rates or [args.request_rate if args.request_rate is not None else unset]
     results, runs = [], []
     for index, rate in enumerate(rates):
         if multi_turn:
