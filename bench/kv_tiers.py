@@ -105,6 +105,8 @@ def pool_blocks(args: argparse.Namespace, vocab_size: int) -> tuple[int, str]:
 
 def tier_keys(mode: str, args: argparse.Namespace, workdir: Path) -> dict:
     keys: dict = {}
+    if mode == "off" and supported("host"):
+        keys["host_tier_gib"] = 0  # off, whatever the key's default becomes
     if "host" in mode:
         keys["host_tier_gib"] = args.host_tier_gib
     if "disk" in mode:
