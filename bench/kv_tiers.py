@@ -8,7 +8,9 @@ turn arrives the other sessions' turns have evicted its history from G1. Without
 worker recomputes the history; with ``kv_cache.host_tier_gib`` (G2) and/or
 ``kv_cache.disk_tier_path`` (G3) the evicted blocks were written down and are onboarded
 instead. The figures: TTFT of the turns after the first (goal: p50 at least 3x lower with
-tiers) and output throughput (goal: not lower).
+tiers) and output throughput (goal: not lower); and, since each repeat sends the same
+sessions in every mode (greedy, EOS ignored), how many replies differ from the tiers-off
+run's (each turn's reply digest): onboarded KV must change no token.
 
 One aggregated worker (no hand-off: the pool that evicts is the one that prefills), served by
 ``python -m cluster`` in a subprocess and loaded by ``baton bench`` with one request in
@@ -159,7 +161,9 @@ def run_mode(mode: str, repeat: int, model_dir: Path, g1: int, args, host, workd
         cluster.stop()
     if run["failed"]:
         raise RuntimeError(f"{mode}: {run['errors']}")
-    run.pop("requests")  # per-request records: large
+    # Per-request records are large: keep each reply's digest (in session, turn order) to
+    # compare the modes token for token.
+    run["reply_digests"] = [r["output_digest"] for r in run.pop("requests")]
     run["foreign_core_s"] = foreign
     return run
 
@@ -221,6 +225,14 @@ def main() -> int:
         for mode, rs in runs.items()
     }
     print(table(medians, modes))
+    differing = {
+        mode: [sum(a != b for a, b in zip(off["reply_digests"], other["reply_digests"], strict=True))
+               for off, other in zip(runs["off"], rs, strict=True)]
+        for mode, rs in runs.items() if mode != "off" and "off" in runs
+    }  # fmt: skip
+    for mode, counts in differing.items():
+        total = len(runs[mode][0]["reply_digests"])
+        print(f"{mode}: replies differing from off's, per repeat: {counts} of {total}")
     if args.json:
         document = {
             "command": " ".join(["python", "-m", "bench.kv_tiers", *sys.argv[1:]]),
@@ -229,6 +241,7 @@ def main() -> int:
             "arguments": {k: str(v) for k, v in vars(args).items()},
             "wall_s": time.monotonic() - started,
             "medians": medians,
+            "replies_differing_from_off": differing,
             "runs": runs,
         }
         args.json.write_text(json.dumps(document, indent=1))

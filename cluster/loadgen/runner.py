@@ -43,6 +43,9 @@ class RequestRecord:
     error: str = ""  # the gRPC status code name; empty = completed
     session: int | None = None  # multi-turn: the session and its turn (0 = the first)
     turn: int | None = None
+    # Multi-turn: a digest of the reply's token ids, so that two runs of the same sessions
+    # (say, with and without a cache tier) can be compared token for token.
+    output_digest: str = ""
 
     @property
     def ok(self) -> bool:

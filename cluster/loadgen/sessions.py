@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
 import time
 from collections.abc import Awaitable, Callable
 
@@ -26,6 +27,12 @@ from proto.baton.v1 import inference_pb2_grpc as pb_grpc
 # (request, its record, the run's start, the list the reply's token ids go to)
 SendTurn = Callable[[BenchRequest, RequestRecord, float, list[int]], Awaitable[None]]
 SESSION_ENDED = "SESSION_ENDED"
+
+
+def reply_digest(token_ids: list[int]) -> str:
+    """16 hex digits that differ, in practice, between any two different replies."""
+    data = b"".join(t.to_bytes(4, "little") for t in token_ids)
+    return hashlib.blake2b(data, digest_size=8).hexdigest()
 
 
 def turn_records(workload: MultiTurnWorkload) -> list[RequestRecord]:
@@ -82,6 +89,7 @@ async def drive_sessions(
                         later.error = SESSION_ENDED
                         done(later)
                     return
+                record.output_digest = reply_digest(reply)
                 replies.append(reply)
 
     await asyncio.gather(*(session(i) for i in range(len(workload.sessions))))

@@ -15,7 +15,7 @@ from cluster.loadgen.datasets import BenchRequest
 from cluster.loadgen.metrics import turn_summary
 from cluster.loadgen.multiturn import history, multi_turn_workload
 from cluster.loadgen.runner import RequestRecord
-from cluster.loadgen.sessions import SESSION_ENDED, drive_sessions
+from cluster.loadgen.sessions import SESSION_ENDED, drive_sessions, reply_digest
 
 VOCAB = 1000
 
@@ -139,12 +139,15 @@ def test_sessions_send_their_histories_after_their_think_times():
             assert prompt == history(w, i, replies)  # built from the replies it got
             assert records[3 * i + t].prompt_len == len(prompt)
             replies.append(fake_reply(prompt, s.max_tokens[t]))
+            assert records[3 * i + t].output_digest == reply_digest(replies[-1])
         own = records[3 * i : 3 * i + 3]
         assert own[0].send_s >= (0.1 if i >= 2 else 0.0)
         for t in (1, 2):  # the next turn waits for the reply, then thinks
             earliest = own[t - 1].send_s + own[t - 1].e2e_s + s.think_s[t - 1]
             assert own[t].send_s >= earliest - 1e-3
     assert duration >= max(r.send_s + r.e2e_s for r in records) - 1e-3
+    assert len({r.output_digest for r in records}) == 12  # every reply differs here
+    assert reply_digest([1, 2]) != reply_digest([2, 1]) != reply_digest([258])
 
 
 def test_max_sessions_caps_the_sessions_in_progress():

@@ -100,12 +100,12 @@ def test_shared_prefix_workload_hits_the_prefix_cache(cluster, tmp_path):
 
 def test_multi_turn_sessions_reuse_their_history(cluster, tmp_path):
     options = dict(sessions=3, turns=3, system=64, user=16, output=8, think=0.2, seed=3)
-    result = bench(
-        cluster, tmp_path,
+    args = (
         "--dataset", "multi-turn", "--num-sessions", "3", "--num-turns", "3",
         "--system-prompt-len", "64", "--input-len", "16", "--output-len", "8",
         "--think-time", "0.2", "--ignore-eos", "--seed", "3",
     )  # fmt: skip
+    result = bench(cluster, tmp_path, *args)
     run = result["runs"][0]
     records = run["requests"]
     assert run["request_rate"] == "inf"  # every session starts at once
@@ -140,6 +140,11 @@ def test_multi_turn_sessions_reuse_their_history(cluster, tmp_path):
         )
     assert turns["requests_per_worker"] == {"decode-0": 9}
     assert turns["sessions_moved"] == 0
+    # The same sessions again: now every history is in the prefix cache, and no reply changes.
+    again = bench(cluster, tmp_path, *args)["runs"][0]["requests"]
+    assert all(r["output_digest"] for r in records)
+    assert [r["output_digest"] for r in again] == [r["output_digest"] for r in records]
+    assert sum(r["cached_prompt_tokens"] for r in again) > run["cached_prompt_tokens"]
 
 
 def test_trace_requests_go_no_earlier_than_their_timestamps(cluster, tmp_path):
