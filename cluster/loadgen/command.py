@@ -45,7 +45,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--output-len", type=int, default=64, help="max_tokens (64)")
     parser.add_argument(
-        "--range-ratio", type=float, default=0.0, help="random: lengths in len×[1-r, 1+r] (0)"
+        "--range-ratio",
+        type=float,
+        default=0.0,
+        help="random, multi-turn: lengths in len×[1-r, 1+r] (0)",
     )
     parser.add_argument(
         "--prefix-len", type=int, default=512, help="shared-prefix: tokens of each group's prefix"
