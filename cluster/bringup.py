@@ -203,6 +203,8 @@ def bring_up(config: ClusterConfig) -> Cluster:
                     overlap_weight=config.router.kv_overlap_weight,
                     balance_abs_requests=config.router.kv_balance_abs_requests,
                     balance_rel=config.router.kv_balance_rel,
+                    host_tier_weight=config.router.kv_host_tier_weight,
+                    disk_tier_weight=config.router.kv_disk_tier_weight,
                 ),
                 max_queued_requests=config.router.max_queued_requests,
                 migration_limit=config.router.migration_limit,

@@ -210,7 +210,38 @@ def format_status(status: pb.ClusterStatus) -> str:
         rows = [header + (_SPEC_HEADER if spec else ())]
         rows += [_worker_row(w) + (_spec_cells(w) if spec else ()) for w in pool.workers]
         lines += ["  " + line for line in _table(rows, num_left=3)]
+        lines += _tier_lines(pool)
     return "\n".join(lines)
+
+
+# The KV tiers below each worker's pool (docs/kv-tiers.md): blocks and bytes held of the
+# tier's capacity, and the share of block lookups it answered since the worker started.
+_TIER_HEADER = ("WORKER", "TIER", "BLOCKS", "BYTES", "HIT RATE")
+
+
+def _tier_lines(pool: pb.PoolStatus) -> list[str]:
+    """A table of the pool's workers' KV tiers; none when no worker has one."""
+    rows = [(w.name, t.name, *_tier_cells(t)) for w in pool.workers for t in w.kv_tiers]
+    if not rows:
+        return []
+    return ["", "  KV tiers:"] + ["  " + line for line in _table([_TIER_HEADER, *rows], 2)]
+
+
+def _tier_cells(tier: pb.KVTierStatus) -> tuple[str, str, str]:
+    blocks = _of(str(tier.blocks), str(tier.capacity_blocks), tier.blocks, tier.capacity_blocks)
+    capacity = _format_bytes(tier.capacity_bytes)
+    size = _of(_format_bytes(tier.bytes), capacity, tier.bytes, tier.capacity_bytes)
+    return blocks, size, _hit_rate(tier.hits, tier.misses)
+
+
+def _of(used: str, capacity: str, num: int, total: int) -> str:
+    percent = f" ({100 * num / total:.1f}%)" if total else ""
+    return f"{used} / {capacity}{percent}"
+
+
+def _hit_rate(hits: int, misses: int) -> str:
+    lookups = hits + misses
+    return f"{100 * hits / lookups:.1f}% of {lookups}" if lookups else "-"
 
 
 def format_usage_and_timing(final: pb.Final) -> str:

@@ -21,6 +21,7 @@ from typing import Any, Literal
 import yaml
 
 from cluster.config_schema import ConfigError, json_schema, load_section, option, section
+from cluster.config_tiers import check_disk_tier_path, check_tiers_single_rank
 from kvtransfer import KVTransferConfig
 from workers.engine.config import (
     Dtype,
@@ -139,6 +140,29 @@ class KVCacheSection:
     cpu_memory_gib: float = engine_option("kv_cache_memory_gib")
     enable_prefix_caching: bool = engine_option("enable_prefix_caching")
     dtype: KVCacheDtype = engine_option("kv_cache_dtype")
+    # The tiers below the pool (docs/kv-tiers.md). A worker's disk tier is its own
+    # directory, <disk_tier_path>/<worker name> (workers/serving/worker_spec.py).
+    host_tier_gib: float = engine_option("kv_host_tier_gib")
+    disk_tier_path: str | None = engine_option("kv_disk_tier_path")
+    disk_tier_gib: float = engine_option("kv_disk_tier_gib")
+    peer_sharing: bool = engine_option("kv_peer_sharing")
+
+    def __post_init__(self) -> None:
+        if self.has_tier and not self.enable_prefix_caching:
+            # The engine would turn the tiers off (with a log line): say so here instead.
+            raise ValueError(
+                "the KV tiers (host_tier_gib, disk_tier_path, peer_sharing) need "
+                "enable_prefix_caching: true (they find blocks by the prefix cache's hashes)"
+            )
+        if self.disk_tier_path is not None:
+            # Absolute: the workers (Ray actors) do not run in this process's directory.
+            root = check_disk_tier_path(self.disk_tier_path)
+            object.__setattr__(self, "disk_tier_path", str(root))
+
+    @property
+    def has_tier(self) -> bool:
+        """Whether any tier below the pool is on."""
+        return self.host_tier_gib > 0 or self.disk_tier_path is not None or self.peer_sharing
 
 
 @dataclass(frozen=True)
@@ -202,6 +226,18 @@ class RouterSection:
     )
     kv_balance_rel: float = option(
         1.5, "... and more than this times the least loaded's (SGLang's balance test)", ge=1.0
+    )
+    kv_host_tier_weight: float = option(
+        0.1,
+        "kv_aware: cost of a prompt block onboarded from a worker's host-memory tier (G2), "
+        "as a share of computing it (docs/kv-tiers.md)",
+        ge=0.0,
+    )
+    kv_disk_tier_weight: float = option(
+        0.5,
+        "kv_aware: cost of a prompt block onboarded from a worker's disk tier (G3), as a "
+        "share of computing it",
+        ge=0.0,
     )
     max_queued_requests: int = option(
         1024, "Requests admitted but not finished; beyond: RESOURCE_EXHAUSTED", ge=1
@@ -269,12 +305,22 @@ class ClusterConfig:
                 f"pipeline_parallel={decode.pipeline_parallel} (set both to 1, or unset "
                 f"decode.speculative.method)"
             )
+        pools = {"prefill": self.prefill, "decode": self.decode}
+        check_tiers_single_rank(self.kv_cache.has_tier, pools)
         router = self.router
         if router.restart_max_backoff_seconds < router.restart_backoff_seconds:
             raise ValueError(
                 f"router.restart_max_backoff_seconds ({router.restart_max_backoff_seconds}) "
                 f"is below router.restart_backoff_seconds ({router.restart_backoff_seconds})"
             )
+
+
+# The embedded default (`baton serve` with no CONFIG: a small model on CPU, one prefill and
+# one decode worker) turns on a host-memory tier of 0.5 GiB per worker: a quarter of its
+# 2 GiB pool again, so a second turn of a conversation the pool evicted is onboarded, not
+# recomputed, for 1 GiB of RAM in all. No disk tier: it would write to a directory the user
+# did not choose, up to disk_tier_gib, and keep it there across runs.
+EMBEDDED_DEFAULT = ClusterConfig(kv_cache=KVCacheSection(host_tier_gib=0.5))
 
 
 def engine_config(config: ClusterConfig, pool: PoolSection, **per_worker: Any) -> EngineConfig:
@@ -311,7 +357,7 @@ def parse_config(data: Any) -> ClusterConfig:
 def load_config(path: str | Path | None) -> ClusterConfig:
     """Read and validate a YAML config file; None = the embedded default."""
     if path is None:
-        return ClusterConfig()
+        return EMBEDDED_DEFAULT
     path = Path(path)
     try:
         text = path.read_text()

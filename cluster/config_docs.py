@@ -11,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 import typing
 
-from cluster.config import ClusterConfig
+from cluster.config import EMBEDDED_DEFAULT, ClusterConfig
 
 HEADER = """# Cluster config reference
 
@@ -56,8 +56,22 @@ def _rows(prefix: str, cls: type) -> list[str]:
     return rows
 
 
+def _embedded_default_line() -> str:
+    """Where the embedded default (no CONFIG) differs from the defaults below."""
+    changed = []
+    for top in dataclasses.fields(ClusterConfig):
+        ours, plain = getattr(EMBEDDED_DEFAULT, top.name), getattr(ClusterConfig(), top.name)
+        for f in dataclasses.fields(ours):
+            if getattr(ours, f.name) != getattr(plain, f.name):
+                changed.append(f"`{top.name}.{f.name}: {getattr(ours, f.name)}`")
+    return (
+        "The embedded default (`baton serve` with no CONFIG) is every default below, "
+        f"except {', '.join(changed)} (why: `EMBEDDED_DEFAULT` in `cluster/config.py`).\n"
+    )
+
+
 def render() -> str:
-    lines = [HEADER]
+    lines = [HEADER, _embedded_default_line()]
     hints = typing.get_type_hints(ClusterConfig)
     for top in dataclasses.fields(ClusterConfig):
         lines += [f"## `{top.name}` — {top.metadata['doc']}", ""]

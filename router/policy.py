@@ -13,24 +13,27 @@ the cursor, passed in and returned: one step per request.
 - ``kv_aware``: the lowest cost ``overlap_weight × prefill blocks + decode blocks`` (as
   Dynamo's KV router): the prompt blocks the worker would still compute (its cached prefix
   does not count) plus the prompt tokens already queued there, and the KV blocks in use
-  there (reported, plus the routed requests' expected ones). When the pool's load is out
-  of balance (most - least loaded > ``balance_abs_requests`` and most > ``balance_rel`` ×
-  least, SGLang's cache-aware test), load wins: ``least_loaded`` decides.
+  there (reported, plus the routed requests' expected ones). A prefix block the worker
+  holds in a tier below its pool (G2 host memory, G3 disk) is onboarded, not computed: it
+  counts as a fraction of a prefill block (``host_tier_weight``, ``disk_tier_weight``).
+  When the pool's load is out of balance (most - least loaded > ``balance_abs_requests``
+  and most > ``balance_rel`` × least, SGLang's cache-aware test), load wins:
+  ``least_loaded`` decides.
 
 Exact ties go round robin over the tied workers (by the cursor), never by name: a burst
 onto idle equal workers spreads from its first request.
 
 Disaggregation ``auto`` prefills on the decode worker when the part of the prompt that
-worker has not cached is at most ``auto_local_prefill_tokens``, or when every prefill
-worker is saturated (its waiting queue at least ``saturated_queue``); otherwise it hands
-off (with no healthy prefill worker it degrades to local prefill). ``always`` and ``never``
-force the choice; ``always`` with no healthy prefill worker raises ``NoHealthyWorker``, which
-the router answers with UNAVAILABLE.
+worker has not cached (in any tier) is at most ``auto_local_prefill_tokens``, or when
+every prefill worker is saturated (its waiting queue at least ``saturated_queue``);
+otherwise it hands off (with no healthy prefill worker it degrades to local prefill).
+``always`` and ``never`` force the choice; ``always`` with no healthy prefill worker raises
+``NoHealthyWorker``, which the router answers with UNAVAILABLE.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Sequence, Set
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -54,7 +57,10 @@ class WorkerState:
     num_prefill_tokens: int = 0  # prompt tokens routed here and not yet computed
     kv_blocks_used: int = 0  # reported, plus the incoming requests' prompt blocks
     kv_blocks_total: int = 0
-    cached_hashes: frozenset[int] = frozenset()  # prefix-block hashes its cache holds
+    cached_hashes: Set[int] = frozenset()  # prefix-block hashes its pool (G1) holds
+    # The tiers below the pool, in the worker's lookup order: (name, hashes it holds). The
+    # router's live sets (router/workers.py), not copies: read them during one route only.
+    tier_hashes: tuple[tuple[str, Set[int]], ...] = ()
 
     @property
     def load(self) -> int:
@@ -74,6 +80,17 @@ class KVWeights:
     overlap_weight: float = 2.0  # a prefill block against a decode block in use
     balance_abs_requests: int = 4  # load wins past this spread (requests) ...
     balance_rel: float = 1.5  # ... when the most loaded also has this × the least's
+    # A prompt block onboarded from a tier below the pool, against computing it (a block in
+    # the pool costs 0, one held nowhere 1). Reasoned (docs/kv-tiers.md, "Events, routing
+    # and metrics"): a block of Llama-3.1-8B (2 MiB) copies from pinned host memory in about
+    # a tenth of the time its 16 tokens take to prefill on an H100, and reads from an NVMe
+    # disk in about half of it.
+    host_tier_weight: float = 0.1
+    disk_tier_weight: float = 0.5
+
+    def tier_weight(self, tier: str) -> float:
+        """The onboarding weight of tier ``tier`` (any other than host: as slow as disk)."""
+        return self.host_tier_weight if tier == "host" else self.disk_tier_weight
 
 
 @dataclass(frozen=True)
@@ -93,13 +110,28 @@ class RouteDecision:
 
 
 def cached_prefix_blocks(worker: WorkerState, block_hashes: Sequence[int]) -> int:
-    """Leading blocks of the prompt that the worker's cache holds."""
-    count = 0
+    """Leading blocks of the prompt that the worker holds in its pool or any tier below
+    it: the blocks it would not compute."""
+    return _cached_prefix(worker, block_hashes, KVWeights())[0]
+
+
+def _cached_prefix(
+    worker: WorkerState, block_hashes: Sequence[int], weights: KVWeights
+) -> tuple[int, float]:
+    """``(blocks, onboard cost)``: the leading prompt blocks the worker holds anywhere, and
+    what bringing them into its pool costs, in prefill blocks (each block from the first
+    tier in lookup order that holds it; the pool's cost nothing)."""
+    count, cost = 0, 0.0
     for block_hash in block_hashes:
         if block_hash not in worker.cached_hashes:
-            break
+            for tier, held in worker.tier_hashes:
+                if block_hash in held:
+                    cost += weights.tier_weight(tier)
+                    break
+            else:
+                break
         count += 1
-    return count
+    return count, cost
 
 
 def pick(
@@ -145,11 +177,11 @@ def _out_of_balance(workers: list[WorkerState], req: RouteRequest) -> bool:
 
 def _cost(worker: WorkerState, req: RouteRequest, prefills: bool) -> float:
     """Dynamo's ``overlap_weight × prefill blocks + decode blocks``, in blocks."""
-    new_tokens = 0
+    new_blocks = 0.0  # this request's prompt blocks to compute there (onboarded: a fraction)
     if prefills:
-        cached = cached_prefix_blocks(worker, req.block_hashes) * req.block_size
-        new_tokens = req.num_prompt_tokens - cached
-    prefill_blocks = (worker.num_prefill_tokens + new_tokens) / req.block_size
+        cached, onboard = _cached_prefix(worker, req.block_hashes, req.weights)
+        new_blocks = (req.num_prompt_tokens - cached * req.block_size) / req.block_size + onboard
+    prefill_blocks = worker.num_prefill_tokens / req.block_size + new_blocks
     return req.weights.overlap_weight * prefill_blocks + worker.kv_blocks_used
 
 

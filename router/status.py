@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from router.recovery import Recovery
 from router.router import Router
 from router.workers import WorkerView
+from workers.protocol.wire import TierStatus
 
 
 @dataclass(frozen=True)
@@ -23,6 +24,19 @@ class ModelInfo:
     max_model_len: int
     vocab_size: int
     eos_token_ids: tuple[int, ...]  # sorted
+
+
+@dataclass(frozen=True)
+class TierUsage:
+    """One KV tier below a worker's pool, from its last report's ``TierStatus``."""
+
+    name: str  # host | disk
+    blocks: int
+    bytes: int
+    capacity_blocks: int
+    capacity_bytes: int
+    hits: int
+    misses: int
 
 
 @dataclass(frozen=True)
@@ -45,6 +59,7 @@ class WorkerStatus:
     spec_num_steps: int
     spec_num_draft_tokens: int
     spec_num_accepted_tokens: int
+    kv_tiers: tuple[TierUsage, ...] = ()  # lookup order; () when no tier is configured
 
 
 @dataclass(frozen=True)
@@ -81,8 +96,8 @@ def model_info(router: Router) -> ModelInfo:
 def cluster_status(
     router: Router, tp_pp: dict[str, tuple[int, int]] | None = None
 ) -> ClusterStatus:
-    """Pools, workers (health, TP/PP, load, KV blocks, speculative-decoding counts),
-    transfer backend, policy, draining."""
+    """Pools, workers (health, TP/PP, load, KV blocks, KV tiers, speculative-decoding
+    counts), transfer backend, policy, draining."""
     cfg = router.config
     pools = []
     for role, views in (("prefill", router.prefill), ("decode", router.decode)):
@@ -136,6 +151,7 @@ def _pool(
                 spec_num_steps=report.spec_num_steps if report else 0,
                 spec_num_draft_tokens=report.spec_num_draft_tokens if report else 0,
                 spec_num_accepted_tokens=report.spec_num_accepted_tokens if report else 0,
+                kv_tiers=tuple(_tier_usage(t) for t in report.kv_tiers) if report else (),
             )
         )
     return PoolStatus(
@@ -143,4 +159,16 @@ def _pool(
         replicas=len(views),
         healthy_replicas=sum(v.is_healthy for v in views),
         workers=tuple(workers),
+    )
+
+
+def _tier_usage(tier: TierStatus) -> TierUsage:
+    return TierUsage(
+        name=tier.name,
+        blocks=tier.blocks,
+        bytes=tier.bytes,
+        capacity_blocks=tier.capacity_blocks,
+        capacity_bytes=tier.capacity_bytes,
+        hits=tier.hits,
+        misses=tier.misses,
     )

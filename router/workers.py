@@ -5,8 +5,9 @@ worker (``workers.serving.ray_worker.RayWorkerClient`` in production, in-process
 tests). Each worker pushes its token events and :class:`~workers.protocol.wire.WorkerReport` to the
 router, which dispatches them as they arrive (``Router._on_batch``);
 :class:`WorkerView` keeps the latest report and the worker's cached block hashes for the
-routing policy. ``abort_on`` and ``decline`` are the two calls the router makes to end a
-request's work on a worker.
+routing policy: its pool's (G1) from the report's full set, its lower tiers' by applying
+the report's numbered stored / removed events (``WorkerReport.kv_events``). ``abort_on``
+and ``decline`` are the two calls the router makes to end a request's work on a worker.
 """
 
 from __future__ import annotations
@@ -70,6 +71,12 @@ class WorkerView:
     client: WorkerClient
     report: WorkerReport | None = None
     hashes: frozenset[int] = frozenset()
+    # The tiers below the pool: name -> hashes held, in the worker's lookup order; kept by
+    # applying its events, numbered up to ``kv_events_seq``. After a gap they are empty
+    # (the worker counts as holding nothing there) until the next snapshot.
+    tier_hashes: dict[str, set[int]] = field(default_factory=dict)
+    kv_events_seq: int = 0
+    tiers_in_sync: bool = True
     is_alive: bool = True
     error: str = ""  # why the worker was declared dead
     active: set[str] = field(default_factory=set)  # request ids sent and not yet finished
@@ -82,7 +89,33 @@ class WorkerView:
     def update(self, report: WorkerReport) -> None:
         if report.cached_hashes is not None:
             self.hashes = frozenset(report.cached_hashes)
+        self._apply_tier_events(report)
         self.report = report
+
+    def _apply_tier_events(self, report: WorkerReport) -> None:
+        seq = report.kv_events_seq
+        if report.kv_events_snapshot:  # the whole truth, whatever came before
+            self.tier_hashes = {ev.tier: set(ev.stored) for ev in report.kv_events}
+            self.kv_events_seq, self.tiers_in_sync = seq, True
+            return
+        if seq == self.kv_events_seq or not self.tiers_in_sync:
+            return  # nothing new, or waiting for a snapshot
+        if seq != self.kv_events_seq + 1:
+            # A report with events never arrived (or this is a restarted worker's first
+            # after its snapshot was lost): what is known is wrong by an unknown amount.
+            logger.warning(
+                "%s: KV tier events %d..%d missing; ignoring its tiers until a snapshot",
+                self.name,
+                self.kv_events_seq + 1,
+                seq - 1,
+            )
+            self.tier_hashes, self.tiers_in_sync = {}, False
+            return
+        for ev in report.kv_events:
+            held = self.tier_hashes.setdefault(ev.tier, set())
+            held.update(ev.stored)
+            held.difference_update(ev.removed)
+        self.kv_events_seq = seq
 
     @property
     def is_healthy(self) -> bool:
@@ -133,6 +166,7 @@ class WorkerView:
             kv_blocks_used=used + sum(e.num_blocks for e in incoming),
             kv_blocks_total=report.kv_blocks_total if report else 0,
             cached_hashes=self.hashes,
+            tier_hashes=tuple(self.tier_hashes.items()),
         )
 
 

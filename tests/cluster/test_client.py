@@ -162,6 +162,31 @@ def test_format_status():
     assert "decode-1  decode  NO (restarting)" in format_status(restarting)
 
 
+def test_format_status_shows_each_workers_kv_tiers_when_it_has_some():
+    assert "KV tiers" not in format_status(STATUS)
+    status = pb.ClusterStatus()
+    status.CopyFrom(STATUS)
+    worker = status.pools[1].workers[0]
+    worker.kv_tiers.add(
+        name="host", blocks=64, bytes=64 << 20, capacity_blocks=256, capacity_bytes=256 << 20,
+        hits=30, misses=10,
+    )  # fmt: skip
+    worker.kv_tiers.add(name="disk", capacity_blocks=4096, capacity_bytes=4 << 30)
+    lines = format_status(status).splitlines()
+    table = lines[lines.index("  KV tiers:") + 1 :]
+    assert table[0].split() == ["WORKER", "TIER", "BLOCKS", "BYTES", "HIT", "RATE"]
+    assert table[1].split() == [
+        *("decode-0", "host", "64", "/", "256", "(25.0%)"),
+        *("64.0", "MiB", "/", "256.0", "MiB", "(25.0%)", "75.0%", "of", "40"),
+    ]
+    assert table[2].split() == [
+        *("decode-0", "disk", "0", "/", "4096", "(0.0%)", "0", "B", "/", "4.0", "GiB", "(0.0%)", "-"),
+    ]  # fmt: skip
+    assert len({len(row) for row in table}) == 1
+    # Only the pool whose workers have tiers shows the table.
+    assert lines.index("  KV tiers:") > lines.index("decode pool: 1/2 healthy")
+
+
 def test_format_status_shows_speculation_per_decode_worker_when_on():
     assert "speculative:     off" in format_status(STATUS).splitlines()
     assert "SPEC" not in format_status(STATUS)

@@ -2,11 +2,18 @@
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import pytest
 
-from cluster.config import ClusterConfig, config_json_schema, load_config, parse_config
+from cluster.config import (
+    ClusterConfig,
+    KVCacheSection,
+    config_json_schema,
+    load_config,
+    parse_config,
+)
 from cluster.config_schema import ConfigError
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -19,9 +26,14 @@ def test_example_config_loads_with_its_values():
     assert config.router.policy == "kv_aware" and config.kv_transfer.lease_seconds == 30.0
 
 
-def test_empty_and_missing_config_are_the_defaults():
-    assert parse_config(None) == ClusterConfig() == load_config(None)
+def test_empty_config_is_the_defaults_and_no_config_the_embedded_default():
+    assert parse_config(None) == ClusterConfig()
     assert ClusterConfig().router.host == "127.0.0.1"
+    # The embedded default adds only what it can afford: a modest host KV tier.
+    embedded = load_config(None)
+    assert embedded == dataclasses.replace(ClusterConfig(), kv_cache=embedded.kv_cache)
+    assert embedded.kv_cache == KVCacheSection(host_tier_gib=embedded.kv_cache.host_tier_gib)
+    assert 0 < embedded.kv_cache.host_tier_gib <= 1.0
 
 
 @pytest.mark.parametrize(

@@ -10,6 +10,7 @@ from prometheus_client.metrics import MetricWrapperBase
 
 import router.metrics
 import workers.serving.metrics
+import workers.serving.tier_metrics
 
 from .chart import CHART
 
@@ -19,7 +20,7 @@ DASHBOARD = json.loads((CHART / "dashboards" / "baton.json").read_text())
 def recorded_series() -> dict[str, str]:
     """Every sample name Baton exposes -> its metric's name."""
     series = {}
-    for module in (workers.serving.metrics, router.metrics):
+    for module in (workers.serving.metrics, workers.serving.tier_metrics, router.metrics):
         for metric in vars(module).values():
             if not isinstance(metric, MetricWrapperBase):
                 continue

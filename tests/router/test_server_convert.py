@@ -143,6 +143,7 @@ def test_every_error_code_is_the_grpc_status_of_its_name():
         (status.ClusterStatus, pb.ClusterStatus),
         (status.PoolStatus, pb.PoolStatus),
         (status.WorkerStatus, pb.WorkerStatus),
+        (status.TierUsage, pb.KVTierStatus),
     ],
 )
 def test_status_snapshots_mirror_their_messages(snapshot, message):
@@ -168,6 +169,23 @@ def test_cluster_status_converts():
     assert message.pools[0].workers[0].kv_blocks_total == 64
     assert message.pools[0].workers[0].restarts == 1
     assert message.pools[0].workers[0].num_incoming == 2
+    tiers = (
+        status.TierUsage("host", 3, 3072, 8, 8192, 5, 1),
+        status.TierUsage("disk", 0, 0, 9, 9, 0, 0),
+    )
+    tiered = server.cluster_status_message(
+        dataclasses.replace(
+            snapshot,
+            pools=(
+                dataclasses.replace(pool, workers=(dataclasses.replace(worker, kv_tiers=tiers),)),
+            ),
+        )
+    )
+    sent_tiers = tiered.pools[0].workers[0].kv_tiers
+    assert [(t.name, t.blocks, t.capacity_bytes, t.hits, t.misses) for t in sent_tiers] == [
+        ("host", 3, 8192, 5, 1),
+        ("disk", 0, 9, 0, 0),
+    ]
     info = server.model_info_message(
         status.ModelInfo("tiny", "LlamaForCausalLM", "bf16", 256, 512, (2,))
     )

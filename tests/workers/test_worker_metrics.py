@@ -1,11 +1,15 @@
 """A worker's speculative-decoding counters follow the engine's cumulative counts, which
-every report carries (workers/serving/metrics.py): each report adds what is new."""
+every report carries (workers/serving/metrics.py): each report adds what is new; so do the
+KV tiers' counters, per tier."""
 
 from __future__ import annotations
 
+import dataclasses
+from functools import partial
+
 from prometheus_client import REGISTRY
 
-from workers.protocol.wire import WorkerReport
+from workers.protocol.wire import TierStatus, WorkerReport
 from workers.serving.metrics import WorkerMetrics
 
 NAMES = (
@@ -59,3 +63,39 @@ def test_workers_count_apart():
     b.report(_report(3, 12, 0))
     assert _counters("decode-spec-b") == (1, 4, 4)
     assert _counters("decode-spec-c") == (3, 12, 0)
+
+
+def _tier(name: str, blocks: int, hits: int, onboard_s: float) -> TierStatus:
+    return TierStatus(
+        name=name, blocks=blocks, bytes=blocks * 1024, capacity_blocks=64,
+        capacity_bytes=64 * 1024, hits=hits, misses=2 * hits, errors=1, onboard_bytes=hits * 1024,
+        onboard_seconds=onboard_s, offload_bytes=blocks * 1024, offload_seconds=0.5,
+        evictions=hits // 2, rejected=0,
+    )  # fmt: skip
+
+
+def _tier_value(name: str, instance: str, tier: str) -> float | None:
+    labels = {"role": "decode", "model": "tiny", "instance": instance, "tier": tier}
+    return REGISTRY.get_sample_value(name, labels)
+
+
+def test_each_tier_has_its_series_gauges_set_and_counters_adding_what_is_new():
+    metrics = WorkerMetrics("decode", "tiny", "decode-tier-a")
+    report = _report(0, 0, 0)
+    metrics.report(dataclasses.replace(report, kv_tiers=(_tier("host", 10, 4, 0.25),)))
+    metrics.report(
+        dataclasses.replace(report, kv_tiers=(_tier("host", 6, 9, 1.0), _tier("disk", 30, 2, 3.0)))
+    )
+    value = partial(_tier_value, instance="decode-tier-a")
+    assert value("baton_kv_tier_blocks", tier="host") == 6  # a gauge: the latest
+    assert value("baton_kv_tier_bytes", tier="disk") == 30 * 1024
+    assert value("baton_kv_tier_capacity_bytes", tier="host") == 64 * 1024
+    assert value("baton_kv_tier_hits_total", tier="host") == 9  # a counter: the total
+    assert value("baton_kv_tier_misses_total", tier="host") == 18
+    assert value("baton_kv_tier_errors_total", tier="disk") == 1
+    assert value("baton_kv_tier_onboard_seconds_total", tier="host") == 1.0
+    assert value("baton_kv_tier_onboard_bytes_total", tier="disk") == 2 * 1024
+    assert value("baton_kv_tier_offload_bytes_total", tier="host") == 10 * 1024  # never back
+    assert value("baton_kv_tier_offload_seconds_total", tier="disk") == 0.5
+    assert value("baton_kv_tier_evictions_total", tier="host") == 4
+    assert value("baton_kv_tier_rejected_offloads_total", tier="disk") == 0

@@ -17,6 +17,9 @@ parent's hash and block i's token ids, so equal hashes mean equal prefixes. The
 hash is blake2b (not Python's ``hash``) so that it is stable across processes:
 the router compares hashes reported by different workers.
 
+Eviction hands a cached block's KV to ``on_evict`` first (the KV tiers copy it down,
+docs/kv-tiers.md) while its bytes are still intact.
+
 Who frees what: the scheduler calls ``free`` when a request finishes, is
 aborted or preempted; a block whose count drops to zero keeps its KV (cached)
 if it was full and hashed, and the request's tail blocks are released first so
@@ -26,7 +29,7 @@ that eviction takes them before the shared prefix.
 from __future__ import annotations
 
 from collections import OrderedDict, deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from workers.protocol.block_hashes import NONE_HASH, hash_block_tokens
@@ -70,6 +73,10 @@ class BlockManager:
         # Copy-on-write work for the runner: (src, dst) pairs, drained by the scheduler.
         self._pending_copies: list[tuple[int, int]] = []
         self.num_evictions = 0
+        # Called with (block_id, block_hash) when a cached block is evicted, while its KV is
+        # still intact: the KV tiers copy it down before the id is handed out and
+        # overwritten (workers/engine/kv_tiers/manager.py). Still pure Python here.
+        self.on_evict: Callable[[int, int], None] | None = None
 
     # ---- queries -------------------------------------------------------------------
     @property
@@ -94,6 +101,10 @@ class BlockManager:
 
     def has_request(self, req_id: str) -> bool:
         return req_id in self._tables
+
+    def holds(self, block_hash: int) -> bool:
+        """Whether a block (in use or cached) holds this hash's KV."""
+        return block_hash in self._hash_to_block
 
     def cached_block_hashes(self) -> set[int]:
         """Hashes whose KV this worker holds (in use or cached), for KV-aware routing."""
@@ -235,7 +246,7 @@ class BlockManager:
         count = 0
         while self._cached and (num_blocks is None or count < num_blocks):
             block_id, _ = self._cached.popitem(last=False)
-            self._forget_hash(block_id)
+            self._evicted(block_id)
             self._free.append(block_id)
             count += 1
         return count
@@ -257,7 +268,7 @@ class BlockManager:
             block_id = self._free.popleft()
         else:
             block_id, _ = self._cached.popitem(last=False)
-            self._forget_hash(block_id)
+            self._evicted(block_id)
             self.num_evictions += 1
         self._blocks[block_id].ref_count = 1
         return block_id
@@ -280,6 +291,12 @@ class BlockManager:
         if to_free_list:
             self._free.append(block_id)
         return True
+
+    def _evicted(self, block_id: int) -> None:
+        block_hash = self._blocks[block_id].block_hash
+        if self.on_evict is not None and block_hash is not None:
+            self.on_evict(block_id, block_hash)
+        self._forget_hash(block_id)
 
     def _forget_hash(self, block_id: int) -> None:
         block = self._blocks[block_id]

@@ -31,6 +31,7 @@ from workers.engine.config import EngineConfig
 from workers.engine.cpu_memory import keep_freed_memory_mapped
 from workers.engine.handoff import KVHandoff
 from workers.engine.kv_cache import allocate_kv_cache
+from workers.engine.kv_tiers.build import build_kv_tiers, check_single_rank_tiers
 from workers.engine.model_runner import ModelRunner
 from workers.engine.outputs import StreamDelta
 from workers.engine.request import Request
@@ -72,6 +73,7 @@ class LLMEngine:
         self.config = config
         self.parallel = parallel or ParallelContext()
         check_single_rank(config, self.parallel.tp_size, self.parallel.pp_size, batches_in_flight)
+        check_single_rank_tiers(config, self.parallel)
         self.device = config.resolve_device()
         self.dtype = config.resolve_dtype(self.device)
         if self.device.type == "cpu":
@@ -115,6 +117,9 @@ class LLMEngine:
         self.block_manager = BlockManager(
             num_blocks, config.block_size, config.enable_prefix_caching
         )
+        # The KV tiers below the pool (docs/kv-tiers.md); None when none is configured.
+        # Other parts read ``kv_tiers.tiers`` (stats, events) and ``kv_tiers.lookup``.
+        self.kv_tiers = build_kv_tiers(config, self.kv_cache, self.block_manager)
         # Each request's KV hand-off (prefill: held blocks; decode: receives); the worker
         # (workers/serving/service.py) drives its transport side.
         self.handoff = KVHandoff(self.block_manager)
@@ -125,6 +130,7 @@ class LLMEngine:
             config.max_num_batched_tokens,
             num_slots=self.parallel.pp_size if batches_in_flight is None else batches_in_flight,
             handoff=self.handoff,
+            tiers=self.kv_tiers,
         )
         self._in_flight = BatchesInFlight()
         self.runner = ModelRunner(

@@ -19,6 +19,10 @@ Disaggregated roles differ only at the two ends of a request's life:
   ``finish_receiving`` says the KV arrived; then it decodes like any running request.
   The hand-off tracks it meanwhile and decides when its blocks may be freed.
 
+**KV tiers** (``tiers``, docs/kv-tiers.md): admission continues the pool's prefix hit
+through the tiers below it (host memory, disk) and onboards the blocks found there into
+fresh blocks before the request's first chunk; they count as computed, like a prefix hit.
+
 **Slots** (pipeline stages): with ``num_slots > 1`` every request belongs to one slot,
 chosen when it is added (the slot with the fewest unfinished requests), and
 ``schedule(slot)`` considers that slot's requests: its running ones, and its waiting
@@ -45,10 +49,14 @@ import time
 from collections import deque
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-from workers.engine.block_manager import BlockManager
+from workers.engine.block_manager import BlockManager, PrefixHit
 from workers.engine.handoff import HandoffState, KVHandoff
 from workers.engine.request import FinishReason, Request, RequestStatus
+
+if TYPE_CHECKING:
+    from workers.engine.kv_tiers.manager import KVTierManager, TierHit
 
 
 @dataclass(frozen=True)
@@ -93,8 +101,10 @@ class Scheduler:
         max_num_batched_tokens: int,
         num_slots: int = 1,
         handoff: KVHandoff | None = None,
+        tiers: KVTierManager | None = None,
     ):
-        """``handoff``: the engine's KV hand-off (a private one if None)."""
+        """``handoff``: the engine's KV hand-off (a private one if None). ``tiers``: the KV
+        tiers below the pool, which admission onboards prefix blocks from (None: off)."""
         if num_slots < 1:
             raise ValueError(f"num_slots must be >= 1, got {num_slots}")
         self.num_slots = num_slots
@@ -105,6 +115,7 @@ class Scheduler:
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
         self.handoff = handoff if handoff is not None else KVHandoff(block_manager)
+        self.tiers = tiers
         self.num_preemptions = 0
         # Told of each request's first scheduling (its queue time and prefix-cache hit are
         # known then); the worker's metrics listen (workers/serving/service.py).
@@ -242,10 +253,16 @@ class Scheduler:
                     break
                 continue
             prefix = bm.find_prefix(req.token_ids)
-            num_cached = prefix.num_blocks * bm.block_size
+            hit = self.tiers.find(req.token_ids, prefix) if self.tiers else None
+            num_cached = (prefix.num_blocks + (hit.num_blocks if hit else 0)) * bm.block_size
             num_new = min(req.num_tokens - num_cached, budget)
             if not bm.allocate_slots(req.request_id, num_cached, num_new, prefix):
                 break  # FCFS: no one overtakes the head of the queue
+            if hit is not None and hit.num_blocks:
+                num_cached = self._onboard(req, prefix, hit)
+                # Fewer blocks arrived than found: compute from the first missing one. The
+                # blocks allocated cover it (num_cached only went down, num_new not up).
+                num_new = min(req.num_tokens - num_cached, budget)
             self.waiting.remove(req)
             if req.first_scheduled_time is None:
                 req.num_cached_tokens = num_cached
@@ -335,6 +352,20 @@ class Scheduler:
         req.status = RequestStatus.RECEIVING
         self.handoff.start_receiving(req.request_id, self.block_manager.block_table(req.request_id))
         return True
+
+    def _onboard(self, req: Request, prefix: PrefixHit, hit: TierHit) -> int:
+        """Copy the tiers' blocks of ``req``'s prefix into the fresh blocks after the pool's
+        own hit and publish them in the prefix cache like computed ones (other requests
+        admitted in this step share them). Returns the tokens now computed: the pool's
+        hit plus the blocks that arrived (a tier's miss ends the run there)."""
+        assert self.tiers is not None
+        bm = self.block_manager
+        first = prefix.num_blocks
+        table = bm.block_table(req.request_id)
+        num_arrived = self.tiers.onboard(hit, table[first : first + hit.num_blocks])
+        num_cached = (first + num_arrived) * bm.block_size
+        bm.commit_computed(req.request_id, req.token_ids, num_cached)
+        return num_cached
 
     def _head_of_queue(self, slot: int) -> Request | None:
         """The first waiting request of ``slot`` (FCFS within the slot)."""

@@ -23,7 +23,8 @@ import msgpack
 from workers.protocol.logprobs import TokenLogprobs
 from workers.protocol.sampling_params import SamplingParams
 
-WIRE_VERSION = 4  # 4: WorkerReport carries the speculative-decoding counters
+# 4: WorkerReport carries the speculative-decoding counters; 5: the KV tiers' events and stats
+WIRE_VERSION = 5
 MODES = ("full", "prefill", "decode")
 T = TypeVar("T")
 
@@ -73,6 +74,40 @@ class TokenEvent:
 
 
 @dataclass(frozen=True)
+class KVEvents:
+    """Block hashes one KV tier below the pool started (``stored``) and stopped
+    (``removed``) holding since the previous report that carried events; in a snapshot
+    report, ``stored`` is everything the tier holds (Dynamo-style KV events)."""
+
+    tier: str  # "host" | "disk" (workers/engine/kv_tiers/tier.py TierStats.name)
+    stored: tuple[int, ...] = ()
+    removed: tuple[int, ...] = ()
+    kind: ClassVar[str] = "kv_events"
+
+
+@dataclass(frozen=True)
+class TierStatus:
+    """One KV tier below a worker's pool: what it holds now and its counters since the
+    worker started (the engine's ``TierStats``, plus the capacity in bytes)."""
+
+    name: str  # "host" | "disk"
+    blocks: int
+    bytes: int
+    capacity_blocks: int
+    capacity_bytes: int
+    hits: int
+    misses: int  # unusable blocks (``errors``) included
+    errors: int
+    onboard_bytes: int
+    onboard_seconds: float
+    offload_bytes: int
+    offload_seconds: float
+    evictions: int
+    rejected: int  # offloads the tier refused (full disk, an I/O error)
+    kind: ClassVar[str] = "tier"
+
+
+@dataclass(frozen=True)
 class WorkerReport:
     """A worker's state as the router's policy sees it."""
 
@@ -94,6 +129,15 @@ class WorkerReport:
     spec_num_steps: int = 0  # verify steps
     spec_num_draft_tokens: int = 0  # tokens proposed
     spec_num_accepted_tokens: int = 0  # proposed tokens the target accepted
+    # The KV tiers below the pool, in lookup order (docs/kv-tiers.md, "Events, routing and
+    # metrics"). ``kv_events_seq`` numbers the reports that carry ``kv_events`` (1, 2, ...
+    # per worker process); a report without events repeats the last number, so a receiver
+    # that missed one sees a gap. A snapshot (the first report on a new channel, and one
+    # every ``SNAPSHOT_EVERY_S``) replaces what the receiver knew, gap or not.
+    kv_events_seq: int = 0
+    kv_events_snapshot: bool = False
+    kv_events: tuple[KVEvents, ...] = ()
+    kv_tiers: tuple[TierStatus, ...] = ()  # latest stats; () when no tier is configured
     kind: ClassVar[str] = "report"
 
 
@@ -138,6 +182,10 @@ def _logprobs_in(raw: list | None) -> tuple[TokenLogprobs, ...] | None:
     )
 
 
+# Fields that hold a tuple of messages, by name: each element travels as its field list.
+_NESTED: dict[str, type] = {"events": TokenEvent, "kv_events": KVEvents, "kv_tiers": TierStatus}
+
+
 def _fields(msg: Any) -> list:
     out = []
     for f in dataclasses.fields(msg):
@@ -146,7 +194,7 @@ def _fields(msg: Any) -> list:
             value = dataclasses.asdict(value)
         elif f.name == "logprobs":
             value = _logprobs_out(value)
-        elif f.name == "events":
+        elif f.name in _NESTED:
             value = [_fields(e) for e in value]
         elif f.name == "report":
             value = _fields(value)
@@ -170,8 +218,10 @@ def _build(cls: type[T], values: list) -> T:
             value = SamplingParams(**value)
         elif name == "logprobs":
             value = _logprobs_in(value)
-        elif name == "events":
-            value = tuple(_build(TokenEvent, e) for e in value)
+        elif name in _NESTED:
+            if not isinstance(value, list):
+                raise ValueError(f"{cls.__name__}.{name}: expected a list")
+            value = tuple(_build(_NESTED[name], e) for e in value)
         elif name == "report":
             value = _build(WorkerReport, value)
         elif isinstance(value, list):

@@ -1,5 +1,5 @@
 """A worker's Prometheus metrics (docs/metrics.md): load, KV cache, queueing, KV hand-off,
-speculative decoding.
+speculative decoding, and the KV tiers below the pool (``tier_metrics.py``).
 
 Recorded by rank 0 of a replica on its engine loop's thread (``workers/serving/service.py``);
 the node's exporter serves them (``workers/serving/metrics_node.py``). Every series carries
@@ -20,6 +20,7 @@ from prometheus_client import Counter, Gauge, Histogram
 from workers.engine.request import Request
 from workers.protocol.metrics import LABELS, RUNNING
 from workers.protocol.wire import WorkerReport
+from workers.serving.tier_metrics import TierSeries
 
 # Seconds: 1 ms to 40 s, about x2.5 apart (queueing and transfers span that range).
 _SECONDS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 40.0)
@@ -98,6 +99,8 @@ class WorkerMetrics:
 
     def __init__(self, role: str, model: str, instance: str):
         labels = (role, model, instance)
+        self._labels = labels
+        self._tiers: dict[str, TierSeries] = {}  # by tier name, made at its first report
         self._running = RUNNING.labels(*labels)
         self._waiting = WAITING.labels(*labels)
         self._kv_usage = KV_USAGE.labels(*labels)
@@ -141,6 +144,11 @@ class WorkerMetrics:
             if now > before:
                 counter.inc(now - before)
         self._spec_seen = seen
+        for status in report.kv_tiers:
+            series = self._tiers.get(status.name)
+            if series is None:
+                series = self._tiers[status.name] = TierSeries(*self._labels, status.name)
+            series.update(status)
 
     def transferred(self, seconds: float, num_bytes: int) -> None:
         self._transfer_time.observe(seconds)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 import msgpack
@@ -63,6 +64,17 @@ class WorkerSpec:
         """The KV agent's worker id of one rank (rank 0 keeps the replica's name)."""
         return self.name if rank == 0 else f"{self.name}.rank{rank}"
 
+    def engine_settings(self) -> EngineConfig:
+        """The engine config this worker's engine runs with: the spec's, with token ids
+        streamed (the router detokenizes) and the disk tier in this worker's own
+        directory, ``<kv_disk_tier_path>/<name>``: a disk tier's directory belongs to one
+        process, and a restarted worker keeps its name, so it finds its blocks again."""
+        engine = dataclasses.replace(self.engine, detokenize=False)
+        if engine.kv_disk_tier_path is not None:
+            path = str(Path(engine.kv_disk_tier_path) / self.name)
+            engine = dataclasses.replace(engine, kv_disk_tier_path=path)
+        return engine
+
 
 def build_engine(spec: WorkerSpec, parallel=None, before_forward=None, agree=None) -> LLMEngine:
     """This rank's engine: its shard of the weights, its heads of a cache of agreed size."""
@@ -73,8 +85,7 @@ def build_engine(spec: WorkerSpec, parallel=None, before_forward=None, agree=Non
     if spec.num_threads > 0:
         torch.set_num_threads(spec.num_threads)
     engine = LLMEngine(
-        # A worker streams token ids whatever the spec says: the router detokenizes.
-        dataclasses.replace(spec.engine, detokenize=False),
+        spec.engine_settings(),
         parallel=parallel,
         before_forward=before_forward,
         agree_num_blocks=agree,

@@ -224,7 +224,7 @@ class GetClusterStatusRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class WorkerStatus(_message.Message):
-    __slots__ = ("name", "role", "healthy", "tensor_parallel", "pipeline_parallel", "num_running", "num_waiting", "kv_blocks_total", "kv_blocks_used", "kv_blocks_cached", "state", "restarts", "num_incoming", "spec_num_steps", "spec_num_draft_tokens", "spec_num_accepted_tokens")
+    __slots__ = ("name", "role", "healthy", "tensor_parallel", "pipeline_parallel", "num_running", "num_waiting", "kv_blocks_total", "kv_blocks_used", "kv_blocks_cached", "state", "restarts", "num_incoming", "spec_num_steps", "spec_num_draft_tokens", "spec_num_accepted_tokens", "kv_tiers")
     NAME_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
     HEALTHY_FIELD_NUMBER: _ClassVar[int]
@@ -241,6 +241,7 @@ class WorkerStatus(_message.Message):
     SPEC_NUM_STEPS_FIELD_NUMBER: _ClassVar[int]
     SPEC_NUM_DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     SPEC_NUM_ACCEPTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    KV_TIERS_FIELD_NUMBER: _ClassVar[int]
     name: str
     role: str
     healthy: bool
@@ -257,7 +258,26 @@ class WorkerStatus(_message.Message):
     spec_num_steps: int
     spec_num_draft_tokens: int
     spec_num_accepted_tokens: int
-    def __init__(self, name: _Optional[str] = ..., role: _Optional[str] = ..., healthy: _Optional[bool] = ..., tensor_parallel: _Optional[int] = ..., pipeline_parallel: _Optional[int] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., kv_blocks_total: _Optional[int] = ..., kv_blocks_used: _Optional[int] = ..., kv_blocks_cached: _Optional[int] = ..., state: _Optional[str] = ..., restarts: _Optional[int] = ..., num_incoming: _Optional[int] = ..., spec_num_steps: _Optional[int] = ..., spec_num_draft_tokens: _Optional[int] = ..., spec_num_accepted_tokens: _Optional[int] = ...) -> None: ...
+    kv_tiers: _containers.RepeatedCompositeFieldContainer[KVTierStatus]
+    def __init__(self, name: _Optional[str] = ..., role: _Optional[str] = ..., healthy: _Optional[bool] = ..., tensor_parallel: _Optional[int] = ..., pipeline_parallel: _Optional[int] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., kv_blocks_total: _Optional[int] = ..., kv_blocks_used: _Optional[int] = ..., kv_blocks_cached: _Optional[int] = ..., state: _Optional[str] = ..., restarts: _Optional[int] = ..., num_incoming: _Optional[int] = ..., spec_num_steps: _Optional[int] = ..., spec_num_draft_tokens: _Optional[int] = ..., spec_num_accepted_tokens: _Optional[int] = ..., kv_tiers: _Optional[_Iterable[_Union[KVTierStatus, _Mapping]]] = ...) -> None: ...
+
+class KVTierStatus(_message.Message):
+    __slots__ = ("name", "blocks", "bytes", "capacity_blocks", "capacity_bytes", "hits", "misses")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    BYTES_FIELD_NUMBER: _ClassVar[int]
+    CAPACITY_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    CAPACITY_BYTES_FIELD_NUMBER: _ClassVar[int]
+    HITS_FIELD_NUMBER: _ClassVar[int]
+    MISSES_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    blocks: int
+    bytes: int
+    capacity_blocks: int
+    capacity_bytes: int
+    hits: int
+    misses: int
+    def __init__(self, name: _Optional[str] = ..., blocks: _Optional[int] = ..., bytes: _Optional[int] = ..., capacity_blocks: _Optional[int] = ..., capacity_bytes: _Optional[int] = ..., hits: _Optional[int] = ..., misses: _Optional[int] = ...) -> None: ...
 
 class PoolStatus(_message.Message):
     __slots__ = ("role", "replicas", "healthy_replicas", "workers")

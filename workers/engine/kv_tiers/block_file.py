@@ -1,0 +1,185 @@
+"""The disk tier's block file: one KV block per file, a 64-byte header, then the payload.
+
+```
+offset  size  field
+0       8     magic b"BATONKVB"
+8       2     format version (1)
+10      2     header length (64)
+12      4     flags (0)
+16      8     cache fingerprint digest (CacheFingerprint.digest, 16 hex chars as 8 bytes)
+24      8     block hash (u64, the chained prefix hash)
+32      8     payload length (bytes; the tier's block_bytes)
+40      8     payload checksum: xxh3_64 of the payload
+48      8     zero (reserved)
+56      8     header checksum: xxh3_64 of bytes 0..56
+64      ...   payload: the bytes of kv_cache[block_id] (docs/kv-cache-layout.md)
+```
+
+All integers little-endian. The header checksum makes a flipped header byte read as a
+corrupt file instead of, say, a shorter payload length; the payload checksum (xxh3: ~45
+GB/s here, against ~4.5 for zlib.crc32, so checking costs little next to the read itself)
+catches a torn or rotted payload. A file is written under a temporary name and renamed
+over its final one (``os.replace``), so a crash leaves either no file, an old complete
+file, or a temporary file that the tier's start-up scan removes; never a half block under
+a block's name. The file is not fsync'ed: after a power loss a renamed-but-unflushed file
+can come back empty or with stale pages, which the length and checksums turn into a miss
+(losing offloaded blocks on power loss is a cache miss, not an error of the service).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import enum
+import os
+import struct
+from pathlib import Path
+
+import xxhash
+
+MAGIC = b"BATONKVB"
+VERSION = 1
+HEADER_LEN = 64
+_FIELDS = struct.Struct("<8sHHI8sQQQ8x")  # everything the header checksum covers (56 bytes)
+_HEADER_SUM = struct.Struct("<Q")
+assert _FIELDS.size + _HEADER_SUM.size == HEADER_LEN
+SUFFIX = ".kvb"
+TEMP_SUFFIX = ".tmp"
+
+
+class BadBlock(enum.Enum):
+    """Why a block file could not be used (every kind is a miss for the caller)."""
+
+    MISSING = "missing"  # the file is gone (deleted behind the tier's back)
+    TRUNCATED = "truncated"  # shorter (or longer) than a header plus the payload
+    CORRUPT = "corrupt"  # bad magic, version, header or payload checksum, or another hash
+    FOREIGN = "foreign"  # written under another cache fingerprint
+    IO_ERROR = "io_error"  # the read itself failed (EIO, ...)
+
+
+def file_name(block_hash: int) -> str:
+    """The file a block lives in: its hash as 16 hex digits (names sort by nothing useful)."""
+    return f"{block_hash:016x}{SUFFIX}"
+
+
+def parse_file_name(name: str) -> int | None:
+    """The block hash a file name stands for, None for anything that is not a block file."""
+    stem, dot, ext = name.partition(".")
+    if dot + ext != SUFFIX or len(stem) != 16:
+        return None
+    try:
+        return int(stem, 16)
+    except ValueError:
+        return None
+
+
+def digest_bytes(digest: str) -> bytes:
+    """A fingerprint digest (16 hex characters) as the header's 8 bytes."""
+    raw = bytes.fromhex(digest)
+    if len(raw) != 8:
+        raise ValueError(f"a cache fingerprint digest is 16 hex characters, got {digest!r}")
+    return raw
+
+
+def make_header(digest: bytes, block_hash: int, payload: memoryview) -> bytes:
+    fields = _FIELDS.pack(
+        MAGIC,
+        VERSION,
+        HEADER_LEN,
+        0,
+        digest,
+        block_hash,
+        payload.nbytes,
+        xxhash.xxh3_64_intdigest(payload),
+    )
+    return fields + _HEADER_SUM.pack(xxhash.xxh3_64_intdigest(fields))
+
+
+def write_block(path: Path, header: bytes, payload: memoryview, mtime_ns: int) -> None:
+    """Write a block file atomically: a temporary file beside ``path``, then a rename.
+
+    ``mtime_ns`` is stamped on the file (the tier's recency order, read back at start-up).
+    Raises OSError (ENOSPC, EIO, ...) with nothing left behind under either name."""
+    temp = path.with_name(f".{path.name}.{os.getpid()}{TEMP_SUFFIX}")
+    fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o644)
+    try:
+        try:
+            _write_all(fd, [header, payload])
+            os.utime(fd, ns=(mtime_ns, mtime_ns))
+        finally:
+            os.close(fd)
+        os.replace(temp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(temp)
+        raise
+
+
+def _write_all(fd: int, buffers: list) -> None:
+    # writev may write less than asked (a signal, a nearly full disk that still had room
+    # for part of it); go on from where it stopped. A full disk raises ENOSPC.
+    views = [memoryview(b).cast("B") for b in buffers]
+    while views:
+        written = os.writev(fd, views)
+        if written == 0:
+            raise OSError(28, "no progress writing a block file")
+        while views and written >= views[0].nbytes:
+            written -= views[0].nbytes
+            views.pop(0)
+        if views and written:
+            views[0] = views[0][written:]
+
+
+def read_block(
+    path: Path, digest: bytes, block_hash: int, out: memoryview, touch_ns: int | None
+) -> BadBlock | None:
+    """Read the block's payload into ``out`` (exactly the payload's size) and verify it.
+
+    None when ``out`` holds the block; otherwise why not (``out`` then holds junk). Stamps
+    ``touch_ns`` as the file's mtime on success (its recency, kept across restarts)."""
+    header = bytearray(HEADER_LEN)
+    extra = bytearray(1)  # a byte past the payload means the file is too long
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    except FileNotFoundError:
+        return BadBlock.MISSING
+    except OSError:
+        return BadBlock.IO_ERROR
+    try:
+        # One system call reads header and payload, the payload straight into ``out``.
+        num_read = os.preadv(fd, [header, out, extra], 0)
+        bad = check_header(header, num_read, digest, block_hash, out.nbytes)
+        if bad is None and xxhash.xxh3_64_intdigest(out) != _payload_sum(header):
+            bad = BadBlock.CORRUPT
+        if bad is None and touch_ns is not None:
+            os.utime(fd, ns=(touch_ns, touch_ns))
+        return bad
+    except OSError:
+        return BadBlock.IO_ERROR
+    finally:
+        os.close(fd)
+
+
+def check_header(
+    header: bytes | bytearray, num_read: int, digest: bytes, block_hash: int, payload_len: int
+) -> BadBlock | None:
+    """Whether a file of ``num_read`` bytes starting with ``header`` can hold the block."""
+    if num_read < HEADER_LEN:
+        return BadBlock.TRUNCATED
+    fields = bytes(header[: _FIELDS.size])
+    magic, version, header_len, _flags, file_digest, file_hash, file_len, _ = _FIELDS.unpack(fields)
+    (header_sum,) = _HEADER_SUM.unpack_from(header, _FIELDS.size)
+    if magic != MAGIC or header_sum != xxhash.xxh3_64_intdigest(fields):
+        return BadBlock.CORRUPT
+    if version != VERSION or header_len != HEADER_LEN:
+        return BadBlock.CORRUPT
+    if file_digest != digest:
+        return BadBlock.FOREIGN
+    if file_hash != block_hash or file_len != payload_len:
+        return BadBlock.CORRUPT
+    if num_read != HEADER_LEN + payload_len:
+        return BadBlock.TRUNCATED
+    return None
+
+
+def _payload_sum(header: bytes | bytearray) -> int:
+    return _FIELDS.unpack(bytes(header[: _FIELDS.size]))[7]

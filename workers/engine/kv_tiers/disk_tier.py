@@ -1,0 +1,316 @@
+"""G3: KV blocks in files on a local disk, kept across restarts of the worker.
+
+Layout: ``<root>/<fingerprint.digest>/<block hash as 16 hex>.kvb``, one file per block
+(format and atomic writes: ``block_file.py``). ``root`` belongs to one worker process; a
+cache written under another fingerprint lives in another directory and is never read
+(each file's header carries the digest too, checked on every read).
+
+Recency is the file's mtime, stamped explicitly from a strictly increasing clock on every
+store and hit, so a new ``DiskTier`` on the same root rebuilds the LRU order from one
+``scandir`` + ``stat`` per file (no header is read at start; checksums are verified on
+read). Files whose size cannot be a block, and temporary files of an interrupted write,
+are removed at start; the tier is then trimmed to ``capacity_bytes``, least recent first.
+
+Failures: a get of a corrupt, truncated, foreign, vanished or unreadable file is a miss
+(``errors`` and ``misses`` count it, each kind is logged once, the file is removed), never
+wrong bytes and never an exception. A write that fails (a full disk: ENOSPC; EIO, ...) is a
+rejected put; writes then pause for ``write_backoff_s`` (doubling up to ten times that while
+they keep failing) and reads go on: a full disk stops offload, not serving.
+
+Threads: one lock guards the index, counters and events; file I/O runs outside it, so the
+engine's get does not wait for an offload thread's write (puts run one at a time under a
+second lock). A file evicted while a get has it open is still read whole (POSIX unlink
+semantics); one evicted before the open is a plain miss, not an error.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Iterable
+from pathlib import Path
+
+import torch
+
+from workers.engine.kv_tiers import block_file
+from workers.engine.kv_tiers.block_file import HEADER_LEN
+from workers.engine.kv_tiers.keys import CacheFingerprint
+from workers.engine.kv_tiers.tier import TierEvents, TierStats
+
+logger = logging.getLogger(__name__)
+
+
+class DiskTier:
+    """The disk tier (G3); implements :class:`~workers.engine.kv_tiers.tier.KVTier`."""
+
+    name = "disk"
+
+    def __init__(
+        self,
+        root: Path,
+        fingerprint: CacheFingerprint,
+        block_bytes: int,
+        capacity_bytes: int,
+        *,
+        write_backoff_s: float = 5.0,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        if block_bytes <= 0:
+            raise ValueError(f"block_bytes must be positive, got {block_bytes}")
+        self.block_bytes = block_bytes
+        self.directory = Path(root) / fingerprint.digest
+        self.directory.mkdir(parents=True, exist_ok=True)
+        self._digest = block_file.digest_bytes(fingerprint.digest)
+        self._file_bytes = HEADER_LEN + block_bytes
+        self._capacity_blocks = max(0, capacity_bytes) // self._file_bytes
+        self._backoff_s = write_backoff_s
+        self._clock = clock
+        self._lock = threading.Lock()
+        self._put_lock = threading.Lock()
+        self._index: OrderedDict[int, None] = OrderedDict()  # least recent first
+        self._last_stamp_ns = 0
+        # Hash -> whether it was held at the last drain_events (first change only).
+        self._changed: dict[int, bool] = {}
+        self._logged: set[str] = set()
+        self._writes_paused_until = 0.0
+        self._failed_writes_in_row = 0
+        self._closed = False
+        self._counts = dict.fromkeys(
+            ("hits", "misses", "errors", "onboard_bytes", "offload_bytes", "evictions"), 0
+        )
+        self._counts["rejected"] = 0
+        self._onboard_seconds = 0.0
+        self._offload_seconds = 0.0
+        self._scan()
+
+    # -- KVTier ------------------------------------------------------------------------
+
+    def contains(self, block_hash: int) -> bool:
+        with self._lock:
+            return block_hash in self._index
+
+    def get(self, block_hash: int, out: torch.Tensor) -> bool:
+        self._check_buffer(out, "out")
+        with self._lock:
+            if self._closed or block_hash not in self._index:
+                self._counts["misses"] += 1
+                return False
+            touch_ns = self._next_stamp_ns()
+        start = time.perf_counter()
+        host = out if out.device.type == "cpu" else torch.empty_like(out, device="cpu")
+        bad = block_file.read_block(
+            self._path(block_hash), self._digest, block_hash, _bytes_view(host), touch_ns
+        )
+        if bad is None and host is not out:
+            out.copy_(host)
+        elapsed = time.perf_counter() - start
+        with self._lock:
+            if bad is None:
+                self._counts["hits"] += 1
+                self._counts["onboard_bytes"] += self.block_bytes
+                self._onboard_seconds += elapsed
+                if block_hash in self._index:
+                    self._index.move_to_end(block_hash)
+                return True
+            self._counts["misses"] += 1
+            if block_hash in self._index:  # else: evicted while we read, a plain miss
+                self._counts["errors"] += 1
+                self._drop(block_hash)
+                self._unlink(self._path(block_hash))
+                self._log_once(bad.value, f"a {bad.value} block file is a miss (removed)")
+            return False
+
+    def put(self, block_hash: int, data: torch.Tensor) -> bool:
+        self._check_buffer(data, "data")
+        # Puts run one at a time (there is one offload thread anyway), so a block's file
+        # is never unlinked as a victim by one put while another writes it anew.
+        with self._put_lock:
+            with self._lock:
+                if self._closed:
+                    self._counts["rejected"] += 1
+                    return False
+                stamp_ns = self._next_stamp_ns()
+                if block_hash in self._index:  # blocks are immutable: only refresh recency
+                    self._index.move_to_end(block_hash)
+                    self._touch(block_hash, stamp_ns)
+                    return True
+                if self._capacity_blocks == 0 or self._clock() < self._writes_paused_until:
+                    self._counts["rejected"] += 1
+                    return False
+                victims = self._make_room(1)
+            for victim in victims:
+                self._unlink(self._path(victim))
+            start = time.perf_counter()
+            payload = _bytes_view(data if data.device.type == "cpu" else data.cpu())
+            header = block_file.make_header(self._digest, block_hash, payload)
+            try:
+                block_file.write_block(self._path(block_hash), header, payload, stamp_ns)
+            except OSError as exc:
+                self._write_failed(exc)
+                return False
+            elapsed = time.perf_counter() - start
+            with self._lock:
+                self._failed_writes_in_row = 0
+                self._counts["offload_bytes"] += self.block_bytes
+                self._offload_seconds += elapsed
+                self._index[block_hash] = None
+                self._note_change(block_hash, held_before=False)
+            return True
+
+    def prefetch(self, block_hashes: Iterable[int]) -> int:
+        """Start reading these blocks' files into the page cache, without waiting
+        (``posix_fadvise(WILLNEED)``), so the ``get`` of each that follows finds it there:
+        the disk then works on many blocks at once instead of one per ``get``. Not part of
+        :class:`KVTier`: a hint a caller that knows a request's blocks may give first.
+        Returns how many blocks it asked for (held ones)."""
+        with self._lock:
+            held = [h for h in block_hashes if h in self._index]
+        for block_hash in held:
+            with contextlib.suppress(OSError):  # a hint: get reports what is wrong
+                fd = os.open(self._path(block_hash), os.O_RDONLY | os.O_CLOEXEC)
+                try:
+                    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_WILLNEED)
+                finally:
+                    os.close(fd)
+        return len(held)
+
+    def hashes(self) -> frozenset[int]:
+        with self._lock:
+            return frozenset(self._index)
+
+    def drain_events(self) -> TierEvents:
+        with self._lock:
+            stored = tuple(h for h, was in self._changed.items() if not was and h in self._index)
+            removed = tuple(h for h, was in self._changed.items() if was and h not in self._index)
+            self._changed.clear()
+        return TierEvents(stored=stored, removed=removed)
+
+    def stats(self) -> TierStats:
+        with self._lock:
+            return TierStats(
+                name=self.name,
+                blocks=len(self._index),
+                bytes=len(self._index) * self._file_bytes,
+                capacity_blocks=self._capacity_blocks,
+                onboard_seconds=self._onboard_seconds,
+                offload_seconds=self._offload_seconds,
+                **self._counts,
+            )
+
+    def close(self) -> None:
+        with self._lock:
+            self._closed = True
+
+    # -- internals ---------------------------------------------------------------------
+
+    def _scan(self) -> None:
+        """Find the blocks a previous run left (size check only), oldest first."""
+        found: list[tuple[int, int]] = []
+        for entry in os.scandir(self.directory):
+            if entry.name.endswith(block_file.TEMP_SUFFIX) and entry.name.startswith("."):
+                self._unlink(Path(entry.path))  # an interrupted write of a previous run
+                continue
+            block_hash = block_file.parse_file_name(entry.name)
+            if block_hash is None:
+                self._log_once("foreign_name", f"ignoring {entry.path}: not a block file")
+                continue
+            try:
+                st = entry.stat(follow_symlinks=False)
+            except OSError:
+                continue
+            if not entry.is_file(follow_symlinks=False) or st.st_size != self._file_bytes:
+                self._counts["errors"] += 1
+                self._log_once("bad_size", f"{entry.path} cannot be a block file (removed)")
+                self._unlink(Path(entry.path))
+                continue
+            found.append((st.st_mtime_ns, block_hash))
+        found.sort()
+        for mtime_ns, block_hash in found:
+            self._index[block_hash] = None
+            self._note_change(block_hash, held_before=False)
+            self._last_stamp_ns = max(self._last_stamp_ns, mtime_ns)
+        for victim in self._make_room(0):
+            self._unlink(self._path(victim))
+        if found:
+            logger.info(
+                "disk tier %s: found %d blocks, kept %d",
+                self.directory,
+                len(found),
+                len(self._index),
+            )
+
+    def _make_room(self, num_new: int) -> list[int]:
+        """Drop least recent blocks from the index until ``num_new`` more fit (lock held).
+        The caller unlinks the returned blocks' files after releasing the lock."""
+        victims: list[int] = []
+        while self._index and len(self._index) + num_new > self._capacity_blocks:
+            victim, _ = self._index.popitem(last=False)
+            self._note_change(victim, held_before=True)
+            self._counts["evictions"] += 1
+            victims.append(victim)
+        return victims
+
+    def _touch(self, block_hash: int, stamp_ns: int) -> None:
+        # The recency on disk is only a hint for the next start.
+        with contextlib.suppress(OSError):
+            os.utime(self._path(block_hash), ns=(stamp_ns, stamp_ns))
+
+    def _drop(self, block_hash: int) -> None:
+        del self._index[block_hash]
+        self._note_change(block_hash, held_before=True)
+
+    def _note_change(self, block_hash: int, *, held_before: bool) -> None:
+        self._changed.setdefault(block_hash, held_before)
+
+    def _write_failed(self, exc: OSError) -> None:
+        with self._lock:
+            self._counts["rejected"] += 1
+            self._failed_writes_in_row += 1
+            # 1x, 2x, 4x, 8x, then 10x the back-off while the disk stays full.
+            pause = self._backoff_s * min(10, 2 ** (self._failed_writes_in_row - 1))
+            self._writes_paused_until = self._clock() + pause
+            self._log_once(
+                f"write_{exc.errno}",
+                f"writing a block failed ({exc.strerror or exc}); "
+                f"offload to disk paused for {pause:g}s (reads go on)",
+            )
+
+    def _log_once(self, kind: str, message: str) -> None:
+        if kind not in self._logged:
+            self._logged.add(kind)
+            logger.warning("disk tier %s: %s", self.directory, message)
+
+    def _next_stamp_ns(self) -> int:
+        # Strictly increasing even when the wall clock is coarse or steps back, so the
+        # mtimes read at the next start give the exact recency order (lock held).
+        self._last_stamp_ns = max(self._last_stamp_ns + 1, time.time_ns())
+        return self._last_stamp_ns
+
+    def _path(self, block_hash: int) -> Path:
+        return self.directory / block_file.file_name(block_hash)
+
+    def _check_buffer(self, tensor: torch.Tensor, what: str) -> None:
+        if (
+            tensor.dtype != torch.uint8
+            or not tensor.is_contiguous()
+            or tensor.numel() != self.block_bytes
+        ):
+            raise ValueError(
+                f"{what} must be a contiguous uint8 tensor of {self.block_bytes} bytes, "
+                f"got {tensor.dtype} {tuple(tensor.shape)}"
+            )
+
+    @staticmethod
+    def _unlink(path: Path) -> None:
+        # Already gone, or the disk is failing: either way the index no longer has it.
+        with contextlib.suppress(OSError):
+            os.unlink(path)
+
+
+def _bytes_view(tensor: torch.Tensor) -> memoryview:
+    """A writable byte view of a CPU tensor's memory (no copy)."""
+    return memoryview(tensor.numpy()).cast("B")

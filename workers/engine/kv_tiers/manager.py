@@ -1,0 +1,209 @@
+"""Moves KV blocks between the engine's pool (G1) and the tiers below it (G2 host, G3 disk).
+
+``LLMEngine.kv_tiers`` is one of these (None when no tier is configured). The engine thread
+calls it at two moments (docs/kv-tiers.md has the why of each):
+
+- **Offload, when the pool evicts a block** (``BlockManager.on_evict``, during scheduling):
+  the block's bytes are copied into the host tier right there, synchronously: one memcpy of
+  a block that is about to be handed out and overwritten, so no later write (the step's,
+  or an onboarding into the same block id) can race it. The disk gets the block later,
+  from the host tier, on the writer's thread (``write_behind.py``); without a host tier a
+  small internal one stages blocks for it. A slow or failing disk drops offloads (counted),
+  never a step.
+- **Onboard, on admission** (``Scheduler``'s admission path): after the pool's own prefix
+  lookup, ``find`` continues the chain of block hashes through the tiers; once the request
+  has its blocks, ``onboard`` copies the hits into them, in order, and stops at the first
+  block a tier fails to deliver (a miss: the request computes from there).
+
+Single-rank only (the block a TP rank or a pipeline stage holds is a slice of the model's
+KV: ``build.py`` refuses those replicas).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import torch
+
+from workers.engine.kv_tiers.host_tier import HostTier
+from workers.engine.kv_tiers.tier import KVTier
+from workers.engine.kv_tiers.write_behind import WriteBehind, WriteBehindStats
+from workers.protocol.block_hashes import NONE_HASH, hash_block_tokens
+
+if TYPE_CHECKING:
+    from workers.engine.block_manager import BlockManager, PrefixHit
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class TierHit:
+    """Blocks after the pool's prefix hit that the tiers hold, in chain order."""
+
+    block_hashes: tuple[int, ...] = ()
+    tier_indexes: tuple[int, ...] = ()  # per block: which of the lookup tiers holds it
+
+    @property
+    def num_blocks(self) -> int:
+        return len(self.block_hashes)
+
+
+@dataclass(frozen=True)
+class TierManagerStats:
+    """What crossed the pool's boundary since start (blocks)."""
+
+    offloaded: int = 0  # pool evictions stored in the first tier below
+    offload_failed: int = 0  # ... that it refused or that raised
+    onboarded: int = 0  # blocks copied into the pool instead of computed
+    onboard_failed: int = 0  # found by ``find`` but unreadable by ``onboard``: computed
+    writer: WriteBehindStats = field(default_factory=WriteBehindStats)
+
+
+class KVTierManager:
+    def __init__(
+        self,
+        kv_cache: torch.Tensor,
+        block_manager: BlockManager,
+        host: HostTier | None,
+        disk: KVTier | None = None,
+        staging: HostTier | None = None,
+    ) -> None:
+        """``host``: G2 or None; ``disk``: G3 or None. ``staging``: with a disk and no host
+        tier, the internal host-memory buffer the disk writer reads behind (not a tier
+        reported in ``tiers``, though lookups use it: what it holds is valid KV).
+        Registers ``offload`` as the block manager's eviction hook."""
+        if host is None and disk is None:
+            raise ValueError("KVTierManager needs at least one tier")
+        self.block_manager = block_manager
+        self.block_size = block_manager.block_size
+        # [num_blocks, block_bytes]: each row one block (every layer, K and V), as bytes.
+        self._g1 = kv_cache.view(kv_cache.shape[0], -1).view(torch.uint8)
+        self.block_bytes = self._g1.shape[1]
+        self.tiers: tuple[KVTier, ...] = tuple(t for t in (host, disk) if t is not None)
+        self._first = host if host is not None else staging
+        if disk is not None and self._first is None:
+            raise ValueError("a disk tier without a host tier needs a staging HostTier")
+        assert self._first is not None
+        self._lookup: tuple[KVTier, ...] = (self._first, *((disk,) if disk else ()))
+        self._writer = WriteBehind(self._first, disk, self._first.capacity_blocks) if disk else None
+        # A tier that is not host memory may not read into device memory: bounce via host.
+        self._bounce = (
+            torch.empty(self.block_bytes, dtype=torch.uint8, pin_memory=True)
+            if self._g1.device.type != "cpu"
+            else None
+        )
+        self._offloaded = self._offload_failed = self._onboarded = self._onboard_failed = 0
+        self._logged = False
+        block_manager.on_evict = self.offload
+
+    # ---- what the other parts read -------------------------------------------------
+    def lookup(self, token_ids: Sequence[int]) -> int:
+        """Leading full blocks of ``token_ids`` held in G1, G2 or G3 (cheap: hashes and
+        set lookups, no copy; for reports and tests). Safe from any thread."""
+        count, parent = 0, NONE_HASH
+        for start in range(0, len(token_ids) - self.block_size + 1, self.block_size):
+            parent = hash_block_tokens(parent, token_ids[start : start + self.block_size])
+            if not self.block_manager.holds(parent) and not any(
+                t.contains(parent) for t in self._lookup
+            ):
+                break
+            count += 1
+        return count
+
+    def stats(self) -> TierManagerStats:
+        return TierManagerStats(
+            self._offloaded,
+            self._offload_failed,
+            self._onboarded,
+            self._onboard_failed,
+            self._writer.stats() if self._writer else WriteBehindStats(),
+        )
+
+    def wait_idle(self) -> None:
+        """Block until the disk writer has written or dropped every block (tests, bench)."""
+        if self._writer is not None:
+            self._writer.wait_idle()
+
+    def close(self) -> None:
+        """Stop the writer and release the tiers (the disk tier's files stay)."""
+        self.block_manager.on_evict = None
+        if self._writer is not None:
+            self._writer.close()
+        for tier in {id(t): t for t in self._lookup}.values():
+            tier.close()
+
+    # ---- offload (engine thread) ---------------------------------------------------
+    def offload(self, block_id: int, block_hash: int) -> None:
+        """The pool is evicting ``block_id`` (holding ``block_hash``'s KV): store a copy
+        below before the id is handed out. Never raises: a failed offload is a later miss."""
+        try:
+            stored = self._first.put(block_hash, self._host_view(block_id))
+        except Exception:
+            stored = False
+            if not self._logged:
+                logger.exception("KV tier %s: offload failed", self._first.name)
+                self._logged = True
+        if not stored:
+            self._offload_failed += 1
+            return
+        self._offloaded += 1
+        if self._writer is not None:
+            self._writer.submit(block_hash)
+
+    # ---- onboard (engine thread, admission) ------------------------------------------
+    def find(self, token_ids: Sequence[int], prefix: PrefixHit) -> TierHit:
+        """The blocks after ``prefix`` (the pool's hit) that the tiers hold, chain order,
+        leaving at least the last token to compute. Changes nothing but recency: host-tier
+        hits become most recent so the offloads of the coming allocation evict others."""
+        max_blocks = (len(token_ids) - 1) // self.block_size
+        first = prefix.num_blocks
+        parent = prefix.block_hashes[-1] if first else NONE_HASH
+        hashes: list[int] = []
+        where: list[int] = []
+        for i in range(first, max_blocks):
+            start = i * self.block_size
+            parent = hash_block_tokens(parent, token_ids[start : start + self.block_size])
+            index = next((j for j, t in enumerate(self._lookup) if t.contains(parent)), None)
+            if index is None:
+                break
+            hashes.append(parent)
+            where.append(index)
+        for block_hash, index in zip(hashes, where, strict=True):
+            tier = self._lookup[index]
+            if isinstance(tier, HostTier):
+                tier.touch(block_hash)
+        return TierHit(tuple(hashes), tuple(where))
+
+    def onboard(self, hit: TierHit, block_ids: Sequence[int]) -> int:
+        """Copy ``hit``'s blocks into ``block_ids`` (fresh pool blocks, one per hit, in
+        order); returns how many leading ones arrived. The first miss ends it: the request
+        computes from that block on (never raises for a bad block)."""
+        for count, (block_hash, index, block_id) in enumerate(
+            zip(hit.block_hashes, hit.tier_indexes, block_ids, strict=True)
+        ):
+            if not self._read(self._lookup[index], block_hash, block_id):
+                self._onboard_failed += hit.num_blocks - count
+                return count
+            self._onboarded += 1
+        return hit.num_blocks
+
+    # ---- internals -------------------------------------------------------------------
+    def _host_view(self, block_id: int) -> torch.Tensor:
+        return self._g1[block_id]
+
+    def _read(self, tier: KVTier, block_hash: int, block_id: int) -> bool:
+        try:
+            if self._bounce is None or isinstance(tier, HostTier):
+                return tier.get(block_hash, self._g1[block_id])
+            if not tier.get(block_hash, self._bounce):
+                return False
+            self._g1[block_id].copy_(self._bounce)
+            return True
+        except Exception:
+            if not self._logged:
+                logger.exception("KV tier %s: onboarding read failed", tier.name)
+                self._logged = True
+            return False
