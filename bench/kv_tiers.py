@@ -13,9 +13,9 @@ sessions in every mode (greedy, EOS ignored), how many replies differ from the t
 run's (each turn's reply digest): onboarded KV must change no token.
 
 One aggregated worker (no hand-off: the pool that evicts is the one that prefills), served by
-``python -m cluster`` in a subprocess and loaded by ``baton bench`` with one request in
-flight (so the pool never holds more than one request's history plus what it keeps cached,
-and TTFT is prefill, not queueing). The modes alternate within every repeat, each repeat
+``python -m cluster`` in a subprocess and loaded by ``baton bench`` with ``--concurrency``
+requests in flight (default 1: the pool never holds more than one request's history plus
+what it keeps cached, and TTFT is prefill, not queueing). The modes alternate within every repeat, each repeat
 with sessions of its own (seed + repeat); each figure is the median over repeats.
 
     python -m bench.kv_tiers --repeats 3 --json bench/kv_tiers.json
@@ -92,8 +92,10 @@ def pool_blocks(args: argparse.Namespace, vocab_size: int) -> tuple[int, str]:
     blocks = args.system_len // args.block_size + args.sessions * -(-own // args.block_size)
     g1 = blocks // args.pool_fraction
     need = -(-w.longest_request() // args.block_size)
-    if g1 < need:
-        raise ValueError(f"G1 of {g1} blocks cannot hold one request of {need} blocks")
+    if g1 < need * args.concurrency:
+        raise ValueError(
+            f"G1 of {g1} blocks cannot hold {args.concurrency} requests of {need} blocks"
+        )
     text = (
         f"working set: system {args.system_len} + {args.sessions} sessions x "
         f"({args.turns} turns x {args.user_len} user + {args.turns - 1} replies x "
@@ -150,7 +152,8 @@ def run_mode(mode: str, repeat: int, model_dir: Path, g1: int, args, host, workd
             "--dataset", "multi-turn", "--num-sessions", str(args.sessions),
             "--num-turns", str(args.turns), "--system-prompt-len", str(args.system_len),
             "--input-len", str(args.user_len), "--output-len", str(args.output_len),
-            "--think-time", str(args.think_time), "--max-concurrency", "1", "--ignore-eos",
+            "--think-time", str(args.think_time), "--max-concurrency", str(args.concurrency),
+            "--ignore-eos",
             "--seed", str(args.seed + repeat), "--result-json", str(result),
         ]  # fmt: skip
         started = host.sample()
@@ -186,6 +189,7 @@ def main() -> int:
     parser.add_argument("--output-len", type=int, default=16)
     parser.add_argument("--think-time", type=float, default=1.0)
     parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument("--concurrency", type=int, default=1, help="requests in flight (1)")
     parser.add_argument("--pool-fraction", type=int, default=4, help="G1 = working set // this")
     parser.add_argument("--max-model-len", type=int, default=2048)
     parser.add_argument("--host-tier-gib", type=float, default=0.5)
