@@ -109,6 +109,7 @@ class _Model:
 
 def run(args: argparse.Namespace) -> int:
     from cluster.loadgen.metrics import Slo, summarize, turn_summary
+    from cluster.loadgen.session_command import run_session_workload, session_workload
 
     slo = Slo.parse(args.slo)
     for name in ("num_prompts", "input_len", "output_len"):
@@ -130,7 +131,7 @@ def run(args: argparse.Namespace) -> int:
         return 1
     multi_turn = args.dataset == "multi-turn"
     if multi_turn:
-        _workload(args, info, args.seed)  # bad arguments fail before the warm-up
+        session_workload(args, info.max_model_len, info.vocab_size, args.seed)  # fails early
     else:
         requests = _dataset(args, info.vocab_size, args.seed)
         too_long = [r for r in requests if len(r.prompt_ids) + r.max_tokens > info.max_model_len]
@@ -149,8 +150,9 @@ def run(args: argparse.Namespace) -> int:
     for index, rate in enumerate(rates):
         if multi_turn:
             # Each rate of a sweep: sessions of its own (seed + 1000 i), as below.
-            workload = _workload(args, info, args.seed + _SWEEP_SEED_STEP * index)
-            records, duration = _run_sessions(args, target, workload, rate)
+            seed = args.seed + _SWEEP_SEED_STEP * index
+            workload = session_workload(args, info.max_model_len, info.vocab_size, seed)
+            records, duration = run_session_workload(args, target, workload, rate)
         else:
             if index:
                 # Fresh prompts for each later rate of a sweep (lengths from the same
@@ -167,7 +169,7 @@ def run(args: argparse.Namespace) -> int:
             summary["multi_turn"] = turn_summary(records)
         print(format_summary(summary))
         results.append({**summary, "requests": [asdict(r) for r in records]})
-        runs.append((_label(rate), records))
+        runs.append((_label(rate, "sessions/s" if multi_turn else "req/s"), records))
     if args.result_json:
         document = {
             "target": target,
@@ -247,22 +249,6 @@ def _dataset(args: argparse.Namespace, vocab_size: int, seed: int):
     return datasets.trace_dataset(args.trace, args.num_prompts, vocab_size, seed)
 
 
-def _workload(args: argparse.Namespace, info: _Model, seed: int):
-    from cluster.loadgen.multiturn import multi_turn_workload
-
-    workload = multi_turn_workload(
-        args.num_sessions, args.num_turns, args.system_prompt_len, args.input_len,
-        args.output_len, args.range_ratio, args.think_time, info.vocab_size, seed,
-    )  # fmt: skip
-    if workload.longest_request() > info.max_model_len:
-        raise ValueError(
-            f"multi-turn: the last turns need up to {workload.longest_request()} tokens "
-            f"(history + reply), over the model's max_model_len ({info.max_model_len}): "
-            "lower --num-turns / --system-prompt-len / --input-len / --output-len"
-        )
-    return workload
-
-
 def _warmup_requests(args: argparse.Namespace, vocab_size: int):
     if args.dataset != "multi-turn":
         return _dataset(args, vocab_size, args.seed + 1)[: args.warmup]
@@ -274,26 +260,6 @@ def _warmup_requests(args: argparse.Namespace, vocab_size: int):
     )
 
 
-def _run_sessions(args: argparse.Namespace, target: str, workload, rate: float | None):
-    from tqdm import tqdm
-
-    from cluster.loadgen.arrivals import arrival_offsets
-    from cluster.loadgen.sessions import run_sessions
-
-    offsets = arrival_offsets(len(workload.sessions), rate or math.inf, args.burstiness, args.seed)
-    label = f"{_label(rate)} (sessions)"
-    total = workload.num_requests
-    with tqdm(total=total, desc=label, unit="req", file=sys.stderr, disable=None) as bar:
-        return asyncio.run(
-            run_sessions(
-                target, workload, offsets, max_concurrency=args.max_concurrency,
-                max_sessions=args.max_sessions, ignore_eos=args.ignore_eos,
-                disaggregation=args.disaggregation, timeout_s=args.timeout,
-                on_done=lambda _: bar.update(1),
-            )
-        )  # fmt: skip
-
-
 def _offsets(args: argparse.Namespace, requests, rate: float | None) -> list[float]:
     from cluster.loadgen.arrivals import arrival_offsets
 
@@ -302,8 +268,8 @@ def _offsets(args: argparse.Namespace, requests, rate: float | None) -> list[flo
     return arrival_offsets(len(requests), rate or math.inf, args.burstiness, args.seed)
 
 
-def _label(rate: float | None) -> str:
-    return "trace timing" if rate is None else f"{rate:g} req/s"
+def _label(rate: float | None, unit: str = "req/s") -> str:
+    return "trace timing" if rate is None else f"{rate:g} {unit}"
 
 
 def _run_once(args, target: str, model: str, requests, offsets: list[float], label: str):
@@ -354,10 +320,15 @@ def _plain(value: object) -> object:
     return value
 
 
+def _number(value: float | str) -> str:
+    return value if isinstance(value, str) else f"{value:g}"
+
+
 def format_summary(s: dict) -> str:
     rate = s["request_rate"]
+    unit = "sessions/s" if "multi_turn" in s else "req/s"
     lines = [
-        f"==== rate {rate if isinstance(rate, str) else f'{rate:g} req/s'} ====",
+        f"==== rate {'trace' if rate == 'trace' else f'{_number(rate)} {unit}'} ====",
         f"requests: {s['completed']} completed, {s['failed']} failed {s['errors'] or ''}",
         f"duration: {s['duration_s']:.2f} s",
         f"throughput: {s['request_throughput']:.2f} req/s, {s['output_throughput']:.1f} output tok/s, "
@@ -374,22 +345,7 @@ def format_summary(s: dict) -> str:
         )
         lines.append(f"{key[:-3].upper():<6}{cells}")
     if "multi_turn" in s:
-        lines += _format_turns(s["multi_turn"])
+        from cluster.loadgen.session_command import format_turns
+
+        lines += format_turns(s["multi_turn"])
     return "\n".join(lines)
-
-
-def _format_turns(m: dict) -> list[str]:
-    lines = [f"{'turns':<8}{'done':>6}{'cached':>9}{'TTFT p50':>11}{'p90':>10}{'p99':>10}"]
-    for key, name in (("first_turn", "first"), ("later_turns", "later")):
-        part, ttft = m[key], m[key]["ttft_ms"]
-        share = f"{part['cached_share']:.0%}" if part["cached_share"] is not None else "-"
-        cells = "".join(
-            f"{ttft[k]:>{w}.2f}" if ttft[k] is not None else f"{'-':>{w}}"
-            for k, w in (("median", 11), ("p90", 10), ("p99", 10))
-        )
-        lines.append(f"{name:<8}{part['completed']:>6}{share:>9}{cells}")
-    lines.append(
-        f"requests per worker: {m['requests_per_worker']}; "
-        f"sessions on more than one worker: {m['sessions_moved']}"
-    )
-    return lines
