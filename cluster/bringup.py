@@ -185,8 +185,15 @@ def bring_up(config: ClusterConfig) -> Cluster:
             role = replica.spec.role
             clients[role].append(RayWorkerClient(worker, role, replica.ranks[0], listener))
         pairs = [(d.name, p.name) for d in clients["decode"] for p in clients["prefill"]]
+        # Peer pull (G4, router/peer_prefix.py): any worker may read any other's lease.
+        peer_sharing = config.kv_cache.peer_sharing
+        if peer_sharing:
+            for pool in clients.values():
+                pairs += [(a.name, b.name) for i, a in enumerate(pool) for b in pool[i + 1 :]]
         introduce(replicas, pairs)
-        cluster.restarter = RayRestarter(replicas, listener, info, cluster.exporters)
+        cluster.restarter = RayRestarter(
+            replicas, listener, info, cluster.exporters, peer_sharing=peer_sharing
+        )
         cluster.router = Router(
             RouterConfig(
                 model_name=name,
@@ -210,6 +217,7 @@ def bring_up(config: ClusterConfig) -> Cluster:
                 migration_limit=config.router.migration_limit,
                 kv_transfer_backend=config.kv_transfer.backend,
                 speculative=config.decode.speculative.summary(),
+                peer_sharing=peer_sharing,
             ),
             Tokenizer.from_dir(model_dir),
             clients["prefill"],

@@ -51,13 +51,16 @@ class RayRestarter:
         listener: ChannelListener,
         reference: WorkerInfo,
         exporters: NodeExporters | None = None,
+        peer_sharing: bool = False,
     ):
         """``replicas`` is the cluster's registry (name -> running replica): a restart
         replaces the entry, so that shutdown stops the new ranks. ``reference``: what
         every worker described at bring-up; a replacement must agree with it.
         ``exporters``: the run's metrics endpoints; a replica placed on a node new to the
-        run gets one there."""
+        run gets one there. ``peer_sharing`` (G4): a new replica is introduced to every
+        other worker, of its own pool too."""
         self._replicas = replicas
+        self._peer_sharing = peer_sharing
         self._exporters = exporters
         self._listener = listener
         self._reference = reference
@@ -93,7 +96,11 @@ class RayRestarter:
                     logger.info("metrics of a new node on http://%s/metrics", address)
             start_replicas({name: replica}, cancel)
             check_agree([self._reference, *wait_ready({name: replica}, cancel)])
-            others = [n for n, r in self._replicas.items() if r.spec.role != spec.role]
+            others = [
+                n
+                for n, r in self._replicas.items()
+                if n != name and (r.spec.role != spec.role or self._peer_sharing)
+            ]
             pairs = [(name, o) if spec.role == "decode" else (o, name) for o in others]
             introduce({**self._replicas, name: replica}, pairs, fresh=name)
             if cancel.is_set():

@@ -194,9 +194,17 @@ class KVConnector:
         e.g. a full prefix hit): tell each owner now so it frees its blocks."""
         if status not in ("aborted", "skipped"):
             raise ValueError(f"decline status must be 'aborted' or 'skipped', got {status!r}")
-        self._call(
-            lambda: self._receiver.decline(tuple(handles), status), self.config.handshake_timeout_s
-        )
+        # Our own handles (a peer export nobody will read, declined through us): no notice
+        # can reach ourselves, so the lease ends here.
+        own = tuple(h for h in handles if h.agent_name == self.agent_name)
+        others = tuple(h for h in handles if h.agent_name != self.agent_name)
+
+        def decline() -> None:
+            self._receiver.decline(others, status)
+            for handle in own:
+                self._sender.end_lease(handle.lease_id, status)
+
+        self._call(decline, self.config.handshake_timeout_s)
 
     def stats(self) -> ConnectorStats:
         return self._call(

@@ -80,6 +80,15 @@ class LeaseTable:
             return True
         return False
 
+    def end(self, lease_id: int, reason: str) -> bool:
+        """The owner itself ends the lease (no reader will come); False if unknown, or if
+        a write from it is in flight (a reader has it: its end releases the lease)."""
+        lease = self._leases.get(lease_id)
+        if lease is None or lease.num_writes_in_flight:
+            return False
+        self._release(lease, reason)
+        return True
+
     def write_started(self, lease_id: int) -> Lease | None:
         """Our own write from the lease's blocks begins (push); defers expiry."""
         lease = self._leases.get(lease_id)

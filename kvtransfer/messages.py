@@ -15,7 +15,7 @@ producing half-filled objects.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 from typing import ClassVar
 
 import msgpack
@@ -56,7 +56,30 @@ class KVHandle:
     first_token_id: int  # sampled by prefill
     lease_seconds: float
     issued_unix: float  # owner's wall clock at issue (the reader checks the lease is not stale)
+    # The lease's blocks from this index on: ``block_ids`` are the lease's
+    # ``[first_block:first_block + len(block_ids)]``. A decode worker that holds the
+    # prompt's first blocks itself receives only the rest (``from_block``); the owner
+    # always issues 0.
+    first_block: int = 0
     kind: ClassVar[str] = "handle"
+
+    def __post_init__(self) -> None:
+        if self.first_block < 0:
+            raise ValueError(f"first_block must be >= 0, got {self.first_block}")
+
+    def from_block(self, first_block: int, end_block: int | None = None) -> KVHandle:
+        """The same lease, read from its block ``first_block`` on (a partial receive: the
+        reader holds the blocks before it), up to ``end_block`` (exclusive; None: to the
+        end; a peer pull reads only a prefix). At least one block must remain."""
+        end = self.first_block + len(self.block_ids)
+        end_block = end if end_block is None else end_block
+        if not self.first_block <= first_block < end_block <= end:
+            raise ValueError(
+                f"cannot read blocks {first_block}..{end_block - 1}: the handle holds "
+                f"blocks {self.first_block}..{end - 1}"
+            )
+        ids = self.block_ids[first_block - self.first_block : end_block - self.first_block]
+        return replace(self, block_ids=ids, first_block=first_block)
 
 
 @dataclass(frozen=True)
@@ -92,7 +115,13 @@ class PushRequest:
     req_id: str
     block_ids: tuple[int, ...]
     timeout_s: float  # the owner gives up writing before the reader stops waiting
+    first_block: int = 0  # write the lease's blocks from this index on (partial receive)
+    # (as many as ``block_ids``: a peer pull reads a prefix of the lease)
     kind: ClassVar[str] = "push"
+
+    def __post_init__(self) -> None:
+        if self.first_block < 0:
+            raise ValueError(f"first_block must be >= 0, got {self.first_block}")
 
 
 _SCALARS = {"str": str, "bytes": bytes, "int": int, "float": (int, float)}

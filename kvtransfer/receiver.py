@@ -156,7 +156,9 @@ class Receiver:
                     part.peer, "READ", block_ids, handle.block_ids, encode(done)
                 )
             else:
-                request = PushRequest(handle.lease_id, inc.req_id, block_ids, timeout)
+                request = PushRequest(
+                    handle.lease_id, inc.req_id, block_ids, timeout, handle.first_block
+                )
                 self._backend.send_notif(part.peer, encode(request))
             part.state = "posted"
         except PeerLostError as exc:

@@ -64,6 +64,11 @@ class Sender:
     def offer(self, req_id: str, block_ids, num_readers: int, lease_seconds: float) -> Lease:
         return self._leases.add(req_id, block_ids, num_readers, lease_seconds)
 
+    def end_lease(self, lease_id: int, status: str) -> None:
+        """We decline our own lease (nobody will read it): it ends now, unless one of our
+        writes from it is in flight (then a reader has it, and that write ends it)."""
+        self._leases.end(lease_id, status)
+
     def shutdown(self) -> None:
         self._leases.release_all("shutdown")
 
@@ -95,15 +100,17 @@ class Sender:
             fail = LeaseExpiredError(f"no lease {request.lease_id} (expired or released)")
         elif not peer.write_segments:
             fail = LayoutMismatchError(f"{sender} holds none of this rank's kv heads")
-        elif len(request.block_ids) != len(lease.block_ids):
-            n, m = len(request.block_ids), len(lease.block_ids)
+        elif request.first_block + len(request.block_ids) > len(lease.block_ids):
+            # A partial receive reads the lease's blocks from first_block on (a peer pull
+            # only a prefix of them): never past the lease's end.
+            n, m = len(request.block_ids), len(lease.block_ids) - request.first_block
             fail = KVTransferError(f"{n} destination blocks for {m} source blocks")
         if fail is None:
             done = CompletionNotice(self.name, request.lease_id, request.req_id, "done")
+            end = request.first_block + len(request.block_ids)
+            source = lease.block_ids[request.first_block : end]
             try:
-                xfer = self._backend.post(
-                    sender, "WRITE", lease.block_ids, request.block_ids, encode(done)
-                )
+                xfer = self._backend.post(sender, "WRITE", source, request.block_ids, encode(done))
             except KVTransferError as exc:
                 fail = exc
         if fail is not None:

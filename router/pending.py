@@ -77,9 +77,10 @@ class Pending:
         # Shielded: a cancel must not race its abort past the submit (a threaded actor
         # does not keep call order); settle waits for this before aborting.
         self.submit = asyncio.ensure_future(worker.client.submit(item))
-        if item.mode == "decode":
-            # Once D has the handle, D's notice (or expiry) ends the lease: never decline it
-            # then, even if this coroutine is cancelled while the submit is in flight.
+        if item.kv_handles:
+            # Once D (or, for a peer pull, the pulling worker) has the handle, its notice
+            # (or expiry) ends the lease: never decline it then, even if this coroutine is
+            # cancelled while the submit is in flight.
             def delivered(future: asyncio.Future) -> None:
                 if not future.cancelled() and future.exception() is None:
                     self.unread_handles = ()

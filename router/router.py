@@ -34,6 +34,7 @@ from router.errors import ErrorCode, RouterError
 from router.events import GenerateEvent
 from router.metrics import MIGRATIONS
 from router.migration import WorkerLost, check_limit, no_worker_left
+from router.peer_prefix import PeerExports
 from router.pending import SETTLE_TIMEOUT_S, Pending
 from router.policy import NoHealthyWorker, RouteDecision, RouteRequest, route
 from router.recovery import Recovery, Restarter, RestartPolicy
@@ -76,6 +77,10 @@ class Router:
         self._requests: dict[str, Pending] = {}
         self._cursor = 0
         self._background: set[asyncio.Task] = set()
+        self.peers: PeerExports | None = None  # peer pull (G4), router/peer_prefix.py
+        if config.peer_sharing:
+            unread = partial(lambda r, h: decline(h, None, [*r.decode, *r.prefill]), self)
+            self.peers = PeerExports(config.peer_export_timeout_s, unread)
 
     # ---- lifecycle -------------------------------------------------------------------
     async def start(self, ready_timeout_s: float = 120.0) -> None:
@@ -264,7 +269,8 @@ class Router:
         if prefill is not None:
             stream.stamps.prefill_worker = prefill.name
             handle_event = None
-            async for out, event in pending.stream_from(prefill, replace(item, mode="prefill")):
+            prefill_item = await self._peer_prefix(pending, replace(item, mode="prefill"), prefill)
+            async for out, event in pending.stream_from(prefill, prefill_item):
                 if event is not None and event.kv_handles:
                     handle_event = event
                     break
@@ -289,9 +295,22 @@ class Router:
                 kv_handles=handle_event.kv_handles,
                 first_token_id=handle_event.token_ids[0],
             )
+        else:
+            item = await self._peer_prefix(pending, item, decode)
         async for out, _event in pending.stream_from(decode, item):
             if out is not None:
                 yield out
+
+    async def _peer_prefix(self, pending: Pending, item: WorkItem, target: WorkerView) -> WorkItem:
+        """Peer pull (G4): ``item`` with a peer's handles on its prompt's first blocks, when
+        another worker holds enough more of it than ``target`` (router/peer_prefix.py)."""
+        if self.peers is None:
+            return item
+        cfg = self.config
+        workers = [*self.prefill, *self.decode]
+        item = await self.peers.attach(item, target, workers, cfg.block_size, cfg.peer_min_blocks)
+        pending.unread_handles = item.kv_handles  # declined if the submit fails
+        return item
 
     def _expect(
         self,
@@ -370,6 +389,8 @@ class Router:
             pending = self._requests.get(event.request_id)
             if pending is not None:
                 pending.events.put_nowait((view.name, event))
+            elif self.peers is not None and self.peers.on_event(view.name, event):
+                pass  # a peer export's handles (router/peer_prefix.py)
             elif event.kv_handles:
                 # Its request is gone (aborted while prefilling): free the held KV.
                 self._spawn(decline(event.kv_handles, None, self.decode))
@@ -387,5 +408,7 @@ class Router:
             if pending is not None and pending.owner is view:
                 pending.events.put_nowait((view.name, None))
         view.forget_all()
+        if self.peers is not None:
+            self.peers.worker_lost(view.name)
         if self.recovery is not None:
             self.recovery.worker_lost(view.name)

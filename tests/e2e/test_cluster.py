@@ -121,6 +121,25 @@ def test_seeded_sampling_agrees_across_paths(cluster, llm):
     assert outs[0] == outs[1] == list(llm.generate([PROMPTS[0]], params)[0].token_ids)
 
 
+def test_decode_worker_receives_only_what_its_prefix_cache_lacks(cluster, llm):
+    """The second prompt continues the first: the decode worker holds the first's 6 blocks
+    (received then) and pulls only the 3 after them; the tokens are LLM.generate's."""
+    from workers import SamplingParams
+
+    stub = cluster.stub()
+    first = [(13 * j) % 900 + 4 for j in range(48)]  # 6 blocks of 8
+    second = first + [(29 * j) % 700 + 6 for j in range(24)]  # 9 blocks
+    timing = pb.OutputOptions(return_timing=True)
+    always = pb.DISAGGREGATION_ALWAYS
+    _, _, one = collect(stub, request(first, disaggregation=always, output=timing))
+    tokens, _, two = collect(stub, request(second, disaggregation=always, output=timing))
+    ref = llm.generate([second], SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True))
+    assert tokens == list(ref[0].token_ids)
+    assert two.usage.cached_prompt_tokens == 48
+    assert one.timing.kv_transfer_bytes > 0
+    assert two.timing.kv_transfer_bytes * 2 == one.timing.kv_transfer_bytes  # 3 of 6 blocks
+
+
 def test_32_concurrent_streams(cluster, llm):
     from workers import SamplingParams
 

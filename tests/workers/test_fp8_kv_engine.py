@@ -101,8 +101,10 @@ def test_fp8_disaggregated_over_nixl_gives_the_aggregated_tokens(model_dir, prom
         while d.has_unfinished_requests():
             for delta in d.step():
                 out.setdefault(delta.request_id, []).append(delta)
-            for request_id, dst in d.take_kv_receives():
-                result = d_conn.receive([handles[request_id]], list(dst)).result(timeout=30)
+            for receive in d.take_kv_receives():
+                request_id, dst = receive.request_id, receive.block_ids
+                handle = handles[request_id].from_block(receive.first_block)
+                result = d_conn.receive([handle], list(dst)).result(timeout=30)
                 assert result.num_bytes == len(dst) * d.kv_cache[0].numel()  # uint8: bytes
                 assert p.release_held(request_id)
                 d.kv_received(request_id, True)

@@ -11,7 +11,13 @@ import pytest
 
 from tests.workers.test_scheduler import BS, make_remote_request, make_request, run_step
 from workers.engine.block_manager import BlockManager
-from workers.engine.handoff import PREFILL_STATES, HandoffError, HandoffState, KVHandoff
+from workers.engine.handoff import (
+    PREFILL_STATES,
+    HandoffError,
+    HandoffState,
+    KVHandoff,
+    KVReceive,
+)
 from workers.engine.request import FinishReason, RequestStatus
 from workers.engine.scheduler import Scheduler
 
@@ -45,7 +51,7 @@ def receiving(prompt_len: int = 6) -> tuple[Scheduler, list[int]]:
     assert sched.handoff.state("d") is AWAITING
     run_step(sched)
     table = sched.block_manager.block_table("d")
-    assert sched.handoff.take_receives() == [("d", tuple(table))]
+    assert sched.handoff.take_receives() == [KVReceive("d", tuple(table))]
     assert sched.handoff.state("d") is RECEIVING and sched.handoff.num_receiving == 1
     return sched, table
 
@@ -186,7 +192,7 @@ def test_receives_and_declines_come_out_once_in_order():
     handoff.start_receiving("b", [3, 4])
     handoff.start_receiving("a", [5])
     handoff.request_ended("c")
-    assert handoff.take_receives() == [("b", (3, 4)), ("a", (5,))]
+    assert handoff.take_receives() == [KVReceive("b", (3, 4)), KVReceive("a", (5,))]
     assert handoff.take_receives() == []
     assert handoff.ids(RECEIVING, ABORTING) == ["a", "b"]  # the order their hand-off opened
     assert handoff.take_declines() == ["c"] and handoff.ids(DECLINING) == []
@@ -223,6 +229,7 @@ LEGAL: dict[str, dict[HandoffState | None, object]] = {
     "start_receiving": {AWAITING: RECEIVING},
     "received": {RECEIVING: ENDED, ABORTING: ENDED},
     "request_ended": {NEW: NEW, AWAITING: DECLINING},
+    "not_needed": {AWAITING: NEW},
     "abort": {
         NEW: NEW,
         HELD: FREED,

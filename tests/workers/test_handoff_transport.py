@@ -19,7 +19,7 @@ from concurrent.futures import Future
 import pytest
 
 from cluster.tools.make_model import make_model
-from kvtransfer import KVHandle
+from kvtransfer import KVHandle, TransferResult
 from kvtransfer.errors import TransferAbortedError
 from kvtransfer.messages import encode as encode_kv
 from workers import SamplingParams
@@ -39,6 +39,7 @@ class FakeConnector:
     def __init__(self, on_release):
         self.on_release = on_release
         self.receives: dict[str, Future] = {}
+        self.received: dict[str, tuple] = {}  # what each receive was asked: (handles, blocks)
         self.aborts: list[str] = []
         self.declines: list[str] = []
         self.offers: list[tuple[str, tuple[int, ...]]] = []
@@ -53,6 +54,7 @@ class FakeConnector:
     def receive(self, handles, block_ids) -> Future:
         future: Future = Future()
         self.receives[handles[0].req_id] = future
+        self.received[handles[0].req_id] = (tuple(handles), tuple(block_ids))
         return future
 
     def abort(self, request_id: str) -> None:
@@ -65,8 +67,8 @@ class FakeConnector:
         pass
 
 
-def handle(request_id: str) -> KVHandle:
-    return KVHandle("p#1", request_id, 1, (0, 1, 2), "fp", len(PROMPT), 5, 30.0, time.time())
+def handle(request_id: str, block_ids=(0, 1, 2)) -> KVHandle:
+    return KVHandle("p#1", request_id, 1, block_ids, "fp", len(PROMPT), 5, 30.0, time.time())
 
 
 class Worker:
@@ -107,15 +109,47 @@ def model_dir(tmp_path_factory):
     return make_model(tmp_path_factory.mktemp("transport") / "tiny", "llama", "tiny")
 
 
-def decode_item(request_id: str) -> WorkItem:
+def decode_item(request_id: str, block_ids=(0, 1, 2)) -> WorkItem:
     return WorkItem(
         request_id,
         PROMPT,
         PARAMS,
         "decode",
-        kv_handles=(encode_kv(handle(request_id)),),
+        kv_handles=(encode_kv(handle(request_id, block_ids)),),
         first_token_id=5,
     )
+
+
+def test_decode_receives_only_the_blocks_its_prefix_cache_lacks(model_dir):
+    w = Worker(model_dir, "decode")
+    try:
+        # A local request leaves PROMPT's first two blocks in this worker's prefix cache.
+        w.service.submit(WorkItem("warm", PROMPT[:17], PARAMS, "full"))
+        w.wait(lambda: "warm" in w.finals())
+        w.service.submit(decode_item("c"))
+        w.wait(lambda: "c" in w.connector.received)
+        (sent,), block_ids = w.connector.received["c"]
+        table = w.engine.block_manager.block_table("c")
+        assert (sent.first_block, sent.block_ids, sent.lease_id) == (2, (2,), 1)
+        assert block_ids == tuple(table[2:]) and len(table) == 3
+        w.connector.receives["c"].set_result(TransferResult("c", "pull", 100, 1, 0.01))
+        w.wait(lambda: "c" in w.finals())
+        final = w.finals()["c"]
+        assert final.finish_reason == "length" and final.num_cached_tokens == 16
+        assert w.service.transport.bytes_not_received == 200  # two blocks of 100 bytes
+        assert w.engine.handoff.num_reused_blocks == 2
+
+        # P's handle covers fewer blocks than this worker holds: nothing can be read, so
+        # it is declined (P frees now) and the rest of the prompt is recomputed here.
+        w.service.submit(decode_item("short", block_ids=(7,)))
+        w.wait(lambda: "short" in w.finals())
+        assert w.connector.declines == ["short"] and "short" not in w.connector.received
+        assert w.finals()["short"].finish_reason == "length"
+        assert w.finals()["short"].num_cached_tokens == 16
+    finally:
+        w.service.stop()
+    w.engine.block_manager.check_integrity()
+    assert w.engine.block_manager.num_used_blocks == 0
 
 
 def test_decode_aborts_before_and_while_receiving(model_dir):

@@ -9,6 +9,7 @@ from __future__ import annotations
 import random
 
 from workers.engine.block_manager import BlockManager
+from workers.engine.handoff import KVReceive
 from workers.engine.request import FinishReason, Request, RequestStatus
 from workers.engine.scheduler import Scheduler, SchedulerOutput
 from workers.protocol.sampling_params import SamplingParams
@@ -128,7 +129,7 @@ def make_remote_request(rid: str, prompt: list[int], first_token: int = 9) -> Re
     return req
 
 
-def test_remote_prefill_waits_in_receiving_with_fresh_blocks_for_its_prompt():
+def test_remote_prefill_shares_its_cached_prefix_and_receives_the_rest_into_fresh_blocks():
     sched = make_scheduler(budget=16)
     sched.add(make_request("local", [0, 1, 2, 3, 70, 71, 72, 73]))
     run_step(sched)  # "local"'s two full blocks are now in the prefix cache
@@ -140,9 +141,12 @@ def test_remote_prefill_waits_in_receiving_with_fresh_blocks_for_its_prompt():
     assert remote.status is RequestStatus.RECEIVING and remote not in sched.running
     bm = sched.block_manager
     table = bm.block_table("remote")
-    assert len(table) == 3 and not set(table) & set(bm.block_table("local"))  # no sharing
-    assert sched.handoff.take_receives() == [("remote", tuple(table))]
+    # The first block is "local"'s (shared, never written); two fresh ones receive the rest.
+    assert len(table) == 3 and table[0] == bm.block_table("local")[0]
+    assert not set(table[1:]) & set(bm.block_table("local"))
+    assert sched.handoff.take_receives() == [KVReceive("remote", tuple(table[1:]), 1)]
     assert sched.handoff.take_receives() == []
+    assert remote.num_computed_tokens == remote.num_cached_tokens == 4
     for _ in range(3):  # never scheduled while receiving
         assert [c.request_id for c in run_step(sched).chunks] == ["local"]
 
@@ -184,14 +188,15 @@ def test_remote_prefill_without_blocks_waits_at_the_head_of_the_queue():
     assert [r.request_id for r in sched.waiting] == ["remote", "small"]
     sched.finish(sched.requests["big"], FinishReason.LENGTH)
     run_step(sched)
-    assert [r for r, _ in sched.handoff.take_receives()] == ["remote"]
+    assert [r.request_id for r in sched.handoff.take_receives()] == ["remote"]
 
 
 def test_failed_receive_recomputes_into_the_same_blocks():
     sched = make_scheduler(budget=8)
     sched.add(make_remote_request("remote", list(range(10))))
     run_step(sched)
-    ((_, blocks),) = sched.handoff.take_receives()
+    (receive,) = sched.handoff.take_receives()
+    blocks = receive.block_ids
     sched.finish_receiving("remote", ok=False)
     steps = [run_step(sched).chunks for _ in range(2)]
     assert [(c.start_pos, c.num_tokens, c.needs_sample) for (c,) in steps] == [
@@ -199,6 +204,41 @@ def test_failed_receive_recomputes_into_the_same_blocks():
         (8, 3, True),  # the rest of the prompt and the first token, then sample the 2nd
     ]
     assert sched.block_manager.block_table("remote")[:3] == list(blocks)
+
+
+def test_failed_partial_receive_recomputes_after_the_shared_prefix_only():
+    sched = make_scheduler(budget=16)
+    sched.add(make_request("local", [*range(8), 90]))
+    run_step(sched)  # "local"'s first two blocks are now in the prefix cache
+    local_blocks = sched.block_manager.block_table("local")[:2]
+    sched.add(make_remote_request("remote", [*range(8), 60, 61, 62]))
+    run_step(sched)
+    (receive,) = sched.handoff.take_receives()
+    assert receive.first_block == 2 and len(receive.block_ids) == 1
+    sched.finish_receiving("remote", ok=False)
+    chunks = [c for c in run_step(sched).chunks if c.request_id == "remote"]
+    # The prompt after the shared blocks and the first token; nothing written into those.
+    assert [(c.start_pos, c.num_tokens, c.needs_sample) for c in chunks] == [(8, 4, True)]
+    assert sched.block_manager.block_table("remote") == [*local_blocks, *receive.block_ids]
+
+
+def test_abort_while_partially_receiving_keeps_the_shared_prefix_cached():
+    sched = make_scheduler(budget=16)
+    sched.add(make_request("local", [*range(8), 90], max_tokens=1))
+    run_step(sched)
+    sched.finish(sched.requests["local"], FinishReason.LENGTH)
+    bm = sched.block_manager
+    assert bm.num_used_blocks == 0 and bm.num_cached_blocks == 2
+    sched.add(make_remote_request("remote", [*range(8), 60, 61, 62]))
+    run_step(sched)
+    assert sched.handoff.take_receives()[0].first_block == 2
+    assert bm.num_used_blocks == 3 and bm.num_cached_blocks == 0  # the cached ones revived
+    assert sched.abort(["remote"]) == []  # a transfer may still write the fresh block
+    req = sched.finish_receiving("remote", ok=True)
+    assert req.finish_reason is FinishReason.ABORT
+    bm.check_integrity()
+    assert bm.num_used_blocks == 0 and bm.num_cached_blocks == 2  # the shared blocks stay
+    assert bm.find_prefix([*range(8), 1]).num_blocks == 2
 
 
 def test_abort_while_receiving_frees_only_after_the_transfer_ended():

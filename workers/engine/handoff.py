@@ -9,12 +9,17 @@ the prompt's KV)::
       |                +--offer_failed / lease_ended--> (released: blocks freed)
       +--abort / release--> (released: blocks freed; no lease exists yet)
 
-Decode side (the request was admitted with P's handles; its prompt's KV comes from P)::
+Decode side (the request was admitted with P's handles; its prompt's KV comes from P,
+except the leading blocks D's own prefix cache already holds: those are shared, never
+written, and only the rest is received, ``KVReceive.first_block``). A peer pull (G4) is
+the same on the worker that pulls: a request whose prompt's first blocks come from
+another worker's lease, the rest computed here after the receive::
 
     AWAITING --start_receiving--> RECEIVING --received--> (received: the request runs on)
        |                              |
        |                              +--abort--> ABORTING --received--> (released)
        +--request_ended--> DECLINING --take_declines--> (released)
+       +--not_needed--> (no hand-off: a peer prefix its own cache covers; declined)
 
 Who frees what (docs/serving.md, "Ending early", has the router's side of each row):
 
@@ -66,6 +71,7 @@ from __future__ import annotations
 import enum
 from collections import Counter
 from collections.abc import Iterable
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -92,6 +98,33 @@ class HandoffError(ValueError):
     """A transition that is not allowed in the request's current hand-off state."""
 
 
+@dataclass(frozen=True)
+class KVReceive:
+    """A receive the worker must start: P's prompt blocks from ``first_block`` on go into
+    ``block_ids`` (D's fresh blocks, in order). The request's blocks before them are D's
+    own prefix-cache hits, shared with other requests: the transfer never touches them."""
+
+    request_id: str
+    block_ids: tuple[int, ...]
+    first_block: int = 0  # prompt blocks D holds already (0: receive the whole prompt)
+
+
+def check_peer_prefix(
+    num_tokens: int, num_prompt_tokens: int, block_size: int, remote_first_token: int | None
+) -> None:
+    """A peer prefix (``LLMEngine.add_request(peer_prefix_tokens=...)``) is whole blocks
+    of the prompt, leaving at least one token to compute here; ValueError otherwise."""
+    if not num_tokens:
+        return
+    if remote_first_token is not None:
+        raise ValueError("peer_prefix_tokens and remote_first_token exclude each other")
+    if num_tokens < 0 or num_tokens % block_size or num_tokens >= num_prompt_tokens:
+        raise ValueError(
+            f"peer_prefix_tokens: {num_tokens} is not whole blocks of {block_size} tokens "
+            f"shorter than the prompt ({num_prompt_tokens} tokens)"
+        )
+
+
 class KVHandoff:
     def __init__(self, block_manager: BlockManager):
         self._block_manager = block_manager
@@ -99,7 +132,10 @@ class KVHandoff:
         self._counts: Counter[HandoffState] = Counter()  # of _states' values (reports, steps)
         self._held_block_ids: dict[str, tuple[int, ...]] = {}  # prefill side
         # Decode side, for the worker to take: receives to start, handles to decline.
-        self._new_receives: list[tuple[str, tuple[int, ...]]] = []
+        self._new_receives: list[KVReceive] = []
+        # Decode side, since start: prompt blocks to receive, and those D held already.
+        self.num_receive_blocks = 0  # asked of P (a failed receive included)
+        self.num_reused_blocks = 0  # found in D's own prefix cache instead
         self._new_declines: list[str] = []
 
     # ---- queries -----------------------------------------------------------------------
@@ -183,15 +219,33 @@ class KVHandoff:
         (-> AWAITING blocks)."""
         self._move(request_id, "expect", (None,), HandoffState.AWAITING)
 
-    def start_receiving(self, request_id: str, block_ids: Iterable[int]) -> None:
-        """The scheduler gave the request fresh blocks for its prompt (AWAITING ->
+    def start_receiving(
+        self, request_id: str, block_ids: Iterable[int], first_block: int = 0
+    ) -> None:
+        """The scheduler gave the request fresh blocks for its prompt from block
+        ``first_block`` on (the ones before are its own prefix-cache hits) (AWAITING ->
         RECEIVING); the worker takes them from ``take_receives``."""
+        if first_block < 0:
+            raise HandoffError(f"first_block must be >= 0, got {first_block}")
+        block_ids = tuple(block_ids)
+        if not block_ids:
+            raise HandoffError(f"start_receiving of {request_id!r}: no block to receive")
         self._move(request_id, "start_receiving", (HandoffState.AWAITING,), HandoffState.RECEIVING)
-        self._new_receives.append((request_id, tuple(block_ids)))
+        self._new_receives.append(KVReceive(request_id, block_ids, first_block))
+        self.num_receive_blocks += len(block_ids)
+        self.num_reused_blocks += first_block
 
-    def take_receives(self) -> list[tuple[str, tuple[int, ...]]]:
-        """(request_id, block_ids) of the receives started since the last call: the worker
-        transfers each prompt's KV into exactly these blocks, then reports ``received``."""
+    def not_needed(self, request_id: str) -> None:
+        """A peer prefix (G4) the worker's own cache covers by now: nothing will be read,
+        the handles are declined (``take_declines``) and the request is admitted as any
+        other (AWAITING -> no hand-off)."""
+        self._check(request_id, "not_needed", (HandoffState.AWAITING,))
+        self._drop(request_id)
+        self._new_declines.append(request_id)
+
+    def take_receives(self) -> list[KVReceive]:
+        """The receives started since the last call: the worker transfers P's prompt blocks
+        from ``first_block`` on into exactly ``block_ids``, then reports ``received``."""
         receives, self._new_receives = self._new_receives, []
         return receives
 
@@ -218,7 +272,8 @@ class KVHandoff:
         once instead of at lease expiry; their hand-off is over."""
         declines, self._new_declines = self._new_declines, []
         for request_id in declines:
-            self._drop(request_id)
+            if request_id in self._states:  # not_needed dropped its state already
+                self._drop(request_id)
         return declines
 
     # ---- either side -------------------------------------------------------------------

@@ -29,7 +29,7 @@ from workers.engine.block_manager import BlockManager
 from workers.engine.cache_sizing import resolve_max_model_len, resolve_num_blocks
 from workers.engine.config import EngineConfig
 from workers.engine.cpu_memory import keep_freed_memory_mapped
-from workers.engine.handoff import KVHandoff
+from workers.engine.handoff import KVHandoff, KVReceive, check_peer_prefix
 from workers.engine.kv_cache import allocate_kv_cache
 from workers.engine.kv_tiers.build import build_kv_tiers, check_single_rank_tiers
 from workers.engine.model_runner import ModelRunner
@@ -169,6 +169,7 @@ class LLMEngine:
         prefill_only: bool = False,
         remote_first_token: int | None = None,
         prior_output_token_ids: Sequence[int] = (),
+        peer_prefix_tokens: int = 0,
     ) -> str:
         """Validate and queue a request; returns its id. Raises ValueError naming the problem.
 
@@ -188,6 +189,10 @@ class LLMEngine:
         ``prior_output_token_ids`` (a request migrated from a worker that died): its output
         so far; the request continues after it exactly as it would have there (seeded
         sampling included), its KV recomputed here (``workers/engine/resume.py``).
+
+        ``peer_prefix_tokens`` (peer pull, G4): the KV of the prompt's first tokens (whole
+        blocks) comes from another worker's lease, like a remote prefill's, through
+        ``take_kv_receives``/``kv_received``; the rest is computed here after it arrived.
         """
         request_id = request_id or uuid.uuid4().hex
         if not isinstance(params, SamplingParams):
@@ -207,6 +212,9 @@ class LLMEngine:
                 f"prompt: {len(token_ids)} tokens leave no room to generate within "
                 f"max_model_len={self.max_model_len}"
             )
+        check_peer_prefix(
+            peer_prefix_tokens, len(token_ids), self.block_manager.block_size, remote_first_token
+        )
         max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
         req = Request(
             request_id=request_id,
@@ -227,6 +235,7 @@ class LLMEngine:
                 self.tokenizer, token_ids, params.stop, params.skip_special_tokens
             )
         prior = list(prior_output_token_ids)
+        req.num_peer_tokens = peer_prefix_tokens
         if remote_first_token is not None:
             prior, what = [remote_first_token], "remote_first_token"
             req.is_remote_prefill = True
@@ -273,11 +282,12 @@ class LLMEngine:
         """Prefill role: the request's KV blocks are held for a decode worker."""
         return self.handoff.is_held(request_id)
 
-    def take_kv_receives(self) -> list[tuple[str, tuple[int, ...]]]:
-        """Decode role: (request_id, block_ids) of the requests admitted into RECEIVING
-        since the last call (by ``step``; also in a step that computed nothing). The
-        worker transfers each prompt's KV into exactly those blocks, in order, and then
-        calls ``kv_received`` for it."""
+    def take_kv_receives(self) -> list[KVReceive]:
+        """Decode role: the requests admitted into RECEIVING since the last call (by
+        ``step``; also in a step that computed nothing). The worker transfers each
+        prompt's blocks from ``first_block`` on (the ones before are this worker's own
+        prefix-cache hits) into exactly ``block_ids``, in order, and then calls
+        ``kv_received`` for it."""
         return self.handoff.take_receives()
 
     def kv_received(self, request_id: str, ok: bool) -> None:

@@ -58,6 +58,9 @@ class Request:
     # the hand-off (workers/engine/handoff.py) tracks that KV; once it arrived (or failed
     # and gets recomputed) a later preemption recomputes everything locally like any request.
     is_remote_prefill: bool = False
+    # Peer pull (G4, LLMEngine.add_request's ``peer_prefix_tokens``): the KV of the
+    # prompt's first tokens comes from another worker's lease; the rest is computed here.
+    num_peer_tokens: int = 0
     # The scheduler slot whose batches carry it (pipeline stages; 0 without); a prompt's
     # chunks may also ride in other slots' batches.
     slot: int = 0
@@ -73,6 +76,12 @@ class Request:
     @property
     def num_prompt_tokens(self) -> int:
         return len(self.prompt_token_ids)
+
+    @property
+    def num_remote_tokens(self) -> int:
+        """Leading prompt tokens whose KV comes from another worker through the hand-off:
+        the whole prompt for a remote prefill, the peer prefix for a peer pull, else 0."""
+        return self.num_prompt_tokens if self.is_remote_prefill else self.num_peer_tokens
 
     @property
     def num_scheduled_tokens(self) -> int:

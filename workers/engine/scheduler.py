@@ -14,7 +14,8 @@ Disaggregated roles differ only at the two ends of a request's life:
   its blocks to the KV hand-off (``workers/engine/handoff.py``), which frees them once the
   decode worker has pulled them.
 - decode: a request whose prompt was prefilled elsewhere (``is_remote_prefill``) is
-  admitted like any other, but gets blocks for its prompt only and waits in RECEIVING
+  admitted like any other, but gets blocks for its prompt only (sharing the leading ones
+  its prefix cache holds: only the rest is received) and waits in RECEIVING
   (counted against ``max_num_seqs``, never scheduled, never preempted) until
   ``finish_receiving`` says the KV arrived; then it decodes like any running request.
   The hand-off tracks it meanwhile and decides when its blocks may be freed.
@@ -130,7 +131,7 @@ class Scheduler:
             for other in self.requests.values():
                 load[other.slot] += 1
             req.slot = load.index(min(load))
-        if req.is_remote_prefill:
+        if req.num_remote_tokens:  # a remote prefill, or a peer's prefix (G4)
             self.handoff.expect(req.request_id)
         self.requests[req.request_id] = req
         self.waiting.append(req)
@@ -184,11 +185,13 @@ class Scheduler:
     def finish_receiving(self, request_id: str, ok: bool) -> Request:
         """Decode role: the transfer into a RECEIVING request's blocks has ended.
 
-        ``ok``: the prompt's KV is in place; it counts as computed and its full blocks go
-        into the prefix cache. Not ``ok``: the blocks are kept and the prompt is recomputed
-        into them from position 0. Either way the request joins ``running``. If it was
-        aborted meanwhile, it is finished (ABORT) now, its blocks freed. Raises ValueError
-        (HandoffError) for a request that is not RECEIVING.
+        ``ok``: the prompt's KV is in place (a peer pull: its prefix; the rest is computed
+        here next); it counts as computed and its full blocks go into the prefix cache.
+        Not ``ok``: the blocks are kept and the prompt is recomputed into them after the
+        prefix it was admitted with (from position 0 without one), never into shared
+        blocks. Either way the request joins ``running``. If it was aborted meanwhile, it
+        is finished (ABORT) now, its blocks freed. Raises ValueError (HandoffError) for a
+        request that is not RECEIVING.
         """
         was_aborted = self.handoff.received(request_id)
         req = self.requests[request_id]
@@ -197,10 +200,12 @@ class Scheduler:
             self.finish(req, FinishReason.ABORT)
             return req
         if ok:
-            req.num_computed_tokens = req.num_prompt_tokens
+            req.num_computed_tokens = req.num_remote_tokens
             self.block_manager.commit_computed(
-                request_id, req.prompt_token_ids, req.num_prompt_tokens
+                request_id, req.prompt_token_ids, req.num_remote_tokens
             )
+            if not req.is_remote_prefill:  # a peer's prefix: not computed here either
+                req.num_cached_tokens = req.num_remote_tokens
         self.running.append(req)
         return req
 
@@ -337,20 +342,45 @@ class Scheduler:
         return True
 
     def _admit_receiving(self, req: Request) -> bool:
-        """Admit the head of the queue (remote prefill) into RECEIVING, if blocks allow.
+        """Admit the head of the queue into RECEIVING, if blocks allow: a remote prefill
+        (its whole prompt's KV comes from P) or a peer pull (its first
+        ``num_remote_tokens`` come from another worker; the rest is computed here after).
 
-        Fresh blocks for the prompt only, no prefix-cache sharing: the transfer overwrites
-        every block it is given, and a shared block would be overwritten under its other
-        owners. The first output token's slot is allocated by its first decode step.
+        The prompt's leading blocks that this worker's prefix cache holds are shared (they
+        count as computed), those the tiers below it hold are onboarded into fresh blocks
+        (``_onboard``); fresh blocks take the rest of the remote part, and only those
+        are received. The transfer never writes a shared block (it would be overwritten
+        under its other owners). A remote prefill receives at least its last prompt block
+        (``find_prefix`` leaves one token), so there is always one transfer, whose notice
+        frees P's lease. A peer prefix this cache already covers is not received at all:
+        its handles are declined and the request is admitted as any other (returns True
+        without admitting: the caller looks at the head of the queue again). The first
+        output token's slot is allocated by its first decode step.
         """
-        if not self.block_manager.allocate_slots(req.request_id, 0, req.num_prompt_tokens):
+        bm = self.block_manager
+        prompt = req.prompt_token_ids
+        prefix = bm.find_prefix(prompt)
+        # The tiers below the pool too: their blocks are onboarded, not received.
+        hit = self.tiers.find(prompt, prefix) if self.tiers else None
+        num_cached = (prefix.num_blocks + (hit.num_blocks if hit else 0)) * bm.block_size
+        num_remote = req.num_remote_tokens
+        if num_cached >= num_remote:  # a peer prefix only: a remote prefill never gets here
+            self.handoff.not_needed(req.request_id)
+            req.num_peer_tokens = 0
+            return True
+        if not bm.allocate_slots(req.request_id, num_cached, num_remote - num_cached, prefix):
             return False
+        if hit is not None and hit.num_blocks:
+            num_cached = self._onboard(req, prefix, hit)  # fewer may arrive: receive those
         self.waiting.remove(req)
         if req.first_scheduled_time is None:
+            req.num_cached_tokens = num_cached
             self._first_scheduled(req)
-        req.num_computed_tokens = 0
+        # The prefix is computed; a failed receive recomputes from here (finish_receiving).
+        req.num_computed_tokens = num_cached
         req.status = RequestStatus.RECEIVING
-        self.handoff.start_receiving(req.request_id, self.block_manager.block_table(req.request_id))
+        first = num_cached // bm.block_size
+        self.handoff.start_receiving(req.request_id, bm.block_table(req.request_id)[first:], first)
         return True
 
     def _onboard(self, req: Request, prefix: PrefixHit, hit: TierHit) -> int:

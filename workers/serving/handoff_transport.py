@@ -13,6 +13,11 @@ It runs on the worker's engine loop thread only (``workers/serving/service.py``)
   receive's future completes (nothing writes the blocks then). An abort meanwhile asks
   the connector to stop. A request that ends before its receive started has its handles
   declined, so that the prefill worker frees its blocks now instead of at lease expiry.
+  Only the blocks after the worker's own prefix-cache hit are received (a partial
+  receive: ``slice_handles``).
+- Peer pull (G4, any role): a full or prefill request may come with another worker's
+  handles on its prompt's first blocks (``expect_peer``); they are received the same way,
+  and the rest of the prompt is computed here. A failed peer receive always recomputes.
 """
 
 from __future__ import annotations
@@ -22,11 +27,13 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
 
-from kvtransfer import KVConnector
+from kvtransfer import KVConnector, KVHandle
+from kvtransfer.messages import decode_as as decode_kv
+from kvtransfer.messages import encode as encode_kv
 from workers.engine.llm_engine import LLMEngine
 from workers.engine.outputs import StreamDelta
 from workers.parallel.replica_kv import ReplicaKV
-from workers.protocol.wire import TokenEvent
+from workers.protocol.wire import TokenEvent, WorkItem
 from workers.serving.events import failed_event, token_event
 from workers.serving.metrics import WorkerMetrics
 
@@ -39,6 +46,33 @@ class _Receive:
 
     future: Future  # completes once nothing writes the request's blocks any more
     is_cancelled: bool = False  # the connector was asked to stop it
+    first_block: int = 0  # prompt blocks this worker held already (not received)
+    num_blocks: int = 1  # prompt blocks received
+
+
+def slice_handles(handles: Sequence[bytes], first_block: int, num_blocks: int) -> tuple[bytes, ...]:
+    """The owner's handles (msgpack), each reading ``num_blocks`` of its lease's blocks
+    from block ``first_block`` on: the blocks before are this worker's own prefix-cache
+    hits; a peer pull's lease may also hold blocks after the prefix it gives."""
+    out = []
+    for data in handles:
+        handle = decode_kv(data, KVHandle)
+        if first_block == 0 and len(handle.block_ids) == num_blocks:
+            out.append(data)
+        else:
+            out.append(encode_kv(handle.from_block(first_block, first_block + num_blocks)))
+    return tuple(out)
+
+
+def peer_prefix_tokens(handles: Sequence[bytes], num_prompt_tokens: int, block_size: int) -> int:
+    """Peer pull: the prompt tokens whose KV the peer's lease gives, whole blocks that
+    leave at least one prompt token to compute here (0: none worth reading)."""
+    num_blocks = min(
+        min(decode_kv(h, KVHandle).num_tokens // block_size for h in handles),
+        min(len(decode_kv(h, KVHandle).block_ids) for h in handles),
+        (num_prompt_tokens - 1) // block_size,
+    )
+    return max(num_blocks, 0) * block_size
 
 
 class HandoffTransport:
@@ -69,6 +103,9 @@ class HandoffTransport:
         self._errors: dict[str, str] = {}  # why a request failed, for its final event
         self._retryable: set[str] = set()  # of those, failed by a transfer: may migrate
         self._transfer: dict[str, tuple[float, int]] = {}  # (seconds, bytes) received
+        # Decode: bytes of prompt blocks not received because this worker held them
+        # (its prefix cache), over the receives that succeeded.
+        self.bytes_not_received = 0
 
     @property
     def is_pending(self) -> bool:
@@ -79,6 +116,20 @@ class HandoffTransport:
     def expect(self, request_id: str, handles: tuple[bytes, ...]) -> None:
         """A decode request is being admitted with P's (validated) handles."""
         self.handles[request_id] = handles
+
+    def expect_peer(self, request_id: str, item: WorkItem) -> int:
+        """Peer pull (G4): a full or prefill request that came with a peer's handles on its
+        prompt's first blocks. Returns the prompt tokens to pull (0: none; the handles,
+        if any, are declined at once)."""
+        if not item.kv_handles:
+            return 0
+        block_size = self.engine.block_manager.block_size
+        num_tokens = peer_prefix_tokens(item.kv_handles, len(item.prompt_token_ids), block_size)
+        if num_tokens == 0 or self.connector is None:
+            self.decline(tuple(item.kv_handles))
+            return 0
+        self.handles[request_id] = tuple(item.kv_handles)
+        return num_tokens
 
     def refused(self, request_id: str) -> None:
         """Its admission failed: nothing will read P's blocks, decline the handles."""
@@ -116,19 +167,30 @@ class HandoffTransport:
     def start_receives(self) -> int:
         """Start the receive of every request the engine gave blocks; how many."""
         started = self.handoff.take_receives()
-        for request_id, block_ids in started:
+        for receive in started:
+            request_id = receive.request_id
             handles = self.handles.pop(request_id)
             if self.connector is None:
                 self._errors[request_id] = "no KV connector on this worker"
                 self.engine.abort_request(request_id)
                 self.engine.kv_received(request_id, ok=False)
                 continue
+            future = Future()
             try:
-                future = self.kv.receive(handles, block_ids)
-            except Exception as exc:
-                future = Future()
+                # The prompt's first blocks are this worker's own prefix-cache hits: read
+                # P's blocks from there on (on every rank: the handles travel as they are).
+                wanted = slice_handles(handles, receive.first_block, len(receive.block_ids))
+            except ValueError as exc:  # P's handles cover fewer blocks: nothing was read
+                self.decline(handles)
                 future.set_exception(exc)
-            self.receives[request_id] = _Receive(future)
+            else:
+                try:
+                    future = self.kv.receive(wanted, receive.block_ids)
+                except Exception as exc:
+                    future.set_exception(exc)
+            self.receives[request_id] = _Receive(
+                future, first_block=receive.first_block, num_blocks=len(receive.block_ids)
+            )
             future.add_done_callback(lambda _f: self._wake())
         return len(started)
 
@@ -144,6 +206,10 @@ class HandoffTransport:
                 result = future.result()
                 self._transfer[request_id] = (result.seconds, result.num_bytes)
                 self.metrics.transferred(result.seconds, result.num_bytes)
+                # Every block has the same bytes: what the blocks held here saved.
+                self.bytes_not_received += (
+                    result.num_bytes * receive.first_block // receive.num_blocks
+                )
                 self.engine.kv_received(request_id, ok=True)
             elif receive.is_cancelled:
                 self.engine.kv_received(request_id, ok=False)  # finished as ABORT
@@ -152,7 +218,9 @@ class HandoffTransport:
 
     def _transfer_failed(self, request_id: str, exc: BaseException) -> None:
         self.metrics.transfer_failed("receive")
-        if self.on_failure == "recompute":
+        req = self.engine.scheduler.requests.get(request_id)
+        if self.on_failure == "recompute" or (req is not None and not req.is_remote_prefill):
+            # A peer pull (G4) was an optimisation: its prefix is always recomputed here.
             logger.warning("KV transfer of %s failed (%s); recomputing", request_id, exc)
         else:
             self._errors[request_id] = f"KV transfer failed: {exc}"

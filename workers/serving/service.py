@@ -215,12 +215,15 @@ class EngineService:
                     remote_first_token=item.first_token_id,
                 )
             else:
+                # A peer's lease on the prompt's first blocks (G4): pulled, not recomputed.
+                num_peer = self.transport.expect_peer(rid, item)
                 self.engine.add_request(
                     list(item.prompt_token_ids),
                     item.params,
                     rid,
                     prefill_only=item.mode == "prefill",
                     prior_output_token_ids=item.output_token_ids,
+                    peer_prefix_tokens=num_peer,
                 )
         except Exception as exc:
             # The router validated already; this is a worker-side refusal (an id still

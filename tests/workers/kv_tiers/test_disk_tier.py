@@ -80,6 +80,7 @@ def test_lru_eviction_at_capacity_follows_gets_and_puts(tmp_path: Path) -> None:
     assert (stats.blocks, stats.bytes, stats.capacity_blocks) == (3, 3 * FILE_BYTES, 3)
     assert stats.evictions == 2
     assert stats.offload_bytes == 5 * BLOCK_BYTES  # the refresh wrote nothing
+    tier.check_integrity()
 
 
 def test_a_capacity_below_one_block_rejects_every_put(tmp_path: Path) -> None:
@@ -190,6 +191,15 @@ def test_a_wrong_buffer_is_a_clear_error(tmp_path: Path, bad: torch.Tensor) -> N
         tier.get(1, bad)
 
 
+@pytest.mark.parametrize("bad_hash", [-1, 2**64])
+def test_a_hash_out_of_range_is_a_clear_error(tmp_path: Path, bad_hash: int) -> None:
+    tier = make(tmp_path)
+    with pytest.raises(ValueError, match="unsigned 64-bit"):
+        tier.put(bad_hash, block(1))
+    with pytest.raises(ValueError, match="unsigned 64-bit"):
+        read(tier, bad_hash)
+
+
 def test_puts_on_one_thread_and_gets_on_another_never_read_wrong_bytes(tmp_path: Path) -> None:
     tier = make(tmp_path, capacity_blocks=6)
     num_blocks = 60
@@ -218,7 +228,7 @@ def test_puts_on_one_thread_and_gets_on_another_never_read_wrong_bytes(tmp_path:
     # and the directory must agree on them.
     held = tier.hashes()
     assert len(held) == 6 and num_blocks - 1 in held
-    assert {p.name for p in (tmp_path / FP.digest).iterdir()} == {f"{h:016x}.kvb" for h in held}
+    tier.check_integrity()  # the directory holds exactly these six
 
 
 def test_prefetch_is_a_hint_for_held_blocks_only(tmp_path: Path) -> None:
@@ -231,3 +241,12 @@ def test_prefetch_is_a_hint_for_held_blocks_only(tmp_path: Path) -> None:
         got = read(tier, h)
         assert got is not None and torch.equal(got, block(h))
     assert read(tier, 3) is None and tier.stats().errors == 1  # get reports it
+
+
+def test_check_integrity_sees_a_file_the_index_does_not_hold(tmp_path: Path) -> None:
+    tier = make(tmp_path)
+    tier.put(1, block(1))
+    tier.check_integrity()
+    (tmp_path / FP.digest / f"{1:016x}.kvb").rename(tmp_path / FP.digest / f"{2:016x}.kvb")
+    with pytest.raises(AssertionError, match="disagree with the index"):
+        tier.check_integrity()

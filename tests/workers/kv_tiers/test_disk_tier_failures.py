@@ -236,7 +236,7 @@ def test_a_read_error_is_a_miss(tmp_path: Path, monkeypatch: pytest.MonkeyPatch)
     tier = make(tmp_path)
     assert tier.put(1, block(1)) and tier.put(2, block(2))
 
-    def failing_preadv(fd: int, buffers: list, offset: int) -> int:
+    def failing_preadv(fd: int, buffers: list, offset: int, *flags: int) -> int:
         raise OSError(errno.EIO, os.strerror(errno.EIO))
 
     monkeypatch.setattr(block_file.os, "preadv", failing_preadv)
@@ -245,3 +245,66 @@ def test_a_read_error_is_a_miss(tmp_path: Path, monkeypatch: pytest.MonkeyPatch)
     monkeypatch.undo()
     got = read(tier, 2)
     assert got is not None and torch.equal(got, block(2))
+
+
+def test_a_directory_removed_behind_the_tier_is_made_again(tmp_path: Path) -> None:
+    clock = Clock()
+    tier = DiskTier(tmp_path, FP, BLOCK_BYTES, 8 * FILE_BYTES, clock=clock)
+    assert tier.put(1, block(1))
+    shutil.rmtree(tmp_path / FP.digest)
+    assert read(tier, 1) is None and tier.stats().errors == 1
+    assert not tier.put(2, block(2)) and tier.stats().rejected == 1
+    clock.now += 60
+    assert tier.put(2, block(2))
+    got = read(tier, 2)
+    assert got is not None and torch.equal(got, block(2))
+
+
+def force_cold_reads(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """Make every cached-only read find nothing, as after a restart with a cold page
+    cache; returns the list of files then read with O_DIRECT."""
+    real_preadv, real_direct = os.preadv, block_file._read_direct
+    direct_reads: list[str] = []
+
+    def preadv(fd: int, buffers: list, offset: int, *flags: int) -> int:
+        if flags and flags[0] & os.RWF_NOWAIT:
+            raise BlockingIOError(errno.EAGAIN, "not cached")
+        return real_preadv(fd, buffers, offset, *flags)
+
+    def read_direct(path: str, header: bytearray, out: memoryview) -> int:
+        direct_reads.append(path)
+        return real_direct(path, header, out)
+
+    monkeypatch.setattr(block_file.os, "preadv", preadv)
+    monkeypatch.setattr(block_file, "_read_direct", read_direct)
+    return direct_reads
+
+
+@pytest.mark.parametrize("kind", ["payload_flipped", "header_flipped", "truncated", "garbage"])
+def test_cold_reads_go_direct_and_still_find_damage(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, kind: str
+) -> None:
+    tier = make(tmp_path)
+    assert tier._direct, "ext4 under tmp_path takes O_DIRECT"
+    assert tier.put(1, block(1)) and tier.put(3, block(3))
+    DAMAGE[kind](path_of(tmp_path, 1), tmp_path)
+    direct_reads = force_cold_reads(monkeypatch)
+    got = read(tier, 3)
+    assert got is not None and torch.equal(got, block(3))
+    assert read(tier, 1) is None
+    assert (tier.stats().hits, tier.stats().errors) == (1, 1)
+    assert len(direct_reads) == 2
+
+
+def test_without_direct_io_reads_are_buffered(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(block_file, "direct_io_works", lambda directory: False)
+    tier = make(tmp_path)
+    assert tier.put(1, block(1)) and tier.put(2, block(2))
+    flip_byte(HEADER_LEN + 7)(path_of(tmp_path, 2), tmp_path)
+    direct_reads = force_cold_reads(monkeypatch)
+    got = read(tier, 1)
+    assert got is not None and torch.equal(got, block(1))
+    assert read(tier, 2) is None and tier.stats().errors == 1
+    assert direct_reads == []

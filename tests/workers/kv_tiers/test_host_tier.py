@@ -52,6 +52,7 @@ def test_events_are_net_changes_since_the_last_drain():
     assert tier.drain_events() == TierEvents()
     tier.close()
     assert set(tier.drain_events().removed) == {4, 1}
+    assert not tier.put(5, block(5)) and not tier.contains(5)  # closed: refuses, holds nothing
 
 
 def test_peek_and_touch_leave_counters_alone():
@@ -114,3 +115,14 @@ def test_concurrent_puts_and_gets_never_return_torn_blocks():
     assert not bad
     tier.check_integrity()
     assert tier.stats().blocks == 4
+
+
+def test_undrained_events_stay_bounded_and_exact():
+    tier = HostTier(FP, BYTES, 2 * BYTES)
+    tier.put(1, block(1))
+    tier.drain_events()
+    for h in range(2, 500):  # nobody drains meanwhile
+        tier.put(h, block(h % 256))
+    assert len(tier._changed) <= 4 * 2 + 64
+    events = tier.drain_events()
+    assert set(events.stored) == {498, 499} and set(events.removed) == {1}

@@ -208,3 +208,20 @@ def test_parallel_replicas_refuse_tiers(kwargs, setting):
     for parallel in (ParallelContext(0, 2), ParallelContext(pp_rank=0, pp_size=2)):
         with pytest.raises(ValueError, match=f"{setting}.*single-rank"):
             check_single_rank_tiers(config, parallel)
+
+
+def test_after_close_the_pool_runs_without_tiers():
+    kv, bm = make_pool(2)
+    host = HostTier(FP, 8, 8 * 4)
+    mgr = KVTierManager(kv, bm, host)
+    tokens = list(range(2 * BS + 1))
+    fill_and_cache(kv, bm, "a", tokens[: 2 * BS])
+    bm.evict()
+    assert mgr.find(tokens, bm.find_prefix(tokens)).num_blocks == 2
+    mgr.close()
+    assert bm.on_evict is None
+    assert mgr.find(tokens, bm.find_prefix(tokens)).num_blocks == 0
+    fill_and_cache(kv, bm, "b", tokens[: 2 * BS])
+    bm.evict()  # nothing offloaded, nothing raised
+    assert mgr.stats().offloaded == 2
+    bm.check_integrity()

@@ -11,6 +11,7 @@ import torch
 from cluster.tools.make_model import make_model
 from tests.workers import test_engine_roles as roles
 from workers import LLM, SamplingParams
+from workers.engine.kv_tiers import build
 from workers.engine.scheduler import Scheduler
 
 BLOCK = 8
@@ -194,3 +195,44 @@ def test_decode_role_with_tiers_gives_the_aggregated_tokens(model_dir):
 def test_a_host_tier_too_small_for_one_block_is_named(model_dir):
     with pytest.raises(ValueError, match=r"kv_host_tier_gib: .* holds no KV block of 4096 bytes"):
         make_llm(model_dir, kv_host_tier_gib=1e-9)
+
+
+@pytest.mark.parametrize(
+    "params", [GREEDY, pytest.param(SEEDED, marks=pytest.mark.slow)], ids=["greedy", "seeded"]
+)
+@pytest.mark.parametrize("with_host", [True, False], ids=["host+disk", "disk"])
+def test_prefix_onboarded_from_disk_gives_the_computed_tokens(
+    model_dir, tmp_path, monkeypatch, params, with_host
+):
+    """After the first run the host memory above the disk (the host tier, or the disk
+    writer's staging without one) is flooded with other blocks: the second run finds its
+    prefixes on disk only."""
+    host_bytes = 64 * 4096
+    monkeypatch.setattr(build, "STAGING_BYTES", host_bytes)
+    host = {"kv_host_tier_gib": host_bytes / 2**30} if with_host else {}
+    ps = prompts()
+    want = [list(o.token_ids) for o in make_llm(model_dir).generate(ps, params)]
+    llm = make_llm(model_dir, kv_disk_tier_path=str(tmp_path), **host)
+    tiers = llm.engine.kv_tiers
+    assert [t.name for t in tiers.tiers] == (["host", "disk"] if with_host else ["disk"])
+    first = llm.generate(ps, params)
+    llm.engine.block_manager.evict()
+    tiers.wait_idle()  # the disk has every block now
+    above = tiers._lookup[0]  # the host tier or the staging one
+    assert tiers.stats().writer.written == tiers.stats().offloaded > 0
+    for junk in range(64):
+        above.put(junk, torch.zeros(4096, dtype=torch.uint8))
+    counting = Counting(llm.engine.scheduler)
+    second = llm.generate(ps, params)
+    assert [list(o.token_ids) for o in first] == want
+    assert [list(o.token_ids) for o in second] == want
+    disk = tiers.tiers[-1]
+    stats = tiers.stats()
+    assert disk.stats().hits == stats.onboarded > 0 and stats.onboard_failed == 0
+    for out, p in zip(second, ps, strict=True):
+        assert out.num_cached_tokens == BLOCK * ((len(p) - 1) // BLOCK)
+        # What was onboarded or found is not computed: the rest of the prompt and decodes.
+        assert counting.computed[out.request_id] == len(p) - out.num_cached_tokens + 11
+    llm.engine.block_manager.check_integrity()
+    assert llm.engine.block_manager.num_used_blocks == 0
+    tiers.close()

@@ -64,6 +64,9 @@ class DiskTier:
         self.block_bytes = block_bytes
         self.directory = Path(root) / fingerprint.digest
         self.directory.mkdir(parents=True, exist_ok=True)
+        self._dir_prefix = f"{self.directory}{os.sep}"  # str paths: pathlib costs µs per get
+        # Page-cache misses are read with O_DIRECT where the file system takes it.
+        self._direct = block_file.direct_io_works(str(self.directory))
         self._digest = block_file.digest_bytes(fingerprint.digest)
         self._file_bytes = HEADER_LEN + block_bytes
         self._capacity_blocks = max(0, capacity_bytes) // self._file_bytes
@@ -94,16 +97,21 @@ class DiskTier:
             return block_hash in self._index
 
     def get(self, block_hash: int, out: torch.Tensor) -> bool:
-        self._check_buffer(out, "out")
+        self._check_args(block_hash, out, "out")
         with self._lock:
             if self._closed or block_hash not in self._index:
                 self._counts["misses"] += 1
                 return False
             touch_ns = self._next_stamp_ns()
         start = time.perf_counter()
-        host = out if out.device.type == "cpu" else torch.empty_like(out, device="cpu")
+        host = out if out.is_cpu else torch.empty_like(out, device="cpu")
         bad = block_file.read_block(
-            self._path(block_hash), self._digest, block_hash, _bytes_view(host), touch_ns
+            self._path(block_hash),
+            self._digest,
+            block_hash,
+            _bytes_view(host),
+            touch_ns,
+            direct=self._direct,
         )
         if bad is None and host is not out:
             out.copy_(host)
@@ -125,7 +133,7 @@ class DiskTier:
             return False
 
     def put(self, block_hash: int, data: torch.Tensor) -> bool:
-        self._check_buffer(data, "data")
+        self._check_args(block_hash, data, "data")
         # Puts run one at a time (there is one offload thread anyway), so a block's file
         # is never unlinked as a victim by one put while another writes it anew.
         with self._put_lock:
@@ -145,7 +153,7 @@ class DiskTier:
             for victim in victims:
                 self._unlink(self._path(victim))
             start = time.perf_counter()
-            payload = _bytes_view(data if data.device.type == "cpu" else data.cpu())
+            payload = _bytes_view(data if data.is_cpu else data.cpu())
             header = block_file.make_header(self._digest, block_hash, payload)
             try:
                 block_file.write_block(self._path(block_hash), header, payload, stamp_ns)
@@ -205,6 +213,21 @@ class DiskTier:
         with self._lock:
             self._closed = True
 
+    # -- beyond the protocol ------------------------------------------------------------
+
+    def check_integrity(self) -> None:
+        """Raise AssertionError if the index and the directory disagree (tests): every
+        held block has its file, every block file is held, and the tier fits."""
+        with self._put_lock, self._lock:
+            names = {
+                e.name
+                for e in os.scandir(self.directory)
+                if block_file.parse_file_name(e.name) is not None
+            }
+            held = {block_file.file_name(h) for h in self._index}
+            assert names == held, f"files {sorted(names ^ held)} disagree with the index"
+            assert len(self._index) <= self._capacity_blocks
+
     # -- internals ---------------------------------------------------------------------
 
     def _scan(self) -> None:
@@ -212,7 +235,7 @@ class DiskTier:
         found: list[tuple[int, int]] = []
         for entry in os.scandir(self.directory):
             if entry.name.endswith(block_file.TEMP_SUFFIX) and entry.name.startswith("."):
-                self._unlink(Path(entry.path))  # an interrupted write of a previous run
+                self._unlink(entry.path)  # an interrupted write of a previous run
                 continue
             block_hash = block_file.parse_file_name(entry.name)
             if block_hash is None:
@@ -225,7 +248,7 @@ class DiskTier:
             if not entry.is_file(follow_symlinks=False) or st.st_size != self._file_bytes:
                 self._counts["errors"] += 1
                 self._log_once("bad_size", f"{entry.path} cannot be a block file (removed)")
-                self._unlink(Path(entry.path))
+                self._unlink(entry.path)
                 continue
             found.append((st.st_mtime_ns, block_hash))
         found.sort()
@@ -267,6 +290,11 @@ class DiskTier:
         self._changed.setdefault(block_hash, held_before)
 
     def _write_failed(self, exc: OSError) -> None:
+        if isinstance(exc, FileNotFoundError):
+            # The directory was removed behind the tier's back: make it again for the
+            # next try (the blocks it held are gone; their gets will be counted misses).
+            with contextlib.suppress(OSError):
+                self.directory.mkdir(parents=True, exist_ok=True)
         with self._lock:
             self._counts["rejected"] += 1
             self._failed_writes_in_row += 1
@@ -290,10 +318,12 @@ class DiskTier:
         self._last_stamp_ns = max(self._last_stamp_ns + 1, time.time_ns())
         return self._last_stamp_ns
 
-    def _path(self, block_hash: int) -> Path:
-        return self.directory / block_file.file_name(block_hash)
+    def _path(self, block_hash: int) -> str:
+        return self._dir_prefix + block_file.file_name(block_hash)
 
-    def _check_buffer(self, tensor: torch.Tensor, what: str) -> None:
+    def _check_args(self, block_hash: int, tensor: torch.Tensor, what: str) -> None:
+        if not 0 <= block_hash < 2**64:
+            raise ValueError(f"a block hash is an unsigned 64-bit integer, got {block_hash}")
         if (
             tensor.dtype != torch.uint8
             or not tensor.is_contiguous()
@@ -305,7 +335,7 @@ class DiskTier:
             )
 
     @staticmethod
-    def _unlink(path: Path) -> None:
+    def _unlink(path: str) -> None:
         # Already gone, or the disk is failing: either way the index no longer has it.
         with contextlib.suppress(OSError):
             os.unlink(path)

@@ -82,6 +82,8 @@ class HostTier:
         self._check(data, "data")
         t0 = time.perf_counter()
         with self._lock:
+            if not self._data.numel():  # closed
+                return False
             if block_hash in self._slots:  # blocks are immutable: only its recency changes
                 self._slots.move_to_end(block_hash)
                 return True
@@ -175,3 +177,10 @@ class HostTier:
 
     def _note(self, block_hash: int, held_before: bool) -> None:
         self._changed.setdefault(block_hash, held_before)
+        if len(self._changed) > 4 * self.capacity_blocks + 64:
+            # Nobody drains (an offline engine, the manager's internal staging tier): keep
+            # only net changes, at most the blocks held at the last drain plus those held
+            # now, so the record stays within twice the capacity.
+            self._changed = {
+                h: was for h, was in self._changed.items() if was != (h in self._slots)
+            }

@@ -70,10 +70,13 @@ class KVTierManager:
         host: HostTier | None,
         disk: KVTier | None = None,
         staging: HostTier | None = None,
+        inline_writes: bool = False,
     ) -> None:
         """``host``: G2 or None; ``disk``: G3 or None. ``staging``: with a disk and no host
         tier, the internal host-memory buffer the disk writer reads behind (not a tier
         reported in ``tiers``, though lookups use it: what it holds is valid KV).
+        ``inline_writes``: write to the disk inside ``offload``, without the writer's
+        thread (tests whose schedules must not depend on a thread's timing).
         Registers ``offload`` as the block manager's eviction hook."""
         if host is None and disk is None:
             raise ValueError("KVTierManager needs at least one tier")
@@ -88,7 +91,11 @@ class KVTierManager:
             raise ValueError("a disk tier without a host tier needs a staging HostTier")
         assert self._first is not None
         self._lookup: tuple[KVTier, ...] = (self._first, *((disk,) if disk else ()))
-        self._writer = WriteBehind(self._first, disk, self._first.capacity_blocks) if disk else None
+        self._writer = (
+            WriteBehind(self._first, disk, self._first.capacity_blocks, inline_writes)
+            if disk
+            else None
+        )
         # A tier that is not host memory may not read into device memory: bounce via host.
         self._bounce = (
             torch.empty(self.block_bytes, dtype=torch.uint8, pin_memory=True)
@@ -97,6 +104,7 @@ class KVTierManager:
         )
         self._offloaded = self._offload_failed = self._onboarded = self._onboard_failed = 0
         self._logged = False
+        self._closed = False
         block_manager.on_evict = self.offload
 
     # ---- what the other parts read -------------------------------------------------
@@ -128,8 +136,10 @@ class KVTierManager:
             self._writer.wait_idle()
 
     def close(self) -> None:
-        """Stop the writer and release the tiers (the disk tier's files stay)."""
+        """Stop the writer and release the tiers (the disk tier's files stay). The engine
+        goes on without tiers: no offload, no onboarding."""
         self.block_manager.on_evict = None
+        self._closed = True
         if self._writer is not None:
             self._writer.close()
         for tier in {id(t): t for t in self._lookup}.values():
@@ -158,6 +168,8 @@ class KVTierManager:
         """The blocks after ``prefix`` (the pool's hit) that the tiers hold, chain order,
         leaving at least the last token to compute. Changes nothing but recency: host-tier
         hits become most recent so the offloads of the coming allocation evict others."""
+        if self._closed:
+            return TierHit()
         max_blocks = (len(token_ids) - 1) // self.block_size
         first = prefix.num_blocks
         parent = prefix.block_hashes[-1] if first else NONE_HASH
@@ -181,6 +193,11 @@ class KVTierManager:
         """Copy ``hit``'s blocks into ``block_ids`` (fresh pool blocks, one per hit, in
         order); returns how many leading ones arrived. The first miss ends it: the request
         computes from that block on (never raises for a bad block)."""
+        for index, tier in enumerate(self._lookup):
+            prefetch = getattr(tier, "prefetch", None)  # the disk's: read ahead, all at once
+            if prefetch is not None and index in hit.tier_indexes:
+                pairs = zip(hit.block_hashes, hit.tier_indexes, strict=True)
+                prefetch([h for h, i in pairs if i == index])
         for count, (block_hash, index, block_id) in enumerate(
             zip(hit.block_hashes, hit.tier_indexes, block_ids, strict=True)
         ):

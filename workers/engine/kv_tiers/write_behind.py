@@ -34,7 +34,11 @@ class WriteBehindStats:
 
 
 class WriteBehind:
-    def __init__(self, source: HostTier, dest: KVTier, max_pending: int) -> None:
+    def __init__(
+        self, source: HostTier, dest: KVTier, max_pending: int, inline: bool = False
+    ) -> None:
+        """``inline``: no thread; ``submit`` writes the block before it returns (the
+        property tests' schedules must not depend on a thread's timing)."""
         self.source = source
         self.dest = dest
         self.max_pending = max(1, max_pending)
@@ -45,11 +49,18 @@ class WriteBehind:
         self._closed = False
         self._submitted = self._written = self._dropped = self._failed = 0
         self._logged_failure = False
-        self._thread = threading.Thread(target=self._run, name="kv-tier-writer", daemon=True)
-        self._thread.start()
+        self._thread: threading.Thread | None = None
+        if not inline:
+            self._thread = threading.Thread(target=self._run, name="kv-tier-writer", daemon=True)
+            self._thread.start()
 
     def submit(self, block_hash: int) -> None:
         """Queue a block ``source`` holds for ``dest`` (engine thread; never blocks on I/O)."""
+        if self._thread is None:
+            with self._cond:
+                self._submitted += 1
+            self._write(block_hash)
+            return
         with self._cond:
             if self._closed:
                 return
@@ -75,7 +86,8 @@ class WriteBehind:
             self._closed = True
             self._queue.clear()
             self._cond.notify_all()
-        self._thread.join()
+        if self._thread is not None:
+            self._thread.join()
 
     def _run(self) -> None:
         while True:
@@ -85,19 +97,22 @@ class WriteBehind:
                     return
                 block_hash = self._queue.popleft()
                 self._busy = True
-            written = failed = False
-            if self.source.peek(block_hash, self._buf):
-                try:
-                    written = bool(self.dest.put(block_hash, self._buf))
-                    failed = not written
-                except Exception:
-                    failed = True
-                    if not self._logged_failure:  # once: a broken disk fails every block
-                        logger.exception("KV tier %s: offload failed", self.dest.name)
-                        self._logged_failure = True
-            with self._cond:
-                self._busy = False
-                self._written += written
-                self._failed += failed
-                self._dropped += not (written or failed)
-                self._cond.notify_all()
+            self._write(block_hash)
+
+    def _write(self, block_hash: int) -> None:
+        written = failed = False
+        if self.source.peek(block_hash, self._buf):
+            try:
+                written = bool(self.dest.put(block_hash, self._buf))
+                failed = not written
+            except Exception:
+                failed = True
+                if not self._logged_failure:  # once: a broken disk fails every block
+                    logger.exception("KV tier %s: offload failed", self.dest.name)
+                    self._logged_failure = True
+        with self._cond:
+            self._busy = False
+            self._written += written
+            self._failed += failed
+            self._dropped += not (written or failed)
+            self._cond.notify_all()

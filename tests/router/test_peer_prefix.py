@@ -1,0 +1,144 @@
+"""Peer pull (G4) through the router, over real engines in one process.
+
+Two decode workers that prefill themselves (``disaggregation: never``), introduced to each
+other as ``kv_cache.peer_sharing`` does, round robin so that a prompt whose prefix worker
+A computed lands on worker B: B pulls A's blocks over the (in-process) KV transport
+instead of recomputing them, and the tokens are those of ``LLM.generate``. When the
+export is too slow or the transfer fails, B recomputes, with the same tokens. No block
+stays in use anywhere, A's lease included. ``choose_source`` is pinned down on its own.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from cluster.tools.make_model import make_model
+from router.peer_prefix import PeerSource, choose_source
+from router.policy import WorkerState
+from workers import LLM, SamplingParams
+
+from .test_router_flow import LONG_PREFIX, Cluster, collect, req, run
+
+BS = 8
+PROMPT = LONG_PREFIX + "and then"  # LONG_PREFIX's blocks, then a few more tokens
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return make_model(tmp_path_factory.mktemp("peer") / "tiny", "llama", "tiny")
+
+
+def peer_cluster(model_dir, **settings) -> Cluster:
+    settings = {"peer_min_blocks": 2, **settings}
+    cluster = Cluster(
+        model_dir,
+        num_prefill=0,
+        num_decode=2,
+        policy="round_robin",
+        disaggregation="never",
+        peer_sharing=True,
+        **settings,
+    )
+    a, b = cluster.services["decode-0"], cluster.services["decode-1"]
+    a.connector.add_peer(b.connector.metadata())
+    b.connector.add_peer(a.connector.metadata())
+    return cluster
+
+
+async def warm_then_ask(cluster: Cluster, router, min_hashes: int):
+    """LONG_PREFIX on decode-0 (round robin's first), then PROMPT on decode-1."""
+    first = await collect(router, req(LONG_PREFIX, max_tokens=1, request_id="warm"))
+    assert first[2].timing.decode_worker == "decode-0"
+    holder = router.decode[0]
+    while len(holder.hashes) < min_hashes:  # its report with its hashes reaches the router
+        await asyncio.sleep(0.01)
+    second = await collect(router, req(PROMPT, request_id="second"))
+    await cluster.settled()
+    return second
+
+
+def reference(model_dir) -> list[int]:
+    llm = LLM(str(model_dir), dtype="float32", max_model_len=256)
+    out = llm.generate([PROMPT], SamplingParams(max_tokens=16, temperature=0, ignore_eos=True))
+    return list(out[0].token_ids)
+
+
+def prefix_blocks(cluster: Cluster) -> int:
+    """Full blocks of LONG_PREFIX's tokens that decode-1 may pull (it computes >= 1 token)."""
+    engine = cluster.services["decode-0"].engine
+    n_prefix = len(engine.tokenizer.encode(LONG_PREFIX))
+    n_prompt = len(engine.tokenizer.encode(PROMPT))
+    return min(n_prefix // BS, (n_prompt - 1) // BS)
+
+
+def test_a_prefix_computed_on_one_worker_is_pulled_by_the_other(model_dir):
+    want = reference(model_dir)
+    cluster = peer_cluster(model_dir)
+    blocks = prefix_blocks(cluster)
+    assert blocks >= 4
+
+    async def body(router):
+        return await warm_then_ask(cluster, router, blocks)
+
+    tokens, _, final = run(cluster, body)
+    assert tokens == want
+    assert final.timing.decode_worker == "decode-1"
+    b = cluster.services["decode-1"].engine.handoff
+    # B received the prefix's blocks instead of computing them: its computed prompt
+    # tokens are the prompt's minus those.
+    assert b.num_receive_blocks == blocks and b.num_reused_blocks == 0
+    assert final.usage.cached_prompt_tokens == blocks * BS
+    assert cluster.router.peers.num_pulled == 1 and cluster.router.peers.num_fallbacks == 0
+
+
+def test_a_slow_export_falls_back_to_recompute_and_frees_the_exporter(model_dir):
+    want = reference(model_dir)
+    cluster = peer_cluster(model_dir, peer_export_timeout_s=0.001)  # never in time
+
+    async def body(router):
+        return await warm_then_ask(cluster, router, prefix_blocks(cluster))
+
+    tokens, _, final = run(cluster, body)  # settled: A's late handles were declined
+    assert tokens == want
+    assert final.usage.cached_prompt_tokens == 0
+    assert cluster.services["decode-1"].engine.handoff.num_receive_blocks == 0
+    assert cluster.router.peers.num_fallbacks == 1
+
+
+def test_a_failed_peer_transfer_recomputes_on_the_puller(model_dir):
+    want = reference(model_dir)
+    cluster = peer_cluster(model_dir)
+    cluster.fabric.hold_transfers = True  # the READ never lands: B's receive times out
+
+    async def body(router):
+        return await warm_then_ask(cluster, router, prefix_blocks(cluster))
+
+    tokens, _, final = run(cluster, body)  # settled: B's "failed" notice ended A's lease
+    assert tokens == want
+    assert final.usage.cached_prompt_tokens == 0  # recomputed from its own (empty) prefix
+    assert cluster.router.peers.num_pulled == 1  # the handles went out; the pull failed
+
+
+def test_choose_source_takes_the_longest_prefix_when_it_is_worth_it():
+    hashes = (1, 2, 3, 4, 5, 6)
+    target = WorkerState("b", cached_hashes=frozenset({1}))
+    workers = [
+        target,
+        WorkerState("a", cached_hashes=frozenset(hashes), num_running=3),
+        WorkerState("c", cached_hashes=frozenset(hashes)),  # as long, less loaded
+        WorkerState("d", healthy=False, cached_hashes=frozenset(hashes)),
+    ]
+    # 60 prompt tokens: at most 7 blocks leave a token to compute; 6 are held.
+    assert choose_source(target, workers, hashes, 60, 8, 4) == PeerSource("c", 6)
+    assert choose_source(target, workers, hashes, 60, 8, 6) is None  # 5 more than b's own
+    # A prompt of exactly 4 blocks: the target computes the last token itself, so only 3.
+    assert choose_source(target, workers, hashes, 32, 8, 2) == PeerSource("c", 3)
+    assert choose_source(target, [target], hashes, 60, 8, 1) is None
+    # A prefix held in a worker's host tier counts (its export onboards it first), and so
+    # does the target's own tier (it onboards rather than pulls).
+    in_tier = WorkerState("e", tier_hashes=(("host", frozenset(hashes)),))
+    assert choose_source(target, [target, in_tier], hashes, 60, 8, 4) == PeerSource("e", 6)
+    covered = WorkerState("b", tier_hashes=(("disk", frozenset(hashes[:4])),))
+    assert choose_source(covered, [covered, in_tier], hashes, 60, 8, 4) is None
