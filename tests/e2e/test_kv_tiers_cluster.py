@@ -9,6 +9,9 @@ so the test computes their block hashes and finds their files on disk. What must
   the pool and G2 evicted from G3: prompt tokens reported cached, output token for token
   what the single-process engine (no tiers) computes, greedy and seeded, and the metrics
   and ``baton status`` count the hits on the tier that served them;
+- (slow, clusters of its own) the same on a prefill worker that then hands the KV over
+  to a decode worker; and after the whole cluster is stopped and started again on the
+  same directory, both prompts come from disk with the same tokens;
 - (slow) a worker killed with SIGKILL is restarted under its name, opens the same
   directory, and serves a prefix its predecessor wrote from disk, with the first run's
   tokens; block files damaged meanwhile (a flipped byte, a truncation, a deletion) are
@@ -21,16 +24,19 @@ test_disk_tier_failures.py, test_manager.py and test_disk_full_engine.py).
 
 from __future__ import annotations
 
+import contextlib
 import os
 import random
 import signal
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import nixl  # noqa: F401  (required by the served cluster: a broken install fails, not skips)
 import pytest
 import ray  # noqa: F401  (required by the served cluster: a broken install fails, not skips)
 
+from cluster import cli
 from proto.baton.v1 import inference_pb2 as pb
 from tests.e2e.conftest import cluster_config, start_cluster, stop_cluster
 from tests.e2e.test_cluster import collect, request
@@ -67,8 +73,9 @@ def prompt(key: str) -> list[int]:
 class Tiers:
     """The served cluster and what the tests read of it."""
 
-    def __init__(self, served, disk_root: Path):
+    def __init__(self, served, disk_root: Path, worker: str):
         self.served = served
+        self.worker = worker  # the worker that computes prompts: its tiers are watched
         self.stub = served.stub()
         self.disk_root = disk_root
         (self.url,) = served.metrics_urls()
@@ -76,7 +83,9 @@ class Tiers:
 
     def generate(self, tokens: list[int], sampling: pb.SamplingParams | None = None):
         kw = {"sampling": sampling} if sampling is not None else {}
-        return collect(self.stub, request(tokens, max_tokens=MAX_TOKENS, **kw), timeout=120)
+        req = request(tokens, max_tokens=MAX_TOKENS, **kw)
+        req.output.return_timing = True
+        return collect(self.stub, req, timeout=120)
 
     def fill(self) -> list[int]:
         """One request of a prompt never seen before: its blocks push older ones down."""
@@ -90,7 +99,7 @@ class Tiers:
         """Each onboardable block's file in the worker's disk tier directory, or None."""
         found = []
         for h in hash_prompt_blocks(tokens, BLOCK)[:PROMPT_BLOCKS]:
-            paths = list((self.disk_root / WORKER).glob(f"*/{block_file.file_name(h)}"))
+            paths = list((self.disk_root / self.worker).glob(f"*/{block_file.file_name(h)}"))
             found.append(paths[0] if paths else None)
         return found
 
@@ -108,23 +117,25 @@ class Tiers:
 
     def tier_metric(self, name: str, tier: str, scrape: Scrape | None = None) -> float:
         s = scrape or self.scrape()
-        return s.get(f"baton_kv_tier_{name}", tier=tier, instance=WORKER)
+        return s.get(f"baton_kv_tier_{name}", tier=tier, instance=self.worker)
 
     def tier_status(self) -> dict[str, pb.KVTierStatus]:
         status = self.stub.GetClusterStatus(pb.GetClusterStatusRequest(), timeout=5)
-        (worker,) = [w for p in status.pools for w in p.workers if w.name == WORKER]
+        (worker,) = [w for p in status.pools for w in p.workers if w.name == self.worker]
         return {t.name: t for t in worker.kv_tiers}
 
 
-@pytest.fixture(scope="module")
-def tiers(tiny_model_dir, tmp_path_factory):
-    workdir = tmp_path_factory.mktemp("kv-tiers")
+@contextlib.contextmanager
+def serve(model_dir: Path, workdir: Path, disaggregated: bool) -> Iterator[Tiers]:
+    """One decode worker, and with ``disaggregated`` one prefill worker that computes
+    every prompt and hands its KV over: each with the small pool and both tiers."""
     disk_root = workdir / "disk"
-    host_bytes = HOST_BLOCKS * block_bytes(tiny_model_dir)
-    config = cluster_config(tiny_model_dir, policy="round_robin", disaggregation="never")
+    host_bytes = HOST_BLOCKS * block_bytes(model_dir)
+    mode = "always" if disaggregated else "never"
+    config = cluster_config(model_dir, policy="round_robin", disaggregation=mode)
     config["model"]["max_model_len"] = 128  # 16 blocks: the pool may be small
-    config["prefill"]["replicas"] = 0
-    config["decode"]["max_num_seqs"] = 4
+    config["prefill"]["replicas"] = int(disaggregated)
+    config["prefill"]["max_num_seqs"] = config["decode"]["max_num_seqs"] = 4
     config["kv_cache"] |= {
         "num_blocks": POOL_BLOCKS,
         "host_tier_gib": host_bytes / 2**30,
@@ -132,8 +143,16 @@ def tiers(tiny_model_dir, tmp_path_factory):
         "disk_tier_gib": 0.01,
     }
     served = start_cluster(config, workdir)
-    yield Tiers(served, disk_root)
-    assert stop_cluster(served) == 0, served.output()[-4000:]
+    try:
+        yield Tiers(served, disk_root, "prefill-0" if disaggregated else WORKER)
+    finally:
+        assert stop_cluster(served) == 0, served.output()[-4000:]
+
+
+@pytest.fixture(scope="module")
+def tiers(tiny_model_dir, tmp_path_factory):
+    with serve(tiny_model_dir, tmp_path_factory.mktemp("kv-tiers"), disaggregated=False) as t:
+        yield t
 
 
 @pytest.fixture(scope="module")
@@ -175,11 +194,46 @@ def hit_deltas(tiers: Tiers, before: Scrape, blocks: int, tier: str) -> dict[str
     return eventually(deltas, lambda d: d[tier] >= blocks, f"hits since, {tier} to reach {blocks}")
 
 
-def test_prefixes_onboarded_from_host_and_disk_give_the_computed_tokens(tiers, engine):
+@pytest.mark.slow
+def test_a_prefill_worker_onboards_from_host_and_disk_then_hands_off(
+    tiny_model_dir, tmp_path, engine
+):
+    """The same with disaggregation: the prefill worker onboards, the decode worker gets
+    the prompt's KV over NIXL. Then the whole cluster is stopped (SIGTERM) and started
+    again on the same directory: the new prefill worker serves yesterday's prefixes from
+    disk. (Clusters of its own, stopped before the module's starts.)"""
+    with serve(tiny_model_dir, tmp_path, disaggregated=True) as tiers:
+        served = assert_onboarded_from_host_then_disk(tiers, engine)
+    with serve(tiny_model_dir, tmp_path, disaggregated=True) as tiers:
+        status = eventually(tiers.tier_status, lambda s: "disk" in s, "the new worker's tiers")
+        assert status["disk"].blocks >= 2 * PROMPT_BLOCKS and status["host"].blocks == 0
+        before = tiers.scrape()
+        for tokens, sampling, want in served.values():
+            again = tiers.generate(tokens, sampling)
+            assert again[:2] == want
+            assert again[2].usage.cached_prompt_tokens == PROMPT_BLOCKS * BLOCK
+        blocks = len(served) * PROMPT_BLOCKS
+        assert hit_deltas(tiers, before, blocks, "disk") == {"host": 0, "disk": blocks}
+
+
+def test_prefixes_onboarded_from_host_and_disk_give_the_computed_tokens(tiers, engine, capsys):
+    assert_onboarded_from_host_then_disk(tiers, engine)
+    # baton status: a table of the worker's tiers.
+    assert cli.main(["status", "--target", tiers.served.address]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    table = lines[lines.index("  KV tiers:") + 1 :]
+    assert table[0].split() == ["WORKER", "TIER", "BLOCKS", "BYTES", "HIT", "RATE"]
+    assert [row.split()[:2] for row in table[1:3]] == [[WORKER, "host"], [WORKER, "disk"]]
+    assert table[1].split()[2:5] == [str(tiers.tier_status()["host"].blocks), "/", "24"]
+
+
+def assert_onboarded_from_host_then_disk(tiers: Tiers, engine) -> dict[str, tuple]:
+    """Returns each prompt with its sampling and its (token ids, text)."""
     full = PROMPT_BLOCKS * BLOCK
     # G2: the pool evicted the prompt, the host tier still holds it.
     g2 = prompt("from host")
     computed = tiers.generate(g2)
+    served = {"g2": (g2, None, computed[:2])}
     assert computed[2].usage.cached_prompt_tokens == 0
     assert computed[0] == engine(g2)
     tiers.fill_until_on_disk(g2)  # evicted from the pool (G2 writes to G3 behind itself)
@@ -193,6 +247,7 @@ def test_prefixes_onboarded_from_host_and_disk_give_the_computed_tokens(tiers, e
     # capacity of other blocks since); the disk still holds it. Seeded sampling this time.
     g3 = prompt("from disk")
     computed = tiers.generate(g3, SEEDED)
+    served["g3"] = (g3, SEEDED, computed[:2])
     assert computed[0] == engine(g3, seeded=True)
     tiers.fill_until_on_disk(g3)
     # Blocks on disk went through the host tier; those of prompts sent from now on went
@@ -210,6 +265,10 @@ def test_prefixes_onboarded_from_host_and_disk_give_the_computed_tokens(tiers, e
         "onboard_bytes_total", "disk", before
     )
     assert onboard_bytes == PROMPT_BLOCKS * block_bytes(tiers.served.model_dir)
+    if tiers.worker != WORKER:  # disaggregated: onboarded there, then the KV handed over
+        timing = onboarded[2].timing
+        assert timing.prefill_worker == tiers.worker and timing.decode_worker == WORKER
+        assert timing.kv_transfer_bytes > 0
 
     # baton status shows both tiers of the worker with what they served.
     status = eventually(
@@ -218,6 +277,7 @@ def test_prefixes_onboarded_from_host_and_disk_give_the_computed_tokens(tiers, e
     assert list(status) == ["host", "disk"]
     assert status["host"].capacity_blocks == HOST_BLOCKS
     assert status["host"].hits >= PROMPT_BLOCKS and status["disk"].blocks >= 2 * PROMPT_BLOCKS
+    return served
 
 
 def damage(path: Path, kind: str) -> None:
