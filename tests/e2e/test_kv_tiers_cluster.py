@@ -95,19 +95,26 @@ class Tiers:
         self.generate(tokens)
         return tokens
 
-    def block_files(self, tokens: list[int]) -> list[Path | None]:
+    def block_files(self, tokens: list[int], worker: str | None = None) -> list[Path | None]:
         """Each onboardable block's file in the worker's disk tier directory, or None."""
         found = []
+        directory = self.disk_root / (worker or self.worker)
         for h in hash_prompt_blocks(tokens, BLOCK)[:PROMPT_BLOCKS]:
-            paths = list((self.disk_root / self.worker).glob(f"*/{block_file.file_name(h)}"))
+            paths = list(directory.glob(f"*/{block_file.file_name(h)}"))
             found.append(paths[0] if paths else None)
         return found
 
-    def fill_until_on_disk(self, *prompts: list[int]) -> None:
-        """Send new prompts until every block of ``prompts`` has its file on disk: the
-        pool evicted it into the host tier, which wrote it behind to the disk."""
+    def fill_until_on_disk(self, *prompts: list[int], where: dict | None = None) -> None:
+        """Send new prompts until every block of ``prompts`` has its file on disk (in the
+        directory of ``where[i]``, the worker that served prompt i; default ours): the pool
+        evicted it into the host tier, which wrote it behind to the disk."""
+        where = where or {}
         for _ in range(MAX_FILLERS):
-            if all(p is not None for t in prompts for p in self.block_files(t)):
+            if all(
+                p is not None
+                for i, t in enumerate(prompts)
+                for p in self.block_files(t, where.get(i))
+            ):
                 return
             self.fill()
         raise AssertionError(f"not on disk after {MAX_FILLERS} more prompts")
@@ -126,13 +133,18 @@ class Tiers:
 
 
 @contextlib.contextmanager
-def serve(model_dir: Path, workdir: Path, disaggregated: bool) -> Iterator[Tiers]:
-    """One decode worker, and with ``disaggregated`` one prefill worker that computes
-    every prompt and hands its KV over: each with the small pool and both tiers."""
+def serve(
+    model_dir: Path, workdir: Path, disaggregated: bool, decode_replicas: int = 1
+) -> Iterator[Tiers]:
+    """One decode worker (or ``decode_replicas``, routed ``kv_aware``), and with
+    ``disaggregated`` one prefill worker that computes every prompt and hands its KV
+    over: each with the small pool and both tiers."""
     disk_root = workdir / "disk"
     host_bytes = HOST_BLOCKS * block_bytes(model_dir)
     mode = "always" if disaggregated else "never"
-    config = cluster_config(model_dir, policy="round_robin", disaggregation=mode)
+    policy = "kv_aware" if decode_replicas > 1 else "round_robin"
+    config = cluster_config(model_dir, policy=policy, disaggregation=mode)
+    config["decode"]["replicas"] = decode_replicas
     config["model"]["max_model_len"] = 128  # 16 blocks: the pool may be small
     config["prefill"]["replicas"] = int(disaggregated)
     config["prefill"]["max_num_seqs"] = config["decode"]["max_num_seqs"] = 4
@@ -214,6 +226,40 @@ def test_a_prefill_worker_onboards_from_host_and_disk_then_hands_off(
             assert again[2].usage.cached_prompt_tokens == PROMPT_BLOCKS * BLOCK
         blocks = len(served) * PROMPT_BLOCKS
         assert hit_deltas(tiers, before, blocks, "disk") == {"host": 0, "disk": blocks}
+
+
+@pytest.mark.slow
+def test_restarted_workers_announce_their_disk_and_kv_aware_routes_to_it(
+    tiny_model_dir, tmp_path, engine
+):
+    """Two decode workers, ``kv_aware``; both killed and restarted. Each new worker's
+    first report tells the router what its disk holds (a snapshot on the new event
+    channel), so a prompt only one worker's disk holds goes to that worker and is
+    onboarded there. Sent two of one worker's, then two of the other's: round robin
+    would send two of the four elsewhere, whatever its cursor."""
+    with serve(tiny_model_dir, tmp_path, disaggregated=False, decode_replicas=2) as tiers:
+        first: dict[str, tuple[list[int], str, list[int]]] = {}
+        for i in range(8):
+            tokens = prompt(f"routed {i}")
+            out, _, final = tiers.generate(tokens)
+            first[f"routed {i}"] = (tokens, final.timing.decode_worker, out)
+        held = {w: [k for k, v in first.items() if v[1] == w][:2] for w in (WORKER, "decode-1")}
+        assert all(len(keys) == 2 for keys in held.values()), first
+        chosen = [k for keys in held.values() for k in keys]
+        tiers.fill_until_on_disk(
+            *(first[k][0] for k in chosen), where=dict(enumerate(first[k][1] for k in chosen))
+        )
+        pids = _rank_pids(tiers.served, "WorkerActor")
+        assert len(pids) == 2, pids
+        for pid in pids:
+            os.kill(pid, signal.SIGKILL)
+        _wait_serving(tiers.stub, "decode", {WORKER: 1, "decode-1": 1})
+        for key in chosen:
+            tokens, worker, out = first[key]
+            again, _, final = tiers.generate(tokens)
+            assert final.timing.decode_worker == worker, key
+            assert again == out == engine(tokens), key
+            assert final.usage.cached_prompt_tokens == PROMPT_BLOCKS * BLOCK, key
 
 
 def test_prefixes_onboarded_from_host_and_disk_give_the_computed_tokens(tiers, engine, capsys):
