@@ -392,6 +392,13 @@ def test_a_restarted_worker_serves_from_disk_and_damaged_blocks_are_misses(tiers
     assert misses >= len(damaged)
     for kind, tokens in damaged.items():  # removed: never read again
         assert tiers.block_files(tokens)[first_bad[kind]] is None, kind
+    # Each kind logged (the worker's log reaches the cluster's output through Ray).
+    logged = ("a corrupt block file", "a truncated block file", "a missing block file")
+    eventually(
+        lambda: [m for m in logged if not any(m in line for line in tiers.served.lines)],
+        lambda missing: not missing,
+        "not logged",
+    )
 
     # The worker keeps serving: the damaged prompts again, now whole from its pool.
     for kind, tokens in damaged.items():
