@@ -360,6 +360,12 @@ def test_a_restarted_worker_serves_from_disk_and_damaged_blocks_are_misses(tiers
     status = eventually(tiers.tier_status, lambda s: "disk" in s, "the new worker's tiers")
     assert status["host"].blocks == 0  # a new process: only the disk kept anything
     assert status["disk"].blocks >= 4 * PROMPT_BLOCKS
+    # The gauges are the new process's alone (the dead one's values left the node's).
+    eventually(
+        lambda: [(tiers.tier_metric("blocks", t), status[t].blocks) for t in ("host", "disk")],
+        lambda pairs: all(m == b for m, b in pairs),
+        "gauges against the status",
+    )
 
     # Damaged while the worker holds those blocks on disk only (its pool and host tier
     # are empty): each is a miss, the prompt computes from there.
