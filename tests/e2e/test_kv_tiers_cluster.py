@@ -15,10 +15,12 @@ so the test computes their block hashes and finds their files on disk. What must
 - (slow) a worker killed with SIGKILL is restarted under its name, opens the same
   directory, and serves a prefix its predecessor wrote from disk, with the first run's
   tokens; block files damaged meanwhile (a flipped byte, a truncation, a deletion) are
-  misses, counted as errors, with correct tokens, and the worker keeps serving.
+  misses, counted as errors, with correct tokens, and the worker keeps serving;
+- (slow, a cluster of its own) two decode workers killed and restarted announce what
+  their disks hold, and ``kv_aware`` routes each prompt to the worker whose disk has it.
 
-A full disk (writes fail with ENOSPC) is covered below the cluster: a real process cannot
-be given a small filesystem here without root and mount (tests/workers/kv_tiers/
+A full disk (writes fail with ENOSPC) is covered below the cluster, since a small
+filesystem needs mount privileges that CI's container lacks (tests/workers/kv_tiers/
 test_disk_tier_failures.py, test_manager.py and test_disk_full_engine.py).
 """
 

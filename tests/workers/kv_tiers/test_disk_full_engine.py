@@ -3,7 +3,7 @@
 The disk tier's own reaction to ENOSPC (a rejected put, a pause, reads going on) is
 test_disk_tier_failures.py's, the manager's with a fake failing tier test_manager.py's;
 this is the engine's whole path with the real DiskTier whose file writes fail, as they do
-when the filesystem is full (a real small filesystem needs root and mount: not in CI)."""
+when the filesystem is full (a real small filesystem needs mount privileges: not in CI)."""
 
 from __future__ import annotations
 
