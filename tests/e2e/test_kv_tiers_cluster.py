@@ -41,7 +41,7 @@ import ray  # noqa: F401  (required by the served cluster: a broken install fail
 from cluster import cli
 from proto.baton.v1 import inference_pb2 as pb
 from tests.e2e.conftest import cluster_config, start_cluster, stop_cluster
-from tests.e2e.test_cluster import collect, request
+from tests.e2e.test_cluster import collect, request, wait_blocks_released
 from tests.e2e.test_metrics import Scrape
 from tests.e2e.test_parallel_cluster import _rank_pids, _wait_serving
 from workers.engine.kv_tiers import block_file
@@ -228,6 +228,7 @@ def test_a_prefill_worker_onboards_from_host_and_disk_then_hands_off(
             assert again[2].usage.cached_prompt_tokens == PROMPT_BLOCKS * BLOCK
         blocks = len(served) * PROMPT_BLOCKS
         assert hit_deltas(tiers, before, blocks, "disk") == {"host": 0, "disk": blocks}
+        wait_blocks_released(tiers.stub)
 
 
 @pytest.mark.slow
@@ -262,6 +263,7 @@ def test_restarted_workers_announce_their_disk_and_kv_aware_routes_to_it(
             assert final.timing.decode_worker == worker, key
             assert again == out == engine(tokens), key
             assert final.usage.cached_prompt_tokens == PROMPT_BLOCKS * BLOCK, key
+        wait_blocks_released(tiers.stub)
 
 
 def test_prefixes_onboarded_from_host_and_disk_give_the_computed_tokens(tiers, engine, capsys):
@@ -273,6 +275,7 @@ def test_prefixes_onboarded_from_host_and_disk_give_the_computed_tokens(tiers, e
     assert table[0].split() == ["WORKER", "TIER", "BLOCKS", "BYTES", "HIT", "RATE"]
     assert [row.split()[:2] for row in table[1:3]] == [[WORKER, "host"], [WORKER, "disk"]]
     assert table[1].split()[2:5] == [str(tiers.tier_status()["host"].blocks), "/", "24"]
+    wait_blocks_released(tiers.stub)  # onboarded blocks are freed like computed ones
 
 
 def assert_onboarded_from_host_then_disk(tiers: Tiers, engine) -> dict[str, tuple]:
@@ -412,3 +415,4 @@ def test_a_restarted_worker_serves_from_disk_and_damaged_blocks_are_misses(tiers
     for kind, tokens in damaged.items():
         tokens_out, _, final = tiers.generate(tokens)
         assert tokens_out == want[kind] and final.usage.cached_prompt_tokens == full, kind
+    wait_blocks_released(tiers.stub)  # no block leaked by a failed onboarding either
