@@ -13,7 +13,7 @@ import sys
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-_DATASETS = ("random", "shared-prefix", "trace")
+_DATASETS = ("random", "shared-prefix", "trace", "multi-turn")
 
 
 def _rate(text: str) -> float:
@@ -40,10 +40,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--dataset", choices=_DATASETS, default="random", help="(random)")
     parser.add_argument("--num-prompts", type=int, default=100, help="requests per rate (100)")
-    parser.add_argument("--input-len", type=int, default=256, help="prompt tokens (256)")
+    parser.add_argument(
+        "--input-len", type=int, default=256, help="prompt tokens; multi-turn: per user message"
+    )
     parser.add_argument("--output-len", type=int, default=64, help="max_tokens (64)")
     parser.add_argument(
-        "--range-ratio", type=float, default=0.0, help="random: lengths in len×[1-r, 1+r] (0)"
+        "--range-ratio",
+        type=float,
+        default=0.0,
+        help="random, multi-turn: lengths in len×[1-r, 1+r] (0)",
     )
     parser.add_argument(
         "--prefix-len", type=int, default=512, help="shared-prefix: tokens of each group's prefix"
@@ -52,12 +57,23 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--trace", type=Path, help="trace: JSONL of timestamp/input_length/output_length"
     )
+    parser.add_argument("--num-sessions", type=int, default=16, help="multi-turn: sessions (16)")
+    parser.add_argument("--num-turns", type=int, default=4, help="multi-turn: turns each (4)")
+    parser.add_argument(
+        "--system-prompt-len", type=int, default=256, help="multi-turn: shared system prompt (256)"
+    )
+    parser.add_argument(
+        "--think-time", type=float, default=1.0, help="multi-turn: mean pause between turns, s (1)"
+    )
+    parser.add_argument(
+        "--max-sessions", type=int, default=None, help="multi-turn: most sessions in progress"
+    )
     rate = parser.add_mutually_exclusive_group()
     rate.add_argument(
         "--request-rate",
         type=_rate,
         default=None,
-        help="req/s (default inf; trace: its timestamps)",
+        help="req/s (default inf; trace: its timestamps; multi-turn: new sessions/s)",
     )
     rate.add_argument("--rates", type=_rates, help="a sweep, e.g. 1,2,4: one run per rate")
     parser.add_argument(
@@ -92,47 +108,68 @@ class _Model:
 
 
 def run(args: argparse.Namespace) -> int:
-    from cluster.loadgen.metrics import Slo, summarize
+    from cluster.loadgen.metrics import Slo, summarize, turn_summary
+    from cluster.loadgen.session_command import run_session_workload, session_workload
 
     slo = Slo.parse(args.slo)
     for name in ("num_prompts", "input_len", "output_len"):
         if getattr(args, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')}: must be >= 1")
-    if args.max_concurrency is not None and args.max_concurrency < 1:
-        raise ValueError("--max-concurrency: must be >= 1")
+    for name in ("max_concurrency", "max_sessions"):
+        if getattr(args, name) is not None and getattr(args, name) < 1:
+            raise ValueError(f"--{name.replace('_', '-')}: must be >= 1")
+    if args.dataset == "multi-turn" and args.backend != "grpc":
+        raise ValueError(
+            "--dataset multi-turn: gRPC only (each turn re-sends the model's earlier replies "
+            "as token ids; the HTTP API streams text)"
+        )
     target = _target(args)
     try:
         info = _model_info(args, target)
     except ConnectionError as exc:
         print(f"baton: error: {exc}", file=sys.stderr)
         return 1
-    requests = _dataset(args, info.vocab_size, args.seed)
-    too_long = [r for r in requests if len(r.prompt_ids) + r.max_tokens > info.max_model_len]
-    if too_long:
-        raise ValueError(
-            f"{len(too_long)} requests exceed the model's max_model_len ({info.max_model_len}) "
-            "with prompt + output tokens: shorten --input-len / --output-len / --prefix-len"
-        )
+    multi_turn = args.dataset == "multi-turn"
+    if multi_turn:
+        session_workload(args, info.max_model_len, info.vocab_size, args.seed)  # fails early
+    else:
+        requests = _dataset(args, info.vocab_size, args.seed)
+        too_long = [r for r in requests if len(r.prompt_ids) + r.max_tokens > info.max_model_len]
+        if too_long:
+            raise ValueError(
+                f"{len(too_long)} requests exceed the model's max_model_len ({info.max_model_len}) "
+                "with prompt + output tokens: shorten --input-len / --output-len / --prefix-len"
+            )
     if args.warmup:
-        warm = _dataset(args, info.vocab_size, args.seed + 1)[: args.warmup]
+        warm = _warmup_requests(args, info.vocab_size)
         _run_once(args, target, info.name, warm, [0.0] * len(warm), "warm-up")
-    rates = args.rates or [args.request_rate]
+    # No rate: a trace keeps its timestamps, anything else goes all at once.
+    unset = None if args.dataset == "trace" else math.inf
+    rates = args.rates or [args.request_rate if args.request_rate is not None else unset]
     results, runs = [], []
     for index, rate in enumerate(rates):
-        if index:
-            # Fresh prompts for each later rate of a sweep (lengths from the same
-            # distribution, the trace's own): the earlier rates' prompts are in the
-            # workers' prefix caches and would be served from there.
-            requests = _dataset(args, info.vocab_size, args.seed + _SWEEP_SEED_STEP * index)
-        offsets = _offsets(args, requests, rate)
-        records, duration = _run_once(args, target, info.name, requests, offsets, _label(rate))
+        if multi_turn:
+            # Each rate of a sweep: sessions of its own (seed + 1000 i), as below.
+            seed = args.seed + _SWEEP_SEED_STEP * index
+            workload = session_workload(args, info.max_model_len, info.vocab_size, seed)
+            records, duration = run_session_workload(args, target, workload, rate)
+        else:
+            if index:
+                # Fresh prompts for each later rate of a sweep (lengths from the same
+                # distribution, the trace's own): the earlier rates' prompts are in the
+                # workers' prefix caches and would be served from there.
+                requests = _dataset(args, info.vocab_size, args.seed + _SWEEP_SEED_STEP * index)
+            offsets = _offsets(args, requests, rate)
+            records, duration = _run_once(args, target, info.name, requests, offsets, _label(rate))
         summary = {
             "request_rate": _rate_value(rate),
             **summarize(records, duration, slo),
         }
+        if multi_turn:
+            summary["multi_turn"] = turn_summary(records)
         print(format_summary(summary))
         results.append({**summary, "requests": [asdict(r) for r in records]})
-        runs.append((_label(rate), records))
+        runs.append((_label(rate, "sessions/s" if multi_turn else "req/s"), records))
     if args.result_json:
         document = {
             "target": target,
@@ -212,6 +249,17 @@ def _dataset(args: argparse.Namespace, vocab_size: int, seed: int):
     return datasets.trace_dataset(args.trace, args.num_prompts, vocab_size, seed)
 
 
+def _warmup_requests(args: argparse.Namespace, vocab_size: int):
+    if args.dataset != "multi-turn":
+        return _dataset(args, vocab_size, args.seed + 1)[: args.warmup]
+    from cluster.loadgen.datasets import random_dataset
+
+    # Single requests of a user message's length: they share no prefix with the sessions.
+    return random_dataset(
+        args.warmup, args.input_len, args.output_len, 0.0, vocab_size, args.seed + 1
+    )
+
+
 def _offsets(args: argparse.Namespace, requests, rate: float | None) -> list[float]:
     from cluster.loadgen.arrivals import arrival_offsets
 
@@ -220,8 +268,8 @@ def _offsets(args: argparse.Namespace, requests, rate: float | None) -> list[flo
     return arrival_offsets(len(requests), rate or math.inf, args.burstiness, args.seed)
 
 
-def _label(rate: float | None) -> str:
-    return "trace timing" if rate is None else f"{rate:g} req/s"
+def _label(rate: float | None, unit: str = "req/s") -> str:
+    return "trace timing" if rate is None else f"{rate:g} {unit}"
 
 
 def _run_once(args, target: str, model: str, requests, offsets: list[float], label: str):
@@ -272,10 +320,15 @@ def _plain(value: object) -> object:
     return value
 
 
+def _number(value: float | str) -> str:
+    return value if isinstance(value, str) else f"{value:g}"
+
+
 def format_summary(s: dict) -> str:
     rate = s["request_rate"]
+    unit = "sessions/s" if "multi_turn" in s else "req/s"
     lines = [
-        f"==== rate {rate if isinstance(rate, str) else f'{rate:g} req/s'} ====",
+        f"==== rate {'trace' if rate == 'trace' else f'{_number(rate)} {unit}'} ====",
         f"requests: {s['completed']} completed, {s['failed']} failed {s['errors'] or ''}",
         f"duration: {s['duration_s']:.2f} s",
         f"throughput: {s['request_throughput']:.2f} req/s, {s['output_throughput']:.1f} output tok/s, "
@@ -291,4 +344,8 @@ def format_summary(s: dict) -> str:
             for k in ("mean", "median", "p90", "p99")
         )
         lines.append(f"{key[:-3].upper():<6}{cells}")
+    if "multi_turn" in s:
+        from cluster.loadgen.session_command import format_turns
+
+        lines += format_turns(s["multi_turn"])
     return "\n".join(lines)

@@ -31,11 +31,13 @@ class BenchRequest:
     arrival_s: float | None = None  # from a trace: seconds after the first request
 
 
-def _ids(rng: random.Random, num: int, vocab_size: int) -> tuple[int, ...]:
+def random_ids(rng: random.Random, num: int, vocab_size: int) -> tuple[int, ...]:
+    """``num`` token ids uniform in ``[_FIRST_ID, vocab_size)``."""
     return tuple(rng.randrange(_FIRST_ID, vocab_size) for _ in range(num))
 
 
-def _length(rng: random.Random, mean: int, range_ratio: float) -> int:
+def random_length(rng: random.Random, mean: int, range_ratio: float) -> int:
+    """A length uniform in ``mean × [1 - range_ratio, 1 + range_ratio]``, at least 1."""
     low = max(1, round(mean * (1 - range_ratio)))
     high = max(low, round(mean * (1 + range_ratio)))
     return rng.randint(low, high)
@@ -49,8 +51,8 @@ def random_dataset(
     rng = random.Random(seed)
     return [
         BenchRequest(
-            _ids(rng, _length(rng, input_len, range_ratio), vocab_size),
-            _length(rng, output_len, range_ratio),
+            random_ids(rng, random_length(rng, input_len, range_ratio), vocab_size),
+            random_length(rng, output_len, range_ratio),
         )
         for _ in range(num)
     ]
@@ -69,9 +71,9 @@ def shared_prefix_dataset(
     if num_groups < 1:
         raise ValueError(f"--num-groups: must be >= 1, got {num_groups}")
     rng = random.Random(seed)
-    prefixes = [_ids(rng, prefix_len, vocab_size) for _ in range(num_groups)]
+    prefixes = [random_ids(rng, prefix_len, vocab_size) for _ in range(num_groups)]
     return [
-        BenchRequest(prefixes[i % num_groups] + _ids(rng, input_len, vocab_size), output_len)
+        BenchRequest(prefixes[i % num_groups] + random_ids(rng, input_len, vocab_size), output_len)
         for i in range(num)
     ]
 
@@ -109,8 +111,8 @@ def trace_dataset(path: Path, num: int | None, vocab_size: int, seed: int) -> li
         prompt: tuple[int, ...] = ()
         for h in hash_ids:
             if h not in blocks:
-                blocks[h] = _ids(random.Random(f"{seed}/{h}"), TRACE_BLOCK_TOKENS, vocab_size)
+                blocks[h] = random_ids(random.Random(f"{seed}/{h}"), TRACE_BLOCK_TOKENS, vocab_size)
             prompt += blocks[h]
-        prompt = prompt[:input_len] + _ids(rng, max(0, input_len - len(prompt)), vocab_size)
+        prompt = prompt[:input_len] + random_ids(rng, max(0, input_len - len(prompt)), vocab_size)
         out.append(BenchRequest(prompt, output_len, (timestamp - start_ms) / 1000.0))
     return out

@@ -116,3 +116,36 @@ def summarize(records: list[RequestRecord], duration_s: float, slo: Slo) -> dict
 def _slo_dict(slo: Slo) -> Mapping[str, float]:
     pairs = {"ttft": slo.ttft_ms, "tpot": slo.tpot_ms, "e2el": slo.e2el_ms}
     return {k: v for k, v in pairs.items() if v is not None}
+
+
+def turn_summary(records: list[RequestRecord]) -> dict[str, object]:
+    """Multi-turn: TTFT and prompt-cache figures of the first turns and of the later ones
+    (whose prompts repeat an earlier turn's prompt and reply), over completed requests;
+    the requests each decode worker served, and the sessions whose turns ran on more than
+    one worker."""
+    done = [r for r in records if r.ok]
+
+    def part(rs: list[RequestRecord]) -> dict[str, object]:
+        prompt = sum(r.prompt_len for r in rs)
+        cached = sum(r.cached_prompt_tokens for r in rs)
+        return {
+            "completed": len(rs),
+            "prompt_tokens": prompt,
+            "cached_prompt_tokens": cached,
+            "cached_share": cached / prompt if prompt else None,
+            "ttft_ms": distribution_ms([r.ttft_s for r in rs if r.ttft_s is not None]),
+        }
+
+    workers: dict[str, int] = {}
+    per_session: dict[int, set[str]] = {}
+    for r in done:
+        workers[r.decode_worker] = workers.get(r.decode_worker, 0) + 1
+        per_session.setdefault(r.session if r.session is not None else -1, set()).add(
+            r.decode_worker
+        )
+    return {
+        "first_turn": part([r for r in done if r.turn == 0]),
+        "later_turns": part([r for r in done if r.turn]),
+        "requests_per_worker": dict(sorted(workers.items())),
+        "sessions_moved": sum(len(w) > 1 for w in per_session.values()),
+    }

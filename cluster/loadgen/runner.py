@@ -41,13 +41,18 @@ class RequestRecord:
     prefill_worker: str = ""  # empty: prefilled on the decode worker
     decode_worker: str = ""  # where the router sent it (spread across replicas)
     error: str = ""  # the gRPC status code name; empty = completed
+    session: int | None = None  # multi-turn: the session and its turn (0 = the first)
+    turn: int | None = None
+    # Multi-turn: a digest of the reply's token ids, so that two runs of the same sessions
+    # (say, with and without a cache tier) can be compared token for token.
+    output_digest: str = ""
 
     @property
     def ok(self) -> bool:
         return not self.error and self.e2e_s is not None
 
 
-async def _one(
+async def generate_one(
     stub: pb_grpc.InferenceStub,
     req: BenchRequest,
     record: RequestRecord,
@@ -55,7 +60,10 @@ async def _one(
     ignore_eos: bool,
     disaggregation: str | None,
     timeout_s: float | None,
+    reply: list[int] | None = None,
 ) -> None:
+    """Send ``req``, filling ``record``; the output token ids are appended to ``reply``
+    when given (a multi-turn session's next prompt carries them)."""
     message = make_request(
         list(req.prompt_ids),
         max_tokens=req.max_tokens,
@@ -78,6 +86,8 @@ async def _one(
                     record.itl_s.append(now - last)
                 last = now
                 record.output_len += len(delta.token_ids)
+                if reply is not None:
+                    reply.extend(delta.token_ids)
             if resp.HasField("final"):
                 record.e2e_s = now - sent
                 record.cached_prompt_tokens = resp.final.usage.cached_prompt_tokens
@@ -108,7 +118,7 @@ async def run_requests(
         stub = pb_grpc.InferenceStub(channel)
 
         async def one(req: BenchRequest, record: RequestRecord, start: float) -> None:
-            await _one(stub, req, record, start, ignore_eos, disaggregation, timeout_s)
+            await generate_one(stub, req, record, start, ignore_eos, disaggregation, timeout_s)
 
         return await drive(requests, offsets, one, max_concurrency, on_done)
 

@@ -12,6 +12,7 @@ import pytest
 
 from cluster.cli import main as baton
 from cluster.loadgen.metrics import Slo, summarize
+from cluster.loadgen.multiturn import multi_turn_workload
 from cluster.loadgen.runner import RequestRecord
 
 PNG = b"\x89PNG\r\n\x1a\n"
@@ -97,6 +98,55 @@ def test_shared_prefix_workload_hits_the_prefix_cache(cluster, tmp_path):
     assert {r["decode_worker"] for r in run["requests"]} == {"decode-0"}
 
 
+def test_multi_turn_sessions_reuse_their_history(cluster, tmp_path):
+    options = dict(sessions=3, turns=3, system=64, user=16, output=8, think=0.2, seed=3)
+    args = (
+        "--dataset", "multi-turn", "--num-sessions", "3", "--num-turns", "3",
+        "--system-prompt-len", "64", "--input-len", "16", "--output-len", "8",
+        "--think-time", "0.2", "--ignore-eos", "--seed", "3",
+    )  # fmt: skip
+    result = bench(cluster, tmp_path, *args)
+    run = result["runs"][0]
+    records = run["requests"]
+    assert run["request_rate"] == "inf"  # every session starts at once
+    assert run["completed"] == 9 and run["failed"] == 0
+    assert [(r["session"], r["turn"]) for r in records] == [
+        (i, t) for i in range(3) for t in range(3)
+    ]
+    assert all(r["output_len"] == r["max_tokens"] == 8 for r in records)
+    # Each turn carries the whole history: system prompt, every message and reply so far.
+    assert [r["prompt_len"] for r in records] == [64 + 16 * (t + 1) + 8 * t for t in (0, 1, 2)] * 3
+    for r in records:
+        if r["turn"]:
+            # The previous turn's prompt (its full 8-token blocks) is in the prefix cache.
+            assert r["cached_prompt_tokens"] >= (r["prompt_len"] - 24) // 8 * 8, r
+    # The next turn went after the reply and the session's think time (same seed here).
+    vocab = 1024  # the tiny model's
+    workload = multi_turn_workload(
+        options["sessions"], options["turns"], options["system"], options["user"],
+        options["output"], 0.0, options["think"], vocab, options["seed"],
+    )  # fmt: skip
+    for r, before in zip(records[1:], records, strict=False):
+        if r["turn"]:
+            think = workload.sessions[r["session"]].think_s[r["turn"] - 1]
+            assert r["send_s"] >= before["send_s"] + before["e2e_s"] + think - 1e-3
+    turns = run["multi_turn"]
+    for key, which in (("first_turn", [0]), ("later_turns", [1, 2])):
+        ttft = [r["ttft_s"] * 1e3 for r in records if r["turn"] in which]
+        assert turns[key]["completed"] == len(ttft)
+        assert turns[key]["ttft_ms"]["median"] == pytest.approx(np.median(ttft))
+        assert turns[key]["cached_prompt_tokens"] == sum(
+            r["cached_prompt_tokens"] for r in records if r["turn"] in which
+        )
+    assert turns["requests_per_worker"] == {"decode-0": 9}
+    assert turns["sessions_moved"] == 0
+    # The same sessions again: now every history is in the prefix cache, and no reply changes.
+    again = bench(cluster, tmp_path, *args)["runs"][0]["requests"]
+    assert all(r["output_digest"] for r in records)
+    assert [r["output_digest"] for r in again] == [r["output_digest"] for r in records]
+    assert sum(r["cached_prompt_tokens"] for r in again) > run["cached_prompt_tokens"]
+
+
 def test_trace_requests_go_no_earlier_than_their_timestamps(cluster, tmp_path):
     trace = tmp_path / "trace.jsonl"
     rows = [(0, 30, 3), (400, 20, 2), (150, 25, 4), (900, 10, 2)]
@@ -123,3 +173,9 @@ def test_bad_arguments_are_refused(cluster, tmp_path, capsys):
     assert "max_model_len (512)" in capsys.readouterr().err
     assert baton(["bench", "--target", cluster.address, "--dataset", "trace"]) == 2
     assert "--dataset trace needs --trace" in capsys.readouterr().err
+    assert baton(["bench", "--target", cluster.address, "--dataset", "multi-turn",
+                  "--num-turns", "20"]) == 2  # fmt: skip
+    assert "over the model's max_model_len (512)" in capsys.readouterr().err
+    assert baton(["bench", "--backend", "openai", "--base-url", "http://127.0.0.1:1",
+                  "--dataset", "multi-turn"]) == 2  # fmt: skip
+    assert "--dataset multi-turn: gRPC only" in capsys.readouterr().err

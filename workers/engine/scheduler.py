@@ -384,18 +384,10 @@ class Scheduler:
         return True
 
     def _onboard(self, req: Request, prefix: PrefixHit, hit: TierHit) -> int:
-        """Copy the tiers' blocks of ``req``'s prefix into the fresh blocks after the pool's
-        own hit and publish them in the prefix cache like computed ones (other requests
-        admitted in this step share them). Returns the tokens now computed: the pool's
-        hit plus the blocks that arrived (a tier's miss ends the run there)."""
+        """Onboard the tiers' blocks of ``req``'s prefix into its fresh blocks after
+        ``prefix`` (``KVTierManager.onboard_request``); returns the tokens now computed."""
         assert self.tiers is not None
-        bm = self.block_manager
-        first = prefix.num_blocks
-        table = bm.block_table(req.request_id)
-        num_arrived = self.tiers.onboard(hit, table[first : first + hit.num_blocks])
-        num_cached = (first + num_arrived) * bm.block_size
-        bm.commit_computed(req.request_id, req.token_ids, num_cached)
-        return num_cached
+        return self.tiers.onboard_request(req.request_id, req.token_ids, prefix, hit)
 
     def _head_of_queue(self, slot: int) -> Request | None:
         """The first waiting request of ``slot`` (FCFS within the slot)."""

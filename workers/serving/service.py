@@ -112,6 +112,11 @@ class EngineService:
         self._thread.join(timeout_s)
         if self.connector is not None:
             self.connector.close()
+        tiers = self.engine.kv_tiers
+        if tiers is not None and not self._thread.is_alive():
+            # Stops the disk writer (a block it has not reached is dropped: a later miss)
+            # and frees the host tier; the disk tier's files stay for the next start.
+            tiers.close()
 
     def _command(self, command: Command) -> None:
         if self._failed is not None:

@@ -173,6 +173,10 @@ def test_onboard_stops_at_the_first_unreadable_block():
     assert mgr.onboard(mgr.find(tokens, prefix), table[:3]) == 3
     for block_id, h in zip(table[:3], hashes, strict=True):
         assert bytes(kv[block_id].flatten().numpy()) == disk.blocks[h]
+    assert mgr.lookup(tokens) == 3  # all on disk (and G1 holds none of them: not committed)
+    bm.commit_computed("b", tokens, 3 * BS)
+    disk.blocks.clear()
+    assert mgr.lookup(tokens) == 3  # now all in G1
     bm.free("b")
     mgr.close()
 
@@ -225,3 +229,33 @@ def test_after_close_the_pool_runs_without_tiers():
     bm.evict()  # nothing offloaded, nothing raised
     assert mgr.stats().offloaded == 2
     bm.check_integrity()
+
+
+class FailingHost(HostTier):
+    """A host tier whose reads all fail (as a block evicted between find and get)."""
+
+    def get(self, block_hash: int, out: torch.Tensor) -> bool:
+        return False
+
+
+def test_a_block_the_host_fails_to_deliver_is_read_from_the_disk():
+    kv, bm = make_pool(4)
+    host = FailingHost(FP, 8, 8 * 8)
+    disk = DictTier(8, 100)
+    mgr = KVTierManager(kv, bm, host, disk)
+    tokens = list(range(3 * BS + 1))
+    fill_and_cache(kv, bm, "a", tokens)
+    bm.evict()
+    mgr.wait_idle()
+    hashes = hash_prompt_blocks(tokens, BS)
+    del disk.blocks[hashes[1]]  # the second block is in the (failing) host tier only
+    prefix = bm.find_prefix(tokens)
+    hit = mgr.find(tokens, prefix)
+    assert hit.tier_indexes == (0, 0, 0)  # the host tier is asked first
+    assert bm.allocate_slots("b", 3 * BS, 1)
+    table = bm.block_table("b")
+    assert mgr.onboard(hit, table[:3]) == 1  # the first from disk; the second from nowhere
+    assert bytes(kv[table[0]].flatten().numpy()) == disk.blocks[hashes[0]]
+    assert (mgr.stats().onboarded, mgr.stats().onboard_failed, disk.hits) == (1, 2, 1)
+    bm.free("b")
+    mgr.close()

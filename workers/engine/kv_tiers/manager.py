@@ -191,8 +191,9 @@ class KVTierManager:
 
     def onboard(self, hit: TierHit, block_ids: Sequence[int]) -> int:
         """Copy ``hit``'s blocks into ``block_ids`` (fresh pool blocks, one per hit, in
-        order); returns how many leading ones arrived. The first miss ends it: the request
-        computes from that block on (never raises for a bad block)."""
+        order); returns how many leading ones arrived. A block the tier ``find`` chose fails
+        to deliver is read from a lower tier that holds it; one no tier delivers ends it: the
+        request computes from that block on (never raises for a bad block)."""
         for index, tier in enumerate(self._lookup):
             prefetch = getattr(tier, "prefetch", None)  # the disk's: read ahead, all at once
             if prefetch is not None and index in hit.tier_indexes:
@@ -201,11 +202,30 @@ class KVTierManager:
         for count, (block_hash, index, block_id) in enumerate(
             zip(hit.block_hashes, hit.tier_indexes, block_ids, strict=True)
         ):
-            if not self._read(self._lookup[index], block_hash, block_id):
+            # A tier that fails to deliver (corrupt, evicted meanwhile): the next one down
+            # may hold the block too (every host block is written behind to the disk).
+            lower = [t for t in self._lookup[index + 1 :] if t.contains(block_hash)]
+            if not any(self._read(t, block_hash, block_id) for t in (self._lookup[index], *lower)):
                 self._onboard_failed += hit.num_blocks - count
                 return count
             self._onboarded += 1
         return hit.num_blocks
+
+    def onboard_request(
+        self, req_id: str, token_ids: Sequence[int], prefix: PrefixHit, hit: TierHit
+    ) -> int:
+        """Admission, once ``req_id`` has its blocks (the pool's ``prefix`` first, then
+        fresh ones): copy ``hit`` into the fresh blocks after the prefix and publish them
+        in the prefix cache like computed ones (requests admitted later in the same step
+        share them). Returns the tokens now computed: the prefix plus the blocks that
+        arrived (a tier's miss ends the run there)."""
+        bm = self.block_manager
+        first = prefix.num_blocks
+        table = bm.block_table(req_id)
+        num_arrived = self.onboard(hit, table[first : first + hit.num_blocks])
+        num_cached = (first + num_arrived) * self.block_size
+        bm.commit_computed(req_id, token_ids, num_cached)
+        return num_cached
 
     # ---- internals -------------------------------------------------------------------
     def _host_view(self, block_id: int) -> torch.Tensor:
