@@ -9,8 +9,8 @@
     needed) of one file as large as all the blocks together; the tier's block files are
     dropped from the page cache first with ``posix_fadvise(DONTNEED)`` (works without root
     on files we own, once they are written back: each is fsync'ed first); the tier is
-    measured plain (one get after the other) and with ``DiskTier.prefetch`` 32 MiB of
-    blocks ahead of the gets;
+    measured plain (one get after the other) and after ``DiskTier.prefetch`` of all the
+    blocks (which keeps the disk reading 32 MiB ahead of the gets);
   - warm: the reference is a buffered ``dd`` of the same file just read (it is in the
     page cache), the tier reads its files right after reading them once.
 
@@ -54,7 +54,6 @@ SMALL = CacheFingerprint(
     head_dim=64, block_size=16,
 )  # fmt: skip
 DD_BIG_BS = 64 << 20
-PREFETCH_BYTES = 32 << 20  # how far ahead of the gets DiskTier.prefetch reads
 
 
 def block_bytes(fp: CacheFingerprint) -> int:
@@ -149,15 +148,11 @@ def disk_run(fp: CacheFingerprint, blocks: torch.Tensor, runs: int, directory: P
     }
     figures |= {k: [] for k in ("dd_warm", "dd_warm_big", "get_warm")}
 
-    window = max(1, PREFETCH_BYTES // size)
-
     def read_all(prefetch: bool = False) -> float:
         start = time.perf_counter()
-        if prefetch:  # a window ahead of the gets (all at once floods the disk's queue)
-            tier.prefetch(range(window))
+        if prefetch:  # as the engine's onboarding does: all of them, the tier keeps a window
+            tier.prefetch(range(num_blocks))
         for i in range(num_blocks):
-            if prefetch and i + window < num_blocks:
-                tier.prefetch((i + window,))
             if not tier.get(i, out):
                 raise RuntimeError(f"block {i} missed")
         return gbps(blocks.numel(), time.perf_counter() - start)

@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from workers.engine.kv_tiers import disk_tier
 from workers.engine.kv_tiers.block_file import HEADER_LEN
 from workers.engine.kv_tiers.disk_tier import DiskTier
 from workers.engine.kv_tiers.keys import CacheFingerprint
@@ -229,6 +230,30 @@ def test_puts_on_one_thread_and_gets_on_another_never_read_wrong_bytes(tmp_path:
     held = tier.hashes()
     assert len(held) == 6 and num_blocks - 1 in held
     tier.check_integrity()  # the directory holds exactly these six
+
+
+def test_prefetch_reads_a_window_ahead_of_the_gets(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    tier = make(tmp_path, capacity_blocks=20)
+    for h in range(10):
+        tier.put(h, block(h))
+    advised: list[int] = []
+    real_advise = tier._advise
+    monkeypatch.setattr(tier, "_advise", lambda hs: advised.extend(hs) or real_advise(hs))
+    monkeypatch.setattr(disk_tier, "PREFETCH_BYTES", 3 * FILE_BYTES)
+    assert tier.prefetch([*range(8), 99]) == 8  # 99 is not held
+    assert advised == [0, 1, 2]  # the window
+    for h in range(8):
+        got = read(tier, h)
+        assert got is not None and torch.equal(got, block(h))
+        # Each get starts the next block: three stay in flight ahead of the reader.
+        assert advised == list(range(min(8, h + 4)))
+    assert tier.prefetch([9]) == 1 and advised[-1] == 9
+    tier.prefetch(range(8))  # a new call replaces what was left of the previous one
+    tier.prefetch([])
+    read(tier, 0)
+    assert advised[-3:] == [0, 1, 2]
 
 
 def test_prefetch_is_a_hint_for_held_blocks_only(tmp_path: Path) -> None:
