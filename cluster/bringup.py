@@ -218,6 +218,8 @@ def bring_up(config: ClusterConfig) -> Cluster:
                 kv_transfer_backend=config.kv_transfer.backend,
                 speculative=config.decode.speculative.summary(),
                 peer_sharing=peer_sharing,
+                peer_min_blocks=config.router.peer_min_blocks,
+                peer_export_timeout_s=config.router.peer_export_timeout_seconds,
             ),
             Tokenizer.from_dir(model_dir),
             clients["prefill"],

@@ -10,6 +10,7 @@ import pytest
 
 from cluster.config import engine_config, load_config, parse_config
 from cluster.config_schema import ConfigError
+from router.config import RouterConfig
 from router.policy import KVWeights
 from workers.engine.config import EngineConfig
 from workers.serving.worker_spec import WorkerSpec
@@ -130,3 +131,17 @@ def test_the_routers_tier_weights_default_to_the_policys_and_reach_it():
     assert default.kv_disk_tier_weight == weights.disk_tier_weight
     with pytest.raises(ConfigError, match=r"router\.kv_disk_tier_weight: must be >= 0"):
         parse_config({"router": {"kv_disk_tier_weight": -1}})
+
+
+def test_the_peer_pull_keys_default_to_the_routers_and_are_bounded():
+    config = parse_config({"router": {"peer_min_blocks": 8, "peer_export_timeout_seconds": 0.5}})
+    assert (config.router.peer_min_blocks, config.router.peer_export_timeout_seconds) == (8, 0.5)
+    default, router = parse_config(None).router, RouterConfig("m", "a", "float32", 64, 100, 16)
+    assert default.peer_min_blocks == router.peer_min_blocks
+    assert default.peer_export_timeout_seconds == router.peer_export_timeout_s
+    with pytest.raises(ConfigError, match=r"router\.peer_min_blocks: must be >= 1, got 0"):
+        parse_config({"router": {"peer_min_blocks": 0}})
+    with pytest.raises(ConfigError, match=r"router\.peer_export_timeout_seconds: must be > 0"):
+        parse_config({"router": {"peer_export_timeout_seconds": 0}})
+    with pytest.raises(ConfigError, match=r"router\.peer_min_blocks"):
+        parse_config({"router": {"peer_min_blocks": "four"}})
