@@ -212,6 +212,7 @@ def bring_up(config: ClusterConfig) -> Cluster:
                     balance_rel=config.router.kv_balance_rel,
                     host_tier_weight=config.router.kv_host_tier_weight,
                     disk_tier_weight=config.router.kv_disk_tier_weight,
+                    receive_weight=config.router.kv_receive_weight,
                 ),
                 max_queued_requests=config.router.max_queued_requests,
                 migration_limit=config.router.migration_limit,

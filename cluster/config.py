@@ -239,6 +239,12 @@ class RouterSection:
         "share of computing it",
         ge=0.0,
     )
+    kv_receive_weight: float = option(
+        0.1,
+        "kv_aware: cost of a prompt block a decode worker fed by a prefill worker lacks and "
+        "must receive, as a share of computing it (the blocks it holds are not received)",
+        ge=0.0,
+    )
     # Peer pull (G4, kv_cache.peer_sharing; router/peer_prefix.py): the router's decisions.
     peer_min_blocks: int = option(
         4,

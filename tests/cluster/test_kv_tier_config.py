@@ -131,6 +131,10 @@ def test_the_routers_tier_weights_default_to_the_policys_and_reach_it():
     assert default.kv_disk_tier_weight == weights.disk_tier_weight
     with pytest.raises(ConfigError, match=r"router\.kv_disk_tier_weight: must be >= 0"):
         parse_config({"router": {"kv_disk_tier_weight": -1}})
+    assert default.kv_receive_weight == weights.receive_weight
+    assert parse_config({"router": {"kv_receive_weight": 0}}).router.kv_receive_weight == 0
+    with pytest.raises(ConfigError, match=r"router\.kv_receive_weight: must be >= 0"):
+        parse_config({"router": {"kv_receive_weight": -0.1}})
 
 
 def test_the_peer_pull_keys_default_to_the_routers_and_are_bounded():
