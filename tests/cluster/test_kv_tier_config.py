@@ -8,11 +8,13 @@ import os
 
 import pytest
 
+from cluster.bringup import router_config
 from cluster.config import engine_config, load_config, parse_config
 from cluster.config_schema import ConfigError
 from router.config import RouterConfig
 from router.policy import KVWeights
 from workers.engine.config import EngineConfig
+from workers.protocol.wire import WorkerInfo
 from workers.serving.worker_spec import WorkerSpec
 
 
@@ -149,3 +151,23 @@ def test_the_peer_pull_keys_default_to_the_routers_and_are_bounded():
         parse_config({"router": {"peer_export_timeout_seconds": 0}})
     with pytest.raises(ConfigError, match=r"router\.peer_min_blocks"):
         parse_config({"router": {"peer_min_blocks": "four"}})
+
+
+def test_bring_up_gives_the_router_its_peer_and_routing_keys():
+    config = parse_config(
+        {
+            "kv_cache": {"peer_sharing": True},
+            "router": {
+                "peer_min_blocks": 6,
+                "peer_export_timeout_seconds": 1.5,
+                "kv_receive_weight": 0.25,
+                "kv_host_tier_weight": 0.05,
+            },
+        }
+    )
+    info = WorkerInfo("decode-0", "LlamaForCausalLM", "float32", 512, 1000, 16, 64, "cpu")
+    router = router_config(config, "tiny", info)
+    assert router.peer_sharing is True and router.peer_min_blocks == 6
+    assert router.peer_export_timeout_s == 1.5
+    assert (router.kv_weights.receive_weight, router.kv_weights.host_tier_weight) == (0.25, 0.05)
+    assert (router.model_name, router.block_size, router.max_model_len) == ("tiny", 16, 512)
