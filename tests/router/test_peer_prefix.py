@@ -19,7 +19,7 @@ import pytest
 from prometheus_client import REGISTRY
 
 from cluster.tools.make_model import make_model
-from router.peer_prefix import PeerSource, choose_source
+from router.peer_prefix import PeerExports, PeerSource, choose_source
 from router.policy import WorkerState
 from workers import LLM, SamplingParams
 
@@ -186,3 +186,48 @@ def test_choose_source_takes_the_longest_prefix_when_it_is_worth_it():
     assert choose_source(target, [target, in_tier], hashes, 60, 8, 4) == PeerSource("e", 6)
     covered = WorkerState("b", tier_hashes=(("disk", frozenset(hashes[:4])),))
     assert choose_source(covered, [covered, in_tier], hashes, 60, 8, 4) is None
+
+
+class _Exporter:
+    """A stand-in for worker A's client: records the export, ends it as told."""
+
+    def __init__(self, name: str, refuse: bool = False):
+        self.name, self.refuse = name, refuse
+        self.client = self
+        self.aborted: list[str] = []
+
+    async def submit(self, item):
+        if self.refuse:
+            raise RuntimeError("worker A refused the work")
+        self.export_id = item.request_id
+
+    async def abort(self, request_id: str):
+        self.aborted.append(request_id)
+
+
+def test_each_failed_export_counts_under_its_cause_and_gives_no_handles():
+    """The router's series by result, for the failures the in-process flow above does not
+    reach: A refuses the work, A dies before its handles come."""
+
+    def count(result: str) -> float:
+        labels = {"role": "router", "model": "unit", "instance": "router", "result": result}
+        return REGISTRY.get_sample_value("baton_router_peer_exports_total", labels) or 0.0
+
+    async def main():
+        async def decline(handles):
+            raise AssertionError("no handles came: nothing to decline")
+
+        exports = PeerExports(30.0, decline, model="unit")
+        before = {r: count(r) for r in ("refused", "worker_lost", "timeout", "pulled")}
+        assert await exports.export(_Exporter("a", refuse=True), range(40), 2, 8) is None
+        lost = _Exporter("a")
+        task = asyncio.create_task(exports.export(lost, range(40), 2, 8))
+        while not hasattr(lost, "export_id"):
+            await asyncio.sleep(0)
+        exports.worker_lost("a")
+        assert await task is None
+        assert lost.aborted == [lost.export_id]
+        moved = {r: count(r) - before[r] for r in before}
+        assert moved == {"refused": 1, "worker_lost": 1, "timeout": 0, "pulled": 0}
+
+    asyncio.run(main())
