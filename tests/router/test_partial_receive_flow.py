@@ -1,10 +1,12 @@
-"""Partial receive through the router, over real engines in one process: a handed-off
-request's decode worker that holds the prompt's first blocks already (an earlier request
-it prefilled itself) receives only the rest from the prefill worker, with the tokens of
-``LLM.generate``; its Prometheus series count the blocks received, those it reused and
-the bytes they saved (docs/metrics.md)."""
+"""Partial receive through the router, over real engines in one process: ``kv_aware``
+sends a handed-off request to the decode worker that holds the prompt's first blocks
+already (an earlier request it prefilled itself), which receives only the rest from the
+prefill worker, with the tokens of ``LLM.generate``; its Prometheus series count the
+blocks received, those it reused and the bytes they saved (docs/metrics.md)."""
 
 from __future__ import annotations
+
+import asyncio
 
 import pytest
 from prometheus_client import REGISTRY
@@ -42,7 +44,9 @@ def test_a_decode_worker_receives_only_what_its_cache_lacks_and_counts_it(model_
     llm = LLM(str(model_dir), dtype="float32", max_model_len=256)
     params = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
     want = list(llm.generate([PROMPT], params)[0].token_ids)
-    cluster = Cluster(model_dir, disaggregation="always")
+    # Two decode workers: idle and equal but for decode-0's cache, round robin (the tie
+    # break) would send the second request to decode-1.
+    cluster = Cluster(model_dir, num_decode=2, disaggregation="always", policy="kv_aware")
     engine = cluster.services["decode-0"].engine
     n_prefix = len(engine.tokenizer.encode(LONG_PREFIX))
     n_prompt = len(engine.tokenizer.encode(PROMPT))
@@ -52,14 +56,17 @@ def test_a_decode_worker_receives_only_what_its_cache_lacks_and_counts_it(model_
 
     async def body(router):
         never = pb.DISAGGREGATION_NEVER
-        await collect(router, req(LONG_PREFIX, max_tokens=1, disaggregation=never))
+        first = await collect(router, req(LONG_PREFIX, max_tokens=1, disaggregation=never))
+        assert first[2].timing.decode_worker == "decode-0"
+        while len(router.decode[0].hashes) < held:  # its report reaches the router
+            await asyncio.sleep(0.01)
         out = await collect(router, req(PROMPT))
         await cluster.settled()
         return out
 
     tokens, _, final = run(cluster, body)
     assert tokens == want
-    assert final.timing.prefill_worker == "prefill-0"
+    assert (final.timing.prefill_worker, final.timing.decode_worker) == ("prefill-0", "decode-0")
     after = series(cluster, "decode-0")
     moved = {k: after[k] - before[k] for k in after}
     assert moved["blocks"] == total - held and moved["reused_blocks"] == held
