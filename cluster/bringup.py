@@ -45,6 +45,7 @@ from router.policy import KVWeights
 from router.recovery import RestartPolicy
 from router.router import Router
 from workers.models.arch_config import ArchConfig
+from workers.protocol.wire import WorkerInfo
 from workers.serving.channel import ChannelListener
 from workers.serving.metrics_node import default_root, node_directory, record_into
 from workers.serving.ray_worker import RayWorkerClient
@@ -195,30 +196,7 @@ def bring_up(config: ClusterConfig) -> Cluster:
             replicas, listener, info, cluster.exporters, peer_sharing=peer_sharing
         )
         cluster.router = Router(
-            RouterConfig(
-                model_name=name,
-                architecture=info.architecture,
-                dtype=info.dtype,
-                max_model_len=info.max_model_len,
-                vocab_size=info.vocab_size,
-                block_size=info.block_size,
-                policy=config.router.policy,
-                disaggregation=config.router.disaggregation,
-                auto_local_prefill_tokens=config.router.auto_local_prefill_tokens,
-                saturated_queue=config.router.auto_saturated_queue,
-                kv_weights=KVWeights(
-                    overlap_weight=config.router.kv_overlap_weight,
-                    balance_abs_requests=config.router.kv_balance_abs_requests,
-                    balance_rel=config.router.kv_balance_rel,
-                    host_tier_weight=config.router.kv_host_tier_weight,
-                    disk_tier_weight=config.router.kv_disk_tier_weight,
-                ),
-                max_queued_requests=config.router.max_queued_requests,
-                migration_limit=config.router.migration_limit,
-                kv_transfer_backend=config.kv_transfer.backend,
-                speculative=config.decode.speculative.summary(),
-                peer_sharing=peer_sharing,
-            ),
+            router_config(config, name, info),
             Tokenizer.from_dir(model_dir),
             clients["prefill"],
             clients["decode"],
@@ -234,6 +212,39 @@ def bring_up(config: ClusterConfig) -> Cluster:
         cluster.shutdown()
         raise
     return cluster
+
+
+def router_config(config: ClusterConfig, name: str, info: WorkerInfo) -> RouterConfig:
+    """The router's settings: the config's ``router`` section (and the few others it
+    needs), with what the workers resolved at start-up (``info``, which every worker
+    agreed on) and the served model ``name``."""
+    return RouterConfig(
+        model_name=name,
+        architecture=info.architecture,
+        dtype=info.dtype,
+        max_model_len=info.max_model_len,
+        vocab_size=info.vocab_size,
+        block_size=info.block_size,
+        policy=config.router.policy,
+        disaggregation=config.router.disaggregation,
+        auto_local_prefill_tokens=config.router.auto_local_prefill_tokens,
+        saturated_queue=config.router.auto_saturated_queue,
+        kv_weights=KVWeights(
+            overlap_weight=config.router.kv_overlap_weight,
+            balance_abs_requests=config.router.kv_balance_abs_requests,
+            balance_rel=config.router.kv_balance_rel,
+            host_tier_weight=config.router.kv_host_tier_weight,
+            disk_tier_weight=config.router.kv_disk_tier_weight,
+            receive_weight=config.router.kv_receive_weight,
+        ),
+        max_queued_requests=config.router.max_queued_requests,
+        migration_limit=config.router.migration_limit,
+        kv_transfer_backend=config.kv_transfer.backend,
+        speculative=config.decode.speculative.summary(),
+        peer_sharing=config.kv_cache.peer_sharing,
+        peer_min_blocks=config.router.peer_min_blocks,
+        peer_export_timeout_s=config.router.peer_export_timeout_seconds,
+    )
 
 
 def _channel_host() -> str:

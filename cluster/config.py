@@ -239,6 +239,25 @@ class RouterSection:
         "share of computing it",
         ge=0.0,
     )
+    kv_receive_weight: float = option(
+        0.1,
+        "kv_aware: cost of a prompt block a decode worker fed by a prefill worker lacks and "
+        "must receive, as a share of computing it (the blocks it holds are not received)",
+        ge=0.0,
+    )
+    # Peer pull (G4, kv_cache.peer_sharing; router/peer_prefix.py): the router's decisions.
+    peer_min_blocks: int = option(
+        4,
+        "kv_cache.peer_sharing: pull a prompt's prefix from another worker only when it holds "
+        "at least this many blocks more of it than the worker that computes the prompt",
+        ge=1,
+    )
+    peer_export_timeout_seconds: float = option(
+        5.0,
+        "kv_cache.peer_sharing: how long the request waits for the other worker to lease "
+        "the prefix; past it, the prefix is recomputed",
+        gt=0.0,
+    )
     max_queued_requests: int = option(
         1024, "Requests admitted but not finished; beyond: RESOURCE_EXHAUSTED", ge=1
     )

@@ -25,7 +25,8 @@ class RouterConfig:
     speculative: str = ""  # the decode pool's speculative decoding, for status; "" = off
     kv_weights: KVWeights = field(default_factory=KVWeights)  # kv_aware's constants
     # Peer pull (G4, router/peer_prefix.py): kv_cache.peer_sharing; pull a prefix another
-    # worker holds when it is at least peer_min_blocks longer than the target's own.
+    # worker holds when it is at least peer_min_blocks longer than the target's own
+    # (router.peer_min_blocks, router.peer_export_timeout_seconds in the config).
     peer_sharing: bool = False
     peer_min_blocks: int = 4
     peer_export_timeout_s: float = 5.0

@@ -20,7 +20,10 @@ Outcomes, one per call:
 And one the router core counts, for both front ends (no ``frontend`` label):
 ``baton_router_migrations_total{cause}``, requests moved off a lost worker
 (``router/migration.py``: ``decode_worker_died``, ``prefill_worker_died``,
-``transfer_failed``, ``submit_failed``).
+``transfer_failed``, ``submit_failed``); and ``baton_router_peer_exports_total{result}``,
+the prefixes it asked a worker to export for another to pull (``router/peer_prefix.py``):
+``pulled`` (the handles went to the pulling worker), ``timeout``, ``refused``,
+``worker_lost``, ``cancelled`` (each of those: recomputed there).
 """
 
 from __future__ import annotations
@@ -102,6 +105,11 @@ MIGRATIONS = Counter(
     "baton_router_migrations",
     "Requests migrated to another worker after theirs was lost, by cause",
     (*LABELS, "cause"),
+)
+PEER_EXPORTS = Counter(
+    "baton_router_peer_exports",
+    "Peer pulls (G4) the router asked another worker to export a prefix for, by result",
+    (*LABELS, "result"),
 )
 
 

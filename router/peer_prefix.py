@@ -31,6 +31,7 @@ import uuid
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, replace
 
+from router.metrics import PEER_EXPORTS
 from router.policy import WorkerState, cached_prefix_blocks
 from router.workers import WorkerView, abort_on
 from workers.protocol.block_hashes import hash_prompt_blocks
@@ -42,6 +43,10 @@ logger = logging.getLogger(__name__)
 # A token sampled by the exporter that never ends the request there (so the blocks are
 # held, not freed): nobody reads it.
 EXPORT_PARAMS = SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True)
+
+
+class ExporterLost(RuntimeError):
+    """The exporting worker died (or was replaced) before its handles came."""
 
 
 @dataclass(frozen=True)
@@ -83,9 +88,19 @@ def choose_source(
 class PeerExports:
     """The router's exports in flight: which worker runs each, and its future handles."""
 
-    def __init__(self, timeout_s: float, decline: Callable[[tuple[bytes, ...]], Awaitable[None]]):
-        """``decline``: frees handles nobody will read (through any worker, A included)."""
+    def __init__(
+        self,
+        timeout_s: float,
+        decline: Callable[[tuple[bytes, ...]], Awaitable[None]],
+        model: str = "",
+    ):
+        """``decline``: frees handles nobody will read (through any worker, A included);
+        ``model``: the served name, for ``baton_router_peer_exports_total``."""
         self.timeout_s = timeout_s
+        self._results = {
+            result: PEER_EXPORTS.labels("router", model, "router", result)
+            for result in ("pulled", "timeout", "refused", "worker_lost", "cancelled")
+        }
         self._decline = decline
         self._waiting: dict[str, tuple[str, asyncio.Future]] = {}
         self._tasks: set[asyncio.Task] = set()
@@ -113,7 +128,7 @@ class PeerExports:
             if name == worker:
                 del self._waiting[export_id]
                 if not future.done():
-                    future.set_exception(RuntimeError(f"worker {worker} lost"))
+                    future.set_exception(ExporterLost(f"worker {worker} lost"))
 
     async def export(
         self, source: WorkerView, token_ids: Sequence[int], num_blocks: int, block_size: int
@@ -135,10 +150,15 @@ class PeerExports:
             # handles are declined (Router._on_batch), or its lease expires.
             return await asyncio.wait_for(run(), self.timeout_s)
         except asyncio.CancelledError:
+            self._results["cancelled"].inc()
             self._give_up(export_id, source, future)
             raise
         except Exception as exc:
-            why = "timed out" if isinstance(exc, asyncio.TimeoutError) else str(exc)
+            timed_out = isinstance(exc, asyncio.TimeoutError)
+            result = "timeout" if timed_out else "refused"
+            result = "worker_lost" if isinstance(exc, ExporterLost) else result
+            self._results[result].inc()
+            why = "timed out" if timed_out else str(exc)
             logger.warning("peer export from %s failed (%s); recomputing", source.name, why)
             self._give_up(export_id, source, future)
             return None
@@ -172,6 +192,7 @@ class PeerExports:
             self.num_fallbacks += 1
             return item
         self.num_pulled += 1
+        self._results["pulled"].inc()
         return replace(item, kv_handles=handles)
 
     def _give_up(self, export_id: str, source: WorkerView, future: asyncio.Future) -> None:

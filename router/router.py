@@ -80,7 +80,7 @@ class Router:
         self.peers: PeerExports | None = None  # peer pull (G4), router/peer_prefix.py
         if config.peer_sharing:
             unread = partial(lambda r, h: decline(h, None, [*r.decode, *r.prefill]), self)
-            self.peers = PeerExports(config.peer_export_timeout_s, unread)
+            self.peers = PeerExports(config.peer_export_timeout_s, unread, config.model_name)
 
     # ---- lifecycle -------------------------------------------------------------------
     async def start(self, ready_timeout_s: float = 120.0) -> None:

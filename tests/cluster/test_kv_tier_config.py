@@ -8,10 +8,13 @@ import os
 
 import pytest
 
+from cluster.bringup import router_config
 from cluster.config import engine_config, load_config, parse_config
 from cluster.config_schema import ConfigError
+from router.config import RouterConfig
 from router.policy import KVWeights
 from workers.engine.config import EngineConfig
+from workers.protocol.wire import WorkerInfo
 from workers.serving.worker_spec import WorkerSpec
 
 
@@ -130,3 +133,41 @@ def test_the_routers_tier_weights_default_to_the_policys_and_reach_it():
     assert default.kv_disk_tier_weight == weights.disk_tier_weight
     with pytest.raises(ConfigError, match=r"router\.kv_disk_tier_weight: must be >= 0"):
         parse_config({"router": {"kv_disk_tier_weight": -1}})
+    assert default.kv_receive_weight == weights.receive_weight
+    assert parse_config({"router": {"kv_receive_weight": 0}}).router.kv_receive_weight == 0
+    with pytest.raises(ConfigError, match=r"router\.kv_receive_weight: must be >= 0"):
+        parse_config({"router": {"kv_receive_weight": -0.1}})
+
+
+def test_the_peer_pull_keys_default_to_the_routers_and_are_bounded():
+    config = parse_config({"router": {"peer_min_blocks": 8, "peer_export_timeout_seconds": 0.5}})
+    assert (config.router.peer_min_blocks, config.router.peer_export_timeout_seconds) == (8, 0.5)
+    default, router = parse_config(None).router, RouterConfig("m", "a", "float32", 64, 100, 16)
+    assert default.peer_min_blocks == router.peer_min_blocks
+    assert default.peer_export_timeout_seconds == router.peer_export_timeout_s
+    with pytest.raises(ConfigError, match=r"router\.peer_min_blocks: must be >= 1, got 0"):
+        parse_config({"router": {"peer_min_blocks": 0}})
+    with pytest.raises(ConfigError, match=r"router\.peer_export_timeout_seconds: must be > 0"):
+        parse_config({"router": {"peer_export_timeout_seconds": 0}})
+    with pytest.raises(ConfigError, match=r"router\.peer_min_blocks"):
+        parse_config({"router": {"peer_min_blocks": "four"}})
+
+
+def test_bring_up_gives_the_router_its_peer_and_routing_keys():
+    config = parse_config(
+        {
+            "kv_cache": {"peer_sharing": True},
+            "router": {
+                "peer_min_blocks": 6,
+                "peer_export_timeout_seconds": 1.5,
+                "kv_receive_weight": 0.25,
+                "kv_host_tier_weight": 0.05,
+            },
+        }
+    )
+    info = WorkerInfo("decode-0", "LlamaForCausalLM", "float32", 512, 1000, 16, 64, "cpu")
+    router = router_config(config, "tiny", info)
+    assert router.peer_sharing is True and router.peer_min_blocks == 6
+    assert router.peer_export_timeout_s == 1.5
+    assert (router.kv_weights.receive_weight, router.kv_weights.host_tier_weight) == (0.25, 0.05)
+    assert (router.model_name, router.block_size, router.max_model_len) == ("tiny", 16, 512)

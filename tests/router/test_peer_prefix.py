@@ -5,7 +5,10 @@ other as ``kv_cache.peer_sharing`` does, round robin so that a prompt whose pref
 A computed lands on worker B: B pulls A's blocks over the (in-process) KV transport
 instead of recomputing them, and the tokens are those of ``LLM.generate``. When the
 export is too slow or the transfer fails, B recomputes, with the same tokens. No block
-stays in use anywhere, A's lease included. ``choose_source`` is pinned down on its own.
+stays in use anywhere, A's lease included. Each outcome moves its Prometheus series: the
+router's ``baton_router_peer_exports_total{result}`` and B's ``baton_kv_peer_pulls_total``
+and ``baton_kv_receive_blocks_total{source="peer"}``. ``choose_source`` is pinned down on
+its own.
 """
 
 from __future__ import annotations
@@ -13,9 +16,10 @@ from __future__ import annotations
 import asyncio
 
 import pytest
+from prometheus_client import REGISTRY
 
 from cluster.tools.make_model import make_model
-from router.peer_prefix import PeerSource, choose_source
+from router.peer_prefix import PeerExports, PeerSource, choose_source
 from router.policy import WorkerState
 from workers import LLM, SamplingParams
 
@@ -59,6 +63,38 @@ async def warm_then_ask(cluster: Cluster, router, min_hashes: int):
     return second
 
 
+class Series:
+    """The peer-pull series of the router and of B (decode-1), read before and after."""
+
+    def __init__(self, cluster: Cluster):
+        b = cluster.services["decode-1"].metrics._labels
+        self.b = {"role": b[0], "model": b[1], "instance": b[2]}
+        self.before = self.now()
+
+    def now(self) -> dict[str, float]:
+        router = {"role": "router", "model": "tiny", "instance": "router"}
+        values = {}
+        for result in ("pulled", "timeout", "refused", "worker_lost", "cancelled"):
+            labels = {**router, "result": result}
+            values[f"export_{result}"] = REGISTRY.get_sample_value(
+                "baton_router_peer_exports_total", labels
+            )
+        for result in ("received", "recomputed", "unused"):
+            labels = {**self.b, "result": result}
+            values[f"pull_{result}"] = REGISTRY.get_sample_value(
+                "baton_kv_peer_pulls_total", labels
+            )
+        peer = {**self.b, "source": "peer"}
+        for name in ("blocks", "reused_blocks"):
+            values[name] = REGISTRY.get_sample_value(f"baton_kv_receive_{name}_total", peer)
+        return {k: v or 0.0 for k, v in values.items()}
+
+    def moved(self) -> dict[str, float]:
+        """The series that moved since construction, by how much."""
+        now = self.now()
+        return {k: now[k] - self.before[k] for k in now if now[k] != self.before[k]}
+
+
 def reference(model_dir) -> list[int]:
     llm = LLM(str(model_dir), dtype="float32", max_model_len=256)
     out = llm.generate([PROMPT], SamplingParams(max_tokens=16, temperature=0, ignore_eos=True))
@@ -76,6 +112,7 @@ def prefix_blocks(cluster: Cluster) -> int:
 def test_a_prefix_computed_on_one_worker_is_pulled_by_the_other(model_dir):
     want = reference(model_dir)
     cluster = peer_cluster(model_dir)
+    series = Series(cluster)
     blocks = prefix_blocks(cluster)
     assert blocks >= 4
 
@@ -91,11 +128,13 @@ def test_a_prefix_computed_on_one_worker_is_pulled_by_the_other(model_dir):
     assert b.num_receive_blocks == blocks and b.num_reused_blocks == 0
     assert final.usage.cached_prompt_tokens == blocks * BS
     assert cluster.router.peers.num_pulled == 1 and cluster.router.peers.num_fallbacks == 0
+    assert series.moved() == {"export_pulled": 1, "pull_received": 1, "blocks": blocks}
 
 
 def test_a_slow_export_falls_back_to_recompute_and_frees_the_exporter(model_dir):
     want = reference(model_dir)
     cluster = peer_cluster(model_dir, peer_export_timeout_s=0.001)  # never in time
+    series = Series(cluster)
 
     async def body(router):
         return await warm_then_ask(cluster, router, prefix_blocks(cluster))
@@ -105,12 +144,14 @@ def test_a_slow_export_falls_back_to_recompute_and_frees_the_exporter(model_dir)
     assert final.usage.cached_prompt_tokens == 0
     assert cluster.services["decode-1"].engine.handoff.num_receive_blocks == 0
     assert cluster.router.peers.num_fallbacks == 1
+    assert series.moved() == {"export_timeout": 1}  # B was never sent the handles
 
 
 def test_a_failed_peer_transfer_recomputes_on_the_puller(model_dir):
     want = reference(model_dir)
     cluster = peer_cluster(model_dir)
     cluster.fabric.hold_transfers = True  # the READ never lands: B's receive times out
+    series = Series(cluster)
 
     async def body(router):
         return await warm_then_ask(cluster, router, prefix_blocks(cluster))
@@ -119,6 +160,9 @@ def test_a_failed_peer_transfer_recomputes_on_the_puller(model_dir):
     assert tokens == want
     assert final.usage.cached_prompt_tokens == 0  # recomputed from its own (empty) prefix
     assert cluster.router.peers.num_pulled == 1  # the handles went out; the pull failed
+    moved = series.moved()
+    assert moved.pop("blocks") == prefix_blocks(cluster)  # asked, never landed
+    assert moved == {"export_pulled": 1, "pull_recomputed": 1}
 
 
 def test_choose_source_takes_the_longest_prefix_when_it_is_worth_it():
@@ -142,3 +186,48 @@ def test_choose_source_takes_the_longest_prefix_when_it_is_worth_it():
     assert choose_source(target, [target, in_tier], hashes, 60, 8, 4) == PeerSource("e", 6)
     covered = WorkerState("b", tier_hashes=(("disk", frozenset(hashes[:4])),))
     assert choose_source(covered, [covered, in_tier], hashes, 60, 8, 4) is None
+
+
+class _Exporter:
+    """A stand-in for worker A's client: records the export, ends it as told."""
+
+    def __init__(self, name: str, refuse: bool = False):
+        self.name, self.refuse = name, refuse
+        self.client = self
+        self.aborted: list[str] = []
+
+    async def submit(self, item):
+        if self.refuse:
+            raise RuntimeError("worker A refused the work")
+        self.export_id = item.request_id
+
+    async def abort(self, request_id: str):
+        self.aborted.append(request_id)
+
+
+def test_each_failed_export_counts_under_its_cause_and_gives_no_handles():
+    """The router's series by result, for the failures the in-process flow above does not
+    reach: A refuses the work, A dies before its handles come."""
+
+    def count(result: str) -> float:
+        labels = {"role": "router", "model": "unit", "instance": "router", "result": result}
+        return REGISTRY.get_sample_value("baton_router_peer_exports_total", labels) or 0.0
+
+    async def main():
+        async def decline(handles):
+            raise AssertionError("no handles came: nothing to decline")
+
+        exports = PeerExports(30.0, decline, model="unit")
+        before = {r: count(r) for r in ("refused", "worker_lost", "timeout", "pulled")}
+        assert await exports.export(_Exporter("a", refuse=True), range(40), 2, 8) is None
+        lost = _Exporter("a")
+        task = asyncio.create_task(exports.export(lost, range(40), 2, 8))
+        while not hasattr(lost, "export_id"):
+            await asyncio.sleep(0)
+        exports.worker_lost("a")
+        assert await task is None
+        assert lost.aborted == [lost.export_id]
+        moved = {r: count(r) - before[r] for r in before}
+        assert moved == {"refused": 1, "worker_lost": 1, "timeout": 0, "pulled": 0}
+
+    asyncio.run(main())

@@ -170,3 +170,41 @@ def test_round_robin_with_hand_off_cycles_over_both_pools():
         cursor = decision.round_robin_cursor
         picks.append((decision.prefill, decision.decode))
     assert picks == [("p0", "d0"), ("p0", "d1"), ("p0", "d0"), ("p0", "d1")]
+
+
+def test_a_handed_off_request_prefers_the_decode_worker_that_holds_more_of_its_prompt():
+    """Under disaggregation a decode worker receives only the blocks it lacks (partial
+    receive): each costs ``receive_weight`` of a block to compute, a small tilt that a
+    little more load outweighs."""
+    weights = KVWeights(overlap_weight=2.0, receive_weight=0.1)
+    req = replace(REQ, weights=weights)
+    prefill = [WorkerState("p0")]
+
+    def decode_of(*pool: WorkerState) -> str:
+        return route(
+            req,
+            prefill,
+            list(pool),
+            policy="kv_aware",
+            disaggregation="always",
+            auto_local_prefill_tokens=0,
+            saturated_queue=1,
+        ).decode
+
+    # d1 holds 8 of the 10 blocks: it receives 2 (cost 2.0 x 0.1 x 2 = 0.4), d0 all 10
+    # (2.0); d0 first, so an exact tie would pick it.
+    assert decode_of(WorkerState("d0"), holding("d1", 8)) == "d1"
+    # The saving (1.6) outweighs one more KV block in use on d1, not two.
+    assert decode_of(WorkerState("d0"), holding("d1", 8, kv_blocks_used=1)) == "d1"
+    assert decode_of(WorkerState("d0"), holding("d1", 8, kv_blocks_used=2)) == "d0"
+    # Both hold some: the one that holds more receives less.
+    assert decode_of(holding("d0", 3), holding("d1", 5)) == "d1"
+
+
+def test_receive_weight_zero_ignores_a_fed_decode_workers_pool():
+    req = replace(REQ, weights=KVWeights(receive_weight=0.0))
+    pool = [WorkerState("d0"), holding("d1", 10)]
+    # Equal cost: an exact tie, round robin by the cursor, as before partial receive.
+    assert [pick("kv_aware", pool, req, c, prefills=False).name for c in (0, 1)] == ["d0", "d1"]
+    # When the decode worker prefills itself, its cache counts in full whatever the weight.
+    assert pick("kv_aware", pool, req, 0, prefills=True).name == "d1"

@@ -99,3 +99,25 @@ def test_each_tier_has_its_series_gauges_set_and_counters_adding_what_is_new():
     assert value("baton_kv_tier_offload_seconds_total", tier="disk") == 0.5
     assert value("baton_kv_tier_evictions_total", tier="host") == 4
     assert value("baton_kv_tier_rejected_offloads_total", tier="disk") == 0
+
+
+def test_receive_and_peer_pull_series_start_at_zero_and_count_apart_by_source_and_result():
+    metrics = WorkerMetrics("decode", "tiny", "decode-recv-a")
+    labels = {"role": "decode", "model": "tiny", "instance": "decode-recv-a"}
+
+    def value(name: str, **extra: str) -> float | None:
+        return REGISTRY.get_sample_value(name, {**labels, **extra})
+
+    for source in ("prefill", "peer"):
+        assert value("baton_kv_receive_blocks_total", source=source) == 0
+        assert value("baton_kv_receive_saved_bytes_total", source=source) == 0
+    metrics.receive_started("prefill", 3, 2)
+    metrics.receive_saved("prefill", 200)
+    metrics.receive_started("peer", 5, 0)
+    metrics.peer_pull("recomputed")
+    assert value("baton_kv_receive_blocks_total", source="prefill") == 3
+    assert value("baton_kv_receive_reused_blocks_total", source="prefill") == 2
+    assert value("baton_kv_receive_saved_bytes_total", source="prefill") == 200
+    assert value("baton_kv_receive_blocks_total", source="peer") == 5
+    assert value("baton_kv_peer_pulls_total", result="recomputed") == 1
+    assert value("baton_kv_peer_pulls_total", result="received") == 0

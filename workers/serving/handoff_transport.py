@@ -48,6 +48,7 @@ class _Receive:
     is_cancelled: bool = False  # the connector was asked to stop it
     first_block: int = 0  # prompt blocks this worker held already (not received)
     num_blocks: int = 1  # prompt blocks received
+    source: str = "prefill"  # whose lease: a prefill worker's hand-off, or a peer's (G4)
 
 
 def slice_handles(handles: Sequence[bytes], first_block: int, num_blocks: int) -> tuple[bytes, ...]:
@@ -106,6 +107,7 @@ class HandoffTransport:
         # Decode: bytes of prompt blocks not received because this worker held them
         # (its prefix cache), over the receives that succeeded.
         self.bytes_not_received = 0
+        self._peer_ids: set[str] = set()  # of self.handles: a peer's (G4), not P's
 
     @property
     def is_pending(self) -> bool:
@@ -127,8 +129,10 @@ class HandoffTransport:
         num_tokens = peer_prefix_tokens(item.kv_handles, len(item.prompt_token_ids), block_size)
         if num_tokens == 0 or self.connector is None:
             self.decline(tuple(item.kv_handles))
+            self.metrics.peer_pull("unused")
             return 0
         self.handles[request_id] = tuple(item.kv_handles)
+        self._peer_ids.add(request_id)
         return num_tokens
 
     def refused(self, request_id: str) -> None:
@@ -136,6 +140,9 @@ class HandoffTransport:
         handles = self.handles.pop(request_id, None)
         if handles is not None:
             self.decline(handles)
+        if request_id in self._peer_ids:
+            self._peer_ids.discard(request_id)
+            self.metrics.peer_pull("unused")
 
     def cancel(self, request_id: str) -> None:
         """An abort: ask the connector to stop the request's receive, if one runs."""
@@ -170,6 +177,9 @@ class HandoffTransport:
         for receive in started:
             request_id = receive.request_id
             handles = self.handles.pop(request_id)
+            source = "peer" if request_id in self._peer_ids else "prefill"
+            self._peer_ids.discard(request_id)
+            self.metrics.receive_started(source, len(receive.block_ids), receive.first_block)
             if self.connector is None:
                 self._errors[request_id] = "no KV connector on this worker"
                 self.engine.abort_request(request_id)
@@ -189,7 +199,10 @@ class HandoffTransport:
                 except Exception as exc:
                     future.set_exception(exc)
             self.receives[request_id] = _Receive(
-                future, first_block=receive.first_block, num_blocks=len(receive.block_ids)
+                future,
+                first_block=receive.first_block,
+                num_blocks=len(receive.block_ids),
+                source=source,
             )
             future.add_done_callback(lambda _f: self._wake())
         return len(started)
@@ -207,14 +220,21 @@ class HandoffTransport:
                 self._transfer[request_id] = (result.seconds, result.num_bytes)
                 self.metrics.transferred(result.seconds, result.num_bytes)
                 # Every block has the same bytes: what the blocks held here saved.
-                self.bytes_not_received += (
-                    result.num_bytes * receive.first_block // receive.num_blocks
-                )
+                saved = result.num_bytes * receive.first_block // receive.num_blocks
+                self.bytes_not_received += saved
+                self.metrics.receive_saved(receive.source, saved)
+                self._peer_pull_ended(receive, "received")
                 self.engine.kv_received(request_id, ok=True)
             elif receive.is_cancelled:
+                self._peer_pull_ended(receive, "unused")
                 self.engine.kv_received(request_id, ok=False)  # finished as ABORT
             else:
+                self._peer_pull_ended(receive, "recomputed")
                 self._transfer_failed(request_id, exc)
+
+    def _peer_pull_ended(self, receive: _Receive, result: str) -> None:
+        if receive.source == "peer":
+            self.metrics.peer_pull(result)
 
     def _transfer_failed(self, request_id: str, exc: BaseException) -> None:
         self.metrics.transfer_failed("receive")

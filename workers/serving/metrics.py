@@ -1,5 +1,6 @@
-"""A worker's Prometheus metrics (docs/metrics.md): load, KV cache, queueing, KV hand-off,
-speculative decoding, and the KV tiers below the pool (``tier_metrics.py``).
+"""A worker's Prometheus metrics (docs/metrics.md): load, KV cache, queueing, KV hand-off
+(partial receive and peer pull too), speculative decoding, and the KV tiers below the pool
+(``tier_metrics.py``).
 
 Recorded by rank 0 of a replica on its engine loop's thread (``workers/serving/service.py``);
 the node's exporter serves them (``workers/serving/metrics_node.py``). Every series carries
@@ -77,6 +78,29 @@ LEASE_EXPIRIES = Counter(
     "Prefill KV leases that ended unread by their deadline (blocks freed then)",
     LABELS,
 )
+# Partial receive and peer pull (docs/kv-tiers.md, "Peers (G4) and partial receive"):
+# ``source`` is where the blocks came from, ``prefill`` (a hand-off) or ``peer`` (G4).
+RECEIVE_BLOCKS = Counter(
+    "baton_kv_receive_blocks",
+    "Prompt KV blocks a worker asked of another (a prefill worker, or a peer) to receive",
+    (*LABELS, "source"),
+)
+RECEIVE_REUSED_BLOCKS = Counter(
+    "baton_kv_receive_reused_blocks",
+    "Prompt blocks of received prompts that the worker held already and did not receive",
+    (*LABELS, "source"),
+)
+RECEIVE_SAVED_BYTES = Counter(
+    "baton_kv_receive_saved_bytes",
+    "KV bytes those held blocks saved the transport (over the receives that succeeded)",
+    (*LABELS, "source"),
+)
+PEER_PULLS = Counter(
+    "baton_kv_peer_pulls",
+    "Peer pulls (G4) on the pulling worker: received, recomputed (the transfer failed), "
+    "or unused (declined: its own cache covered the prefix, or the request ended first)",
+    (*LABELS, "result"),
+)
 SPEC_STEPS = Counter(
     "baton_spec_decode_verify_steps",
     "Speculative verify steps (one per speculating request per engine step)",
@@ -112,6 +136,17 @@ class WorkerMetrics:
         self._offer_failures = TRANSFER_FAILURES.labels(*labels, "offer")
         self._receive_failures = TRANSFER_FAILURES.labels(*labels, "receive")
         self._expiries = LEASE_EXPIRIES.labels(*labels)
+        self._receives = {
+            source: tuple(
+                family.labels(*labels, source)
+                for family in (RECEIVE_BLOCKS, RECEIVE_REUSED_BLOCKS, RECEIVE_SAVED_BYTES)
+            )
+            for source in ("prefill", "peer")
+        }
+        self._peer_pulls = {
+            result: PEER_PULLS.labels(*labels, result)
+            for result in ("received", "recomputed", "unused")
+        }
         self._spec_steps = SPEC_STEPS.labels(*labels)
         self._spec_draft = SPEC_DRAFT_TOKENS.labels(*labels)
         self._spec_accepted = SPEC_ACCEPTED_TOKENS.labels(*labels)
@@ -159,3 +194,18 @@ class WorkerMetrics:
 
     def lease_expired(self) -> None:
         self._expiries.inc()
+
+    def receive_started(self, source: str, num_blocks: int, num_reused_blocks: int) -> None:
+        """A receive of ``num_blocks`` prompt blocks from ``source`` (prefill | peer)
+        started; the prompt's ``num_reused_blocks`` before them were held here already."""
+        received, reused, _saved = self._receives[source]
+        received.inc(num_blocks)
+        reused.inc(num_reused_blocks)
+
+    def receive_saved(self, source: str, num_bytes: int) -> None:
+        """A receive from ``source`` succeeded; the held blocks saved ``num_bytes``."""
+        self._receives[source][2].inc(num_bytes)
+
+    def peer_pull(self, result: str) -> None:
+        """A peer pull ended on this worker: ``received``, ``recomputed`` or ``unused``."""
+        self._peer_pulls[result].inc()
