@@ -31,10 +31,10 @@ logger = logging.getLogger(__name__)
 
 # The default limit. A graceful stop of a worker may take 30 s in all (the cluster's
 # ``stop_replicas`` and its own deadline; Helm's grace period is the drain plus 30 s),
-# of which the engine loop's stop may take 10: 5 s leaves room for the rest. At the
-# buffered write rates measured here (page cache, no fsync: ~1 GB/s and more) that is
-# several GiB of blocks, more than a CPU pool or a GPU pool of most single-GPU servers
-# holds beyond what the disk already has.
+# of which the engine loop's stop may take 10: 5 s leaves room for the rest. Measured
+# here (DiskTier.put, buffered, no fsync, 2 shared vCPUs): 1.0 GB/s of 2 MiB blocks, 0.09
+# GB/s of 64 KiB ones (a file each), so ~5 GB or ~450 MiB; of a larger pool the most
+# recent part goes down (docs/kv-tiers.md).
 FLUSH_S = 5.0
 
 # Reads one block into a tensor of ``block_bytes`` (or returns a view of it); None when

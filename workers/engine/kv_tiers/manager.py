@@ -15,6 +15,10 @@ calls it at two moments (docs/kv-tiers.md has the why of each):
   has its blocks, ``onboard`` copies the hits into them, in order, and stops at the first
   block a tier fails to deliver (a miss: the request computes from there).
 
+And once at shutdown, when nothing runs the engine any more: ``close`` writes down to the
+disk what it lacks (the pool's committed blocks, the writer's pending ones) within a time
+limit (``flush.py``), then unlocks the disk's directory (``dir_lock.py``).
+
 Single-rank only (the block a TP rank or a pipeline stage holds is a slice of the model's
 KV: ``build.py`` refuses those replicas).
 """
