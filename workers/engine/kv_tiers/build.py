@@ -24,6 +24,12 @@ logger = logging.getLogger(__name__)
 # With a disk tier and no host tier: host memory the disk writer reads behind (at most).
 STAGING_BYTES = 256 << 20
 
+# How long a starting tier waits for its directory's lock before it refuses to start: a
+# restarted worker's predecessor, killed a moment ago (``ray.kill`` does not wait for the
+# process to exit), may still hold it. A real conflict (another cluster on the same path)
+# is refused this much later.
+LOCK_WAIT_S = 10.0
+
 
 def tiers_configured(config: EngineConfig) -> bool:
     return config.kv_host_tier_gib > 0 or config.kv_disk_tier_path is not None
@@ -99,7 +105,7 @@ def build_kv_tiers(
             root = Path(config.kv_disk_tier_path)
             # Before the tier scans the directory (it removes temporary files it finds):
             # another process's tier there refuses this one (dir_lock.py).
-            lock = DirLock.acquire(root)
+            lock = DirLock.acquire(root, LOCK_WAIT_S)
             disk_bytes = int(config.kv_disk_tier_gib * 2**30)
             disk = DiskTier(root, fingerprint, block_bytes, disk_bytes)
             if host is None:

@@ -17,10 +17,10 @@ left behind at release (removing it would race with a process that opened it mea
 from __future__ import annotations
 
 import contextlib
-import errno
 import fcntl
 import logging
 import os
+import time
 from pathlib import Path
 
 logger = logging.getLogger(__name__)
@@ -40,21 +40,34 @@ class DirLock:
         self._fd = fd  # None: the file system does not lock (warned), nothing held
 
     @classmethod
-    def acquire(cls, directory: Path) -> DirLock:
-        """Lock ``directory`` (made if missing) or raise :class:`DirectoryInUse` at once
-        (no waiting: the holder is a live process that may hold it for days)."""
+    def acquire(cls, directory: Path, wait_s: float = 0.0) -> DirLock:
+        """Lock ``directory`` (made if missing), trying for up to ``wait_s`` seconds (a
+        predecessor killed a moment ago may still be exiting), else raise
+        :class:`DirectoryInUse`."""
         directory = Path(directory)
         directory.mkdir(parents=True, exist_ok=True)
         path = directory / LOCK_NAME
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError as exc:
-            holder = _read_pid(fd)
-            os.close(fd)
-            if exc.errno not in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
+        deadline = time.monotonic() + wait_s
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() >= deadline:
+                    holder = _read_pid(fd)
+                    os.close(fd)
+                    who = f"pid {holder}" if holder else "a process whose pid is unknown"
+                    raise DirectoryInUse(
+                        f"KV disk tier directory {directory} is in use by {who} (lock "
+                        f"{path}): each worker needs a directory of its own; give this "
+                        "cluster another kv_cache.disk_tier_path"
+                    ) from None
+                time.sleep(0.1)
+            except OSError as exc:
                 # ENOLCK, EOPNOTSUPP, ...: a file system without locks. Serving beats
                 # refusing here; the one-directory-per-process rule is then the user's.
+                os.close(fd)
                 logger.warning(
                     "KV disk tier %s: cannot lock %s (%s); another process using the "
                     "same directory would corrupt the cache",
@@ -63,12 +76,6 @@ class DirLock:
                     exc.strerror or exc,
                 )
                 return cls(directory, None)
-            who = f"pid {holder}" if holder else "a process whose pid is unknown"
-            raise DirectoryInUse(
-                f"KV disk tier directory {directory} is in use by {who} (lock {path}): "
-                "each worker needs a directory of its own; give this cluster another "
-                "kv_cache.disk_tier_path"
-            ) from None
         os.ftruncate(fd, 0)
         os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
         return cls(directory, fd)
