@@ -10,8 +10,9 @@ so the test computes their block hashes and finds their files on disk. What must
   what the single-process engine (no tiers) computes, greedy and seeded, and the metrics
   and ``baton status`` count the hits on the tier that served them;
 - (slow, clusters of its own) the same on a prefill worker that then hands the KV over
-  to a decode worker; and after the whole cluster is stopped and started again on the
-  same directory, both prompts come from disk with the same tokens;
+  to a decode worker; and after the whole cluster is stopped (SIGTERM) and started again
+  on the same directory, those prompts and the last one served before the stop (still in
+  the pool then: written down at the stop) come from disk with the same tokens;
 - (slow) a worker killed with SIGKILL is restarted under its name, opens the same
   directory, and serves a prefix its predecessor wrote from disk, with the first run's
   tokens; block files damaged meanwhile (a flipped byte, a truncation, a deletion) are
@@ -45,6 +46,7 @@ from tests.e2e.test_cluster import collect, request, wait_blocks_released
 from tests.e2e.test_metrics import Scrape
 from tests.e2e.test_parallel_cluster import _rank_pids, _wait_serving
 from workers.engine.kv_tiers import block_file
+from workers.engine.kv_tiers.dir_lock import LOCK_NAME
 from workers.protocol.block_hashes import hash_prompt_blocks
 
 BLOCK = 8
@@ -215,9 +217,16 @@ def test_a_prefill_worker_onboards_from_host_and_disk_then_hands_off(
     """The same with disaggregation: the prefill worker onboards, the decode worker gets
     the prompt's KV over NIXL. Then the whole cluster is stopped (SIGTERM) and started
     again on the same directory: the new prefill worker serves yesterday's prefixes from
-    disk. (Clusters of its own, stopped before the module's starts.)"""
+    disk, the one still in its pool at the stop included (written down as the worker
+    stopped). (Clusters of its own, stopped before the module's starts.)"""
     with serve(tiny_model_dir, tmp_path, disaggregated=True) as tiers:
         served = assert_onboarded_from_host_then_disk(tiers, engine)
+        # The last prompt before the stop: still in the pool, so not on disk yet; the
+        # graceful stop writes it down (KVTierManager.close).
+        last = prompt("last before the stop")
+        served["last"] = (last, None, tiers.generate(last)[:2])
+        assert served["last"][2][0] == engine(last)
+        assert tiers.block_files(last) == [None] * PROMPT_BLOCKS
     with serve(tiny_model_dir, tmp_path, disaggregated=True) as tiers:
         status = eventually(tiers.tier_status, lambda s: "disk" in s, "the new worker's tiers")
         assert status["disk"].blocks >= 2 * PROMPT_BLOCKS and status["host"].blocks == 0
@@ -361,7 +370,9 @@ def test_a_restarted_worker_serves_from_disk_and_damaged_blocks_are_misses(tiers
     _wait_serving(tiers.stub, "decode", {WORKER: 1})  # restarted once, under its name
     # The same directory (<disk_tier_path>/<worker name>), the same fingerprint.
     assert [p.name for p in tiers.disk_root.iterdir()] == [WORKER]
-    assert len(list((tiers.disk_root / WORKER).iterdir())) == 1
+    # One fingerprint's directory, and the lock the new process holds (dir_lock.py).
+    names = sorted(p.name for p in (tiers.disk_root / WORKER).iterdir())
+    assert len(names) == 2 and names[0] == LOCK_NAME, names
     status = eventually(tiers.tier_status, lambda s: "disk" in s, "the new worker's tiers")
     assert status["host"].blocks == 0  # a new process: only the disk kept anything
     assert status["disk"].blocks >= 4 * PROMPT_BLOCKS

@@ -110,6 +110,14 @@ class BlockManager:
         """Hashes whose KV this worker holds (in use or cached), for KV-aware routing."""
         return set(self._hash_to_block)
 
+    def committed_blocks(self) -> list[tuple[int, int]]:
+        """(block id, hash) of every block holding a committed prefix's KV, most recently
+        used first: those requests hold now, then the cached ones, newest first (what the
+        KV tiers write down to disk at shutdown)."""
+        in_use = {b: None for table in self._tables.values() for b in table}
+        order = [*in_use, *reversed(self._cached)]
+        return [(b, h) for b in order if (h := self._blocks[b].block_hash) is not None]
+
     # ---- prefix cache ----------------------------------------------------------
     def find_prefix(self, token_ids: Sequence[int]) -> PrefixHit:
         """Longest run of leading full blocks already cached.

@@ -114,9 +114,21 @@ class EngineService:
             self.connector.close()
         tiers = self.engine.kv_tiers
         if tiers is not None and not self._thread.is_alive():
-            # Stops the disk writer (a block it has not reached is dropped: a later miss)
-            # and frees the host tier; the disk tier's files stay for the next start.
-            tiers.close()
+            # Nothing writes the pool now: the blocks it holds and those the disk writer
+            # had not reached go down to disk (within kv_tiers' FLUSH_S), the host tier
+            # is freed, the disk tier's directory unlocked; its files stay for the next
+            # start. (A loop that did not stop may still write: no flush then.)
+            done = tiers.close()
+            if done.written or done.dropped or done.failed:
+                logger.info(
+                    "%s: wrote %d KV blocks down to disk at stop in %.2f s "
+                    "(%d dropped: out of time or room, %d failed)",
+                    self.name,
+                    done.written,
+                    done.seconds,
+                    done.dropped,
+                    done.failed,
+                )
 
     def _command(self, command: Command) -> None:
         if self._failed is not None:

@@ -14,6 +14,7 @@ import pytest
 
 from tests.workers.kv_tiers.test_tiers_engine import GREEDY, make_llm, prompts
 from workers.engine.kv_tiers import block_file
+from workers.engine.kv_tiers.dir_lock import LOCK_NAME
 
 
 @pytest.fixture(scope="module")
@@ -49,7 +50,8 @@ def test_a_full_disk_rejects_offloads_and_serving_goes_on(model_dir, tmp_path, m
     stats = disk.stats()
     assert stats.rejected == evicted and stats.blocks == 0 and stats.offload_bytes == 0
     assert len(attempts) == 1  # then paused: the disk is not hammered
-    assert not [p for p in tmp_path.rglob("*") if p.is_file()]  # nothing left behind
+    files = [p for p in tmp_path.rglob("*") if p.is_file()]
+    assert [p.name for p in files] == [LOCK_NAME]  # no block, no temporary file left behind
 
     # Serving goes on, and what staging holds is still onboarded rather than computed.
     assert [list(o.token_ids) for o in llm.generate(ps, GREEDY)] == want

@@ -94,3 +94,26 @@ def test_a_corrupt_block_on_disk_is_computed_again(model_dir, want, tmp_path):
     stats = llm.engine.kv_tiers.stats()
     assert stats.onboarded == 0 and stats.onboard_failed > 0
     assert disk.stats().errors >= 1 and disk.stats().hits == 0
+
+
+def test_a_prefix_still_in_the_pool_at_close_is_served_from_disk_after_a_restart(
+    model_dir, want, tmp_path
+):
+    """Offload happens on eviction only: close writes down what the pool still holds."""
+    tokens = prompts()[1][:41]  # 5 full blocks before the last token
+    llm = make_llm(model_dir, kv_disk_tier_path=str(tmp_path))
+    (first,) = llm.generate([tokens], GREEDY)
+    assert llm.engine.kv_tiers.stats().offloaded == 0  # nothing left the pool
+    committed = len(llm.engine.block_manager.committed_blocks())  # the output's too
+    assert committed == (len(tokens) + GREEDY.max_tokens - 1) // BLOCK
+    done = llm.engine.kv_tiers.close()
+    assert (done.written, done.dropped, done.failed) == (committed, 0, 0)
+
+    llm = make_llm(model_dir, kv_disk_tier_path=str(tmp_path))  # the restart
+    counting = Counting(llm.engine.scheduler)
+    (again,) = llm.generate([tokens], GREEDY)
+    assert list(again.token_ids) == list(first.token_ids)
+    assert again.num_cached_tokens == 40
+    assert counting.computed[again.request_id] == 1 + GREEDY.max_tokens - 1
+    assert llm.engine.kv_tiers.stats().onboarded == 5 == disk_of(llm).stats().hits
+    llm.engine.kv_tiers.close()

@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from workers.engine.kv_tiers.dir_lock import DirLock
 from workers.engine.kv_tiers.host_tier import HostTier
 from workers.engine.kv_tiers.keys import CacheFingerprint
 from workers.engine.kv_tiers.manager import KVTierManager
@@ -22,6 +23,12 @@ logger = logging.getLogger(__name__)
 
 # With a disk tier and no host tier: host memory the disk writer reads behind (at most).
 STAGING_BYTES = 256 << 20
+
+# How long a starting tier waits for its directory's lock before it refuses to start: a
+# restarted worker's predecessor, killed a moment ago (``ray.kill`` does not wait for the
+# process to exit), may still hold it. A real conflict (another cluster on the same path)
+# is refused this much later.
+LOCK_WAIT_S = 10.0
 
 
 def tiers_configured(config: EngineConfig) -> bool:
@@ -90,19 +97,29 @@ def build_kv_tiers(
                 f"{block_bytes} bytes; raise it or set 0 (off)"
             )
         host = HostTier(fingerprint, block_bytes, host_bytes, pin)
-    disk = staging = None
-    if config.kv_disk_tier_path is not None:
-        from workers.engine.kv_tiers.disk_tier import DiskTier  # only where a disk is set
+    disk = staging = lock = None
+    try:
+        if config.kv_disk_tier_path is not None:
+            from workers.engine.kv_tiers.disk_tier import DiskTier  # only where a disk is set
 
-        disk_bytes = int(config.kv_disk_tier_gib * 2**30)
-        disk = DiskTier(Path(config.kv_disk_tier_path), fingerprint, block_bytes, disk_bytes)
-        if host is None:
-            staging_bytes = max(block_bytes, min(STAGING_BYTES, disk_bytes))
-            staging = HostTier(fingerprint, block_bytes, staging_bytes, pin)
+            root = Path(config.kv_disk_tier_path)
+            # Before the tier scans the directory (it removes temporary files it finds):
+            # another process's tier there refuses this one (dir_lock.py).
+            lock = DirLock.acquire(root, LOCK_WAIT_S)
+            disk_bytes = int(config.kv_disk_tier_gib * 2**30)
+            disk = DiskTier(root, fingerprint, block_bytes, disk_bytes)
+            if host is None:
+                staging_bytes = max(block_bytes, min(STAGING_BYTES, disk_bytes))
+                staging = HostTier(fingerprint, block_bytes, staging_bytes, pin)
+        manager = KVTierManager(kv_cache, block_manager, host, disk, staging, disk_lock=lock)
+    except BaseException:
+        if lock is not None:
+            lock.release()
+        raise
     logger.info(
         "KV tiers: %s (fingerprint %s, %d bytes per block)",
         ", ".join(f"{t.name} {t.stats().capacity_blocks} blocks" for t in (host, disk) if t),
         fingerprint.digest,
         block_bytes,
     )
-    return KVTierManager(kv_cache, block_manager, host, disk, staging)
+    return manager

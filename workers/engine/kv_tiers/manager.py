@@ -15,6 +15,10 @@ calls it at two moments (docs/kv-tiers.md has the why of each):
   has its blocks, ``onboard`` copies the hits into them, in order, and stops at the first
   block a tier fails to deliver (a miss: the request computes from there).
 
+And once at shutdown, when nothing runs the engine any more: ``close`` writes down to the
+disk what it lacks (the pool's committed blocks, the writer's pending ones) within a time
+limit (``flush.py``), then unlocks the disk's directory (``dir_lock.py``).
+
 Single-rank only (the block a TP rank or a pipeline stage holds is a slice of the model's
 KV: ``build.py`` refuses those replicas).
 """
@@ -22,12 +26,15 @@ KV: ``build.py`` refuses those replicas).
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import torch
 
+from workers.engine.kv_tiers.dir_lock import DirLock
+from workers.engine.kv_tiers.flush import FLUSH_S, FlushStats, Reader, flush
 from workers.engine.kv_tiers.host_tier import HostTier
 from workers.engine.kv_tiers.tier import KVTier
 from workers.engine.kv_tiers.write_behind import WriteBehind, WriteBehindStats
@@ -60,6 +67,7 @@ class TierManagerStats:
     onboarded: int = 0  # blocks copied into the pool instead of computed
     onboard_failed: int = 0  # found by ``find`` but unreadable by ``onboard``: computed
     writer: WriteBehindStats = field(default_factory=WriteBehindStats)
+    flush: FlushStats = field(default_factory=FlushStats)  # the write-down at close
 
 
 class KVTierManager:
@@ -71,12 +79,14 @@ class KVTierManager:
         disk: KVTier | None = None,
         staging: HostTier | None = None,
         inline_writes: bool = False,
+        disk_lock: DirLock | None = None,
     ) -> None:
         """``host``: G2 or None; ``disk``: G3 or None. ``staging``: with a disk and no host
         tier, the internal host-memory buffer the disk writer reads behind (not a tier
         reported in ``tiers``, though lookups use it: what it holds is valid KV).
         ``inline_writes``: write to the disk inside ``offload``, without the writer's
         thread (tests whose schedules must not depend on a thread's timing).
+        ``disk_lock``: the disk tier's directory lock, released by ``close``.
         Registers ``offload`` as the block manager's eviction hook."""
         if host is None and disk is None:
             raise ValueError("KVTierManager needs at least one tier")
@@ -91,6 +101,9 @@ class KVTierManager:
             raise ValueError("a disk tier without a host tier needs a staging HostTier")
         assert self._first is not None
         self._lookup: tuple[KVTier, ...] = (self._first, *((disk,) if disk else ()))
+        self._disk = disk
+        self._disk_lock = disk_lock
+        self._flush = FlushStats()
         self._writer = (
             WriteBehind(self._first, disk, self._first.capacity_blocks, inline_writes)
             if disk
@@ -128,6 +141,7 @@ class KVTierManager:
             self._onboarded,
             self._onboard_failed,
             self._writer.stats() if self._writer else WriteBehindStats(),
+            self._flush,
         )
 
     def wait_idle(self) -> None:
@@ -135,15 +149,31 @@ class KVTierManager:
         if self._writer is not None:
             self._writer.wait_idle()
 
-    def close(self) -> None:
-        """Stop the writer and release the tiers (the disk tier's files stay). The engine
-        goes on without tiers: no offload, no onboarding."""
+    def close(self, flush_s: float = FLUSH_S) -> FlushStats:
+        """Stop the writer, write down to the disk what it lacks, and release the tiers
+        (the disk tier's files stay, its directory is unlocked). The engine goes on
+        without tiers: no offload, no onboarding. Idempotent.
+
+        Call it once nothing runs the engine (a graceful shutdown: the loop has stopped).
+        With a disk tier, the pool's committed blocks, then the writer's pending ones,
+        most recently used first, are written within ``flush_s`` seconds (plus the
+        block in hand); what does not fit is dropped and counted (``FlushStats``,
+        also ``stats().flush``): a restarted server finds the prefixes the pool held."""
+        if self._closed:
+            return self._flush
+        deadline = time.monotonic() + flush_s
         self.block_manager.on_evict = None
         self._closed = True
-        if self._writer is not None:
-            self._writer.close()
-        for tier in {id(t): t for t in self._lookup}.values():
-            tier.close()
+        pending = self._writer.close() if self._writer is not None else []
+        try:
+            if self._disk is not None:
+                self._flush = flush(self._disk, self._flush_order(pending), deadline)
+        finally:
+            for tier in {id(t): t for t in self._lookup}.values():
+                tier.close()
+            if self._disk_lock is not None:
+                self._disk_lock.release()
+        return self._flush
 
     # ---- offload (engine thread) ---------------------------------------------------
     def offload(self, block_id: int, block_hash: int) -> None:
@@ -228,6 +258,23 @@ class KVTierManager:
         return num_cached
 
     # ---- internals -------------------------------------------------------------------
+    def _flush_order(self, pending: list[int]) -> list[tuple[int, Reader]]:
+        """What the disk may lack at close, most recently used first: the pool's committed
+        blocks (newer than anything it evicted), then the writer's pending ones, newest
+        first (read out of the host tier, if it still holds them)."""
+        buf = torch.empty(self.block_bytes, dtype=torch.uint8)
+
+        def from_pool(block_id: int) -> Reader:
+            if self._bounce is None:
+                return lambda: self._g1[block_id]
+            return lambda: self._bounce.copy_(self._g1[block_id])  # type: ignore[union-attr]
+
+        def from_host(block_hash: int) -> Reader:
+            return lambda: buf if self._first.peek(block_hash, buf) else None
+
+        blocks = [(h, from_pool(b)) for b, h in self.block_manager.committed_blocks()]
+        return blocks + [(h, from_host(h)) for h in reversed(pending)]
+
     def _host_view(self, block_id: int) -> torch.Tensor:
         return self._g1[block_id]
 

@@ -80,14 +80,18 @@ class WriteBehind:
         with self._cond:
             return WriteBehindStats(self._submitted, self._written, self._dropped, self._failed)
 
-    def close(self) -> None:
-        """Stop after the block in hand; pending ones are dropped (not counted)."""
+    def close(self) -> list[int]:
+        """Stop after the block in hand; returns the pending hashes, oldest first, which
+        were neither written nor counted (the manager writes them down at close, or
+        drops and counts them)."""
         with self._cond:
             self._closed = True
+            pending = list(self._queue)
             self._queue.clear()
             self._cond.notify_all()
         if self._thread is not None:
             self._thread.join()
+        return pending
 
     def _run(self) -> None:
         while True:
