@@ -156,7 +156,7 @@ def test_a_new_draft_reuses_the_cached_target(tmp_path, monkeypatch):
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     first = _mini_recipe(0)
     monkeypatch.setitem(train.RECIPES, "bench", first)
-    target, _ = trained_pair("bench")
+    target, draft = trained_pair("bench")
     longer = dataclasses.replace(first, draft_schedule=Schedule(3, 3e-3, 4, 32))
     other_target = dataclasses.replace(first, target_schedule=Schedule(2, 3e-3, 4, 32))
     assert longer.target_digest() == first.target_digest() != other_target.target_digest()
@@ -171,6 +171,7 @@ def test_a_new_draft_reuses_the_cached_target(tmp_path, monkeypatch):
     assert new_target.parent.name == f"mini-{longer.digest()}"
     weights = "model.safetensors"
     assert (new_target / weights).read_bytes() == (target / weights).read_bytes()
+    assert (new_draft / weights).read_bytes() != (draft / weights).read_bytes()
     report = json.loads((new_target.parent / "report.json").read_text())
     assert report["target_reused_from"] == str(target)
     assert report["target_digest"] == first.target_digest()

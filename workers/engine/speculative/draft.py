@@ -15,6 +15,12 @@ time, after a preemption, or on a decode worker whose prompt KV came from a pref
 worker: the draft's KV is never transferred) and the others one token each. They write
 positions up to ``n + k - 2``, inside the blocks the scheduler gave the verify chunk.
 After verification only positions holding accepted tokens stay valid (``rolled_back``).
+
+The forwards: a plain Llama-family draft runs them through a lean forward of one token per
+row (``draft_loop.py``, ``draft_forward.py``: a small model's step through the general
+runner is per-op overhead); a request more than ``MAX_LEAN_CATCH_UP`` positions behind first
+gets the rest through the model runner in one prefill-like forward. Other architectures
+take the runner for every forward.
 """
 
 from __future__ import annotations
