@@ -16,8 +16,8 @@ alternate within each repeat: ``off`` (no speculation), ``forced`` (speculating 
 and turns it off where it is not, up to ``speculative_max_batch_size``). Reported per engine and B: the
 median over repeats of tokens/s per request (each request's tokens over its own latency,
 mean over the batch), output tokens per CPU-second of this process, the acceptance rate
-and mean accepted length (accepted per verify step + 1), and the ratio against ``off``
-in the same repeat (median of the per-repeat ratios). Outputs are checked token for
+and mean accepted length (accepted per verify step + 1), and the ratios against ``off``
+in the same repeat, of both rates (medians of the per-repeat ratios). Outputs are checked token for
 token against ``off``.
 
     python -m bench.speculative --repeats 3 --json bench/speculative.json
@@ -189,6 +189,10 @@ def bench_workload(
                 o["tok_s_per_request"] / off["tok_s_per_request"]
                 for o, off in zip(outs, runs["off"], strict=True)
             ]
+            cpu_ratios = [
+                o["tok_per_cpu_s"] / off["tok_per_cpu_s"]
+                for o, off in zip(outs, runs["off"], strict=True)
+            ]
             row[name] = {
                 "tok_s_per_request": statistics.median(o["tok_s_per_request"] for o in outs),
                 "tok_per_cpu_s": statistics.median(o["tok_per_cpu_s"] for o in outs),
@@ -197,10 +201,12 @@ def bench_workload(
                 "speculated": any(o["verify_steps"] for o in outs),
                 "ratio_vs_off": statistics.median(ratios),
                 "ratios_vs_off": [round(r, 3) for r in ratios],
+                "cpu_ratio_vs_off": statistics.median(cpu_ratios),
+                "cpu_ratios_vs_off": [round(r, 3) for r in cpu_ratios],
             }
             print(f"{method:5} B={batch:2} {name:6} " + " ".join(
                 f"{k}={v:.3f}" if isinstance(v, float) else f"{k}={v}" for k, v in row[name].items()
-                if k != "ratios_vs_off"
+                if k not in ("ratios_vs_off", "cpu_ratios_vs_off")
             ), flush=True)  # fmt: skip
         results[str(batch)] = row
         del forced

@@ -150,6 +150,36 @@ def test_trained_pair_trains_once_into_the_cache(tmp_path, monkeypatch):
     assert trained_pair("bench") == (target, draft)
 
 
+def test_a_new_draft_reuses_the_cached_target(tmp_path, monkeypatch):
+    """A recipe that changes only the draft trains only the draft: the target is the
+    cached pair's (the one training would make again)."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    first = _mini_recipe(0)
+    monkeypatch.setitem(train.RECIPES, "bench", first)
+    target, draft = trained_pair("bench")
+    longer = dataclasses.replace(first, draft_schedule=Schedule(3, 3e-3, 4, 32))
+    other_target = dataclasses.replace(first, target_schedule=Schedule(2, 3e-3, 4, 32))
+    assert longer.target_digest() == first.target_digest() != other_target.target_digest()
+    assert longer.digest() != first.digest()
+
+    def must_not_train(*args, **kwargs):
+        raise AssertionError("the target was trained again")
+
+    monkeypatch.setattr(train, "train_target", must_not_train)
+    monkeypatch.setitem(train.RECIPES, "bench", longer)
+    new_target, new_draft = trained_pair("bench")
+    assert new_target.parent.name == f"mini-{longer.digest()}"
+    weights = "model.safetensors"
+    assert (new_target / weights).read_bytes() == (target / weights).read_bytes()
+    assert (new_draft / weights).read_bytes() != (draft / weights).read_bytes()
+    report = json.loads((new_target.parent / "report.json").read_text())
+    assert report["target_reused_from"] == str(target)
+    assert report["target_digest"] == first.target_digest()
+    monkeypatch.setitem(train.RECIPES, "bench", other_target)
+    with pytest.raises(AssertionError, match="trained again"):
+        trained_pair("bench")
+
+
 def test_train_pair_refuses_a_non_empty_directory(tmp_path):
     (tmp_path / "x").write_text("")
     with pytest.raises(ValueError, match="not empty"):

@@ -25,7 +25,9 @@ from tests.workers.test_speculative_units import chi_square_p_value
 from workers import LLM, SamplingParams
 from workers.engine.config import EngineConfig
 from workers.engine.llm_engine import LLMEngine
-from workers.engine.request import FinishReason
+from workers.engine.request import FinishReason, Request
+from workers.engine.scheduler import ScheduledChunk, SchedulerOutput
+from workers.engine.speculative.draft import DraftProposer
 from workers.models.parallel import ParallelContext
 
 NUM_NEW = 24
@@ -59,6 +61,13 @@ def spec_args(method: str, target: str, other_draft: str) -> dict:
         return {"speculative_method": "ngram", "speculative_ngram_min": 1}
     draft = target if method == "draft-self" else other_draft
     return {"speculative_method": "draft", "speculative_draft_model": draft}
+
+
+def general_path(llm: LLM) -> LLM:
+    """Make the draft propose through the model runner, as a draft the lean forward does
+    not take (another architecture) would."""
+    llm.engine.spec.draft.lean = None
+    return llm
 
 
 def mixed_requests(vocab_size: int) -> tuple[list[list[int]], list[SamplingParams]]:
@@ -113,7 +122,7 @@ def test_greedy_output_is_unchanged_with_chunking_prefix_hits_and_opt_out(
         assert stats.acceptance_rate < 0.5  # the rejection path is exercised
 
 
-@pytest.mark.parametrize("method", ["ngram", "draft-other"])
+@pytest.mark.parametrize("method", ["ngram", "draft-other", "draft-other-general"])
 def test_preemption_with_speculation_recomputes_to_the_same_tokens(
     target, other_draft, reference, method
 ):
@@ -124,8 +133,10 @@ def test_preemption_with_speculation_recomputes_to_the_same_tokens(
         **BASE,
         num_kv_blocks=20,
         max_model_len=160,
-        **spec_args(method, target, other_draft),
+        **spec_args(method.removesuffix("-general"), target, other_draft),
     )
+    if method.endswith("-general"):
+        general_path(llm)
     outs = llm.generate(prompts, params)
     assert llm.engine.scheduler.num_preemptions > 0
     assert llm.engine.spec_stats.num_steps > 0
@@ -178,6 +189,34 @@ def test_aborts_at_any_step_leak_no_block(target):
             engine.step()
         assert_no_leak(llm)
     assert engine.spec_stats.num_steps > 0
+
+
+def test_lean_draft_forward_computes_what_the_model_does(target):
+    """The draft's proposal-loop forward (draft_forward.py) against the model's own forward
+    through the model runner: same logits for rows of different context lengths (several
+    blocks, a mask) and for one row alone (no mask)."""
+    draft = DraftProposer(target, torch.float32, torch.device("cpu"), 1024, 256)
+    draft.bind(num_blocks=16, block_size=8)
+    assert draft.lean is not None and draft.runner is not None
+    params = SamplingParams(max_tokens=4, temperature=0.0)
+    gen = torch.Generator().manual_seed(0)
+    lengths, tables = (5, 17, 30), ((0,), (1, 2, 3), (4, 5, 6, 7))
+    reqs = {
+        f"r{i}": Request(f"r{i}", torch.randint(3, 1024, (n,), generator=gen).tolist(), params,
+                         4, frozenset())
+        for i, n in enumerate(lengths)
+    }  # fmt: skip
+    # Every position but the last through the runner, as a prefill.
+    prefill = [ScheduledChunk(f"r{i}", 0, n - 1, tables[i], False) for i, n in enumerate(lengths)]
+    draft.runner.run(draft.runner.prepare_inputs(SchedulerOutput(tuple(prefill), (), ()), reqs))
+    last = [ScheduledChunk(f"r{i}", n - 1, 1, tables[i], True) for i, n in enumerate(lengths)]
+    want = draft.runner.run(draft.runner.prepare_inputs(SchedulerOutput(tuple(last), (), ()), reqs))
+    ids = torch.tensor([r.token_ids[-1] for r in reqs.values()])
+    padded = torch.tensor([[*t, *[0] * (4 - len(t))] for t in tables])
+    got = draft.lean.forward(ids, [n - 1 for n in lengths], padded)
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    alone = draft.lean.forward(ids[2:], [lengths[2] - 1], padded[2:])
+    torch.testing.assert_close(alone, want[2:], rtol=1e-4, atol=1e-4)
 
 
 def test_large_batches_do_not_speculate(target):

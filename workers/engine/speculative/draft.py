@@ -15,6 +15,12 @@ time, after a preemption, or on a decode worker whose prompt KV came from a pref
 worker: the draft's KV is never transferred) and the others one token each. They write
 positions up to ``n + k - 2``, inside the blocks the scheduler gave the verify chunk.
 After verification only positions holding accepted tokens stay valid (``rolled_back``).
+
+The forwards: a plain Llama-family draft runs them through a lean forward of one token per
+row (``draft_loop.py``, ``draft_forward.py``: a small model's step through the general
+runner is per-op overhead); a request more than ``MAX_LEAN_CATCH_UP`` positions behind first
+gets the rest through the model runner in one prefill-like forward. Other architectures
+take the runner for every forward.
 """
 
 from __future__ import annotations
@@ -23,12 +29,19 @@ from collections.abc import Mapping
 
 import torch
 
+from kernels.cpu_linear import packing_supported
 from workers.engine.kv_cache import allocate_kv_cache, bytes_per_block, copy_blocks
 from workers.engine.model_runner import ModelRunner
 from workers.engine.request import Request
-from workers.engine.sampler import Sampler, SamplingRow, filtered_probs
+from workers.engine.sampler import Sampler
 from workers.engine.scheduler import ScheduledChunk, SchedulerOutput
-from workers.engine.speculative.rejection import draw_uniform, normalized, sample_from
+from workers.engine.speculative.draft_forward import LeanDraftForward
+from workers.engine.speculative.draft_loop import (
+    MAX_LEAN_CATCH_UP,
+    choose_proposals,
+    propose_lean,
+)
+from workers.models.layers import pack_linear_weights
 from workers.models.loader import load_model
 
 
@@ -43,7 +56,11 @@ class DraftProposer:
     ) -> None:
         """Loads the draft. Raises ValueError (naming speculative_draft_model) when its
         vocabulary differs from the target's or it is shorter than max_model_len."""
-        self.model, self.arch = load_model(model_dir, dtype=dtype, device=device)
+        # Unpacked first: the lean forward multiplies with F.linear (draft_forward.py).
+        self.model, self.arch = load_model(model_dir, dtype=dtype, device=device, pack_linear=False)
+        self.lean_supported = LeanDraftForward.supports(self.model)
+        if not self.lean_supported and device.type == "cpu" and packing_supported(dtype):
+            pack_linear_weights(self.model)  # what load_model would have done
         if self.arch.vocab_size != target_vocab_size:
             raise ValueError(
                 f"speculative_draft_model: vocabulary of {self.arch.vocab_size} tokens, the "
@@ -57,6 +74,7 @@ class DraftProposer:
         self.dtype = dtype
         self.device = device
         self.runner: ModelRunner | None = None
+        self.lean: LeanDraftForward | None = None
 
     def bytes_per_block(self, block_size: int) -> int:
         a = self.arch
@@ -72,6 +90,8 @@ class DraftProposer:
             self.dtype, self.device,
         )  # fmt: skip
         self.runner = ModelRunner(self.model, kv_cache, block_size, self.device)
+        if self.lean_supported:
+            self.lean = LeanDraftForward(self.model, kv_cache, block_size)
 
     @torch.inference_mode()
     def propose(
@@ -85,6 +105,32 @@ class DraftProposer:
         verify = [(c, requests[c.request_id]) for c in sched.chunks if c.num_spec]
         if not verify:
             return {}
+        if self.lean is None:
+            return self._propose_general(verify, requests, sampler)
+        # Far behind (a new prompt, after a preemption, a handed-off request): the general
+        # path computes all but the last known token in one forward, as a prefill.
+        behind = [
+            ScheduledChunk(r.request_id, r.draft_num_computed, r.num_tokens - 1 - r.draft_num_computed,
+                           c.block_ids, needs_sample=False)
+            for c, r in verify if r.num_tokens - r.draft_num_computed > MAX_LEAN_CATCH_UP
+        ]  # fmt: skip
+        if behind:
+            behind.sort(key=lambda chunk: chunk.num_tokens != 1)  # decodes first
+            self.runner.run(
+                self.runner.prepare_inputs(SchedulerOutput(tuple(behind), (), ()), requests)
+            )
+            for chunk in behind:
+                requests[chunk.request_id].draft_num_computed = chunk.start_pos + chunk.num_tokens
+        return propose_lean(self.lean, verify, sampler)
+
+    def _propose_general(
+        self,
+        verify: list[tuple[ScheduledChunk, Request]],
+        requests: Mapping[str, Request],
+        sampler: Sampler,
+    ) -> dict[str, torch.Tensor | None]:
+        """k forwards through the model runner (a draft the lean forward does not take)."""
+        assert self.runner is not None
         # The first forward catches up; decodes (one token) first, as the runner expects.
         first = [
             (ScheduledChunk(r.request_id, r.draft_num_computed, r.num_tokens - r.draft_num_computed,
@@ -105,25 +151,9 @@ class DraftProposer:
             inputs = self.runner.prepare_inputs(SchedulerOutput(tuple(chunks), (), ()), requests)
             logits = self.runner.run(inputs)
             assert logits is not None
-            rows = [
-                SamplingRow(r.params, r.prompt_token_ids, r.output_token_ids + r.spec_token_ids[:j],
-                            r.generator, r.eos_token_ids)
-                for _, r in order
-            ]  # fmt: skip
-            _, x = sampler.process(logits, rows)
-            greedy_ids = x.argmax(dim=-1).tolist()
-            sampled = [i for i, row in enumerate(rows) if not row.params.is_greedy]
-            if sampled:  # the distributions q the proposals are drawn from, in one pass
-                index = torch.tensor(sampled, dtype=torch.long, device=x.device)
-                q_rows = normalized(filtered_probs(x[index], [rows[i].params for i in sampled]))
-                q_of = dict(zip(sampled, q_rows, strict=True))
-            for i, (_, r) in enumerate(order):
-                if r.params.is_greedy:
-                    r.spec_token_ids[j] = greedy_ids[i]
-                    continue
-                q = q_of[i]
-                r.spec_token_ids[j] = sample_from(q, draw_uniform(sampler, r.generator, 1)[0])
-                probs[r.request_id].append(q)
+            ids = choose_proposals(logits, [r for _, r in order], j, sampler, probs).tolist()
+            for (_, r), token in zip(order, ids, strict=True):
+                r.spec_token_ids[j] = token
         for c, r in verify:
             # Positions n - 1 .. n + k - 2 now hold the draft's KV (of proposals, so far).
             r.draft_num_computed = c.start_pos + c.num_spec
