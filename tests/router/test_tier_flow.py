@@ -20,6 +20,7 @@ from router.status import cluster_status
 from tests.router.test_router_flow import InProcessClient, collect, req
 from tests.workers.test_tier_report import ListTier
 from workers.engine.config import EngineConfig
+from workers.engine.kv_tiers.flush import FlushStats
 from workers.engine.llm_engine import LLMEngine
 from workers.protocol.block_hashes import hash_prompt_blocks
 from workers.serving.channel import ChannelListener
@@ -48,7 +49,7 @@ def test_a_prefix_in_a_workers_host_tier_draws_the_request_there(model_dir):
             )
         )  # fmt: skip
         # The reporting side reads .tiers; stopping the service closes them.
-        engine.kv_tiers = SimpleNamespace(tiers=(tier,), close=tier.close)
+        engine.kv_tiers = SimpleNamespace(tiers=(tier,), close=lambda: FlushStats())
         metrics = WorkerMetrics("decode", "tiny", f"{name}-tierflow")
         services.append(EngineService(engine, name, "decode", metrics=metrics))
     tokenizer = Tokenizer.from_dir(model_dir)
