@@ -4,7 +4,7 @@ When the worker serving a request dies (its event channel closed, its engine loo
 rank of its replica failed), refuses the submit, or fails the request through no fault
 of the request's own (a KV transfer, an offer), :class:`~router.pending.Pending` raises
 :class:`WorkerLost` instead of failing the client's stream. The router then resends the
-request elsewhere (``Router._run``):
+request elsewhere (``Router._run``; where to: ``reroute``):
 
 - no output streamed yet (the prefill, or a hand-off before the first token went out):
   routed again as new, by the configured policy (falling back to prefill on a decode
@@ -22,9 +22,11 @@ healthy worker to continue on) the client gets ``UNAVAILABLE`` naming the lost w
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Literal
 
 from router.errors import ErrorCode, RouterError
+from router.policy import RouteDecision
 
 Cause = Literal[
     "decode_worker_died",  # a decode worker (or a rank of its replica) died
@@ -75,3 +77,20 @@ def no_worker_left(lost: WorkerLost, why: str) -> RouterError:
         ErrorCode.UNAVAILABLE,
         f"worker {lost.worker} failed ({lost.error}); cannot migrate: {why}",
     )
+
+
+def reroute(
+    route: Callable[[list[int], str | None], RouteDecision],
+    token_ids: list[int],
+    output_token_ids: list[int],
+) -> RouteDecision:
+    """Where a lost request continues (the rules above). ``route(token_ids,
+    disaggregation)`` is the router's policy call (None: the request's own setting); its
+    RouterError (no healthy worker to go to) propagates."""
+    if output_token_ids:
+        # Recomputed on a decode worker: the KV of the output so far is nowhere else.
+        return route(token_ids + output_token_ids, "never")
+    try:
+        return route(token_ids, None)
+    except RouterError:  # no prefill worker left: prefill on a decode worker
+        return route(token_ids, "never")

@@ -33,7 +33,7 @@ from router.config import RouterConfig
 from router.errors import ErrorCode, RouterError
 from router.events import GenerateEvent
 from router.metrics import MIGRATIONS
-from router.migration import WorkerLost, check_limit, no_worker_left
+from router.migration import WorkerLost, check_limit, no_worker_left, reroute
 from router.peer_prefix import PeerExports
 from router.pending import SETTLE_TIMEOUT_S, Pending
 from router.policy import NoHealthyWorker, RouteDecision, RouteRequest, route
@@ -233,14 +233,7 @@ class Router:
             return None
         outputs = stream.output_token_ids
         try:
-            if outputs:
-                # Recomputed on a decode worker: the KV of the output so far is nowhere else.
-                decision = self._route(valid, token_ids + outputs, "never")
-            else:
-                try:
-                    decision = self._route(valid, token_ids)
-                except RouterError:  # no prefill worker left: prefill on a decode worker
-                    decision = self._route(valid, token_ids, "never")
+            decision = reroute(partial(self._route, valid), token_ids, outputs)
         except RouterError as exc:
             raise no_worker_left(lost, exc.message) from None
         MIGRATIONS.labels("router", self.config.model_name, "router", lost.cause).inc()

@@ -17,6 +17,9 @@ import pytest
 from prometheus_client import REGISTRY
 
 from router.config import RouterConfig
+from router.errors import ErrorCode, RouterError
+from router.migration import reroute
+from router.policy import RouteDecision
 from router.router import Router
 from tests.router.http_harness import serve
 from tests.router.test_typed_flow import PROMPT, ScriptedWorker, collect, request, run, settled
@@ -194,3 +197,20 @@ def test_the_http_front_end_gets_the_whole_output_too(tokenizer, stream):
     assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
     assert other.items[0].output_token_ids == tuple(OUTPUT_IDS[:4])
     assert migrations("decode_worker_died") == before + 1
+
+
+def test_reroute_picks_the_decode_pool_once_output_was_streamed_else_routes_as_new():
+    calls: list[tuple[int, str | None]] = []
+
+    def route(token_ids: list[int], disaggregation: str | None) -> RouteDecision:
+        calls.append((len(token_ids), disaggregation))
+        if disaggregation is None and no_prefill_left:
+            raise RouterError(ErrorCode.UNAVAILABLE, "no healthy prefill worker")
+        return RouteDecision(f"d{len(calls)}", None, cached_tokens=0, round_robin_cursor=0)
+
+    no_prefill_left = False
+    assert reroute(route, [1, 2, 3], [7, 8]).decode == "d1"  # prompt + output, on D
+    assert reroute(route, [1, 2, 3], []).decode == "d2"  # as new, by the policy
+    no_prefill_left = True
+    assert reroute(route, [1, 2, 3], []).decode == "d4"  # no P left: prefill on D
+    assert calls == [(5, "never"), (3, None), (3, None), (3, "never")]

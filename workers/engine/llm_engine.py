@@ -359,7 +359,7 @@ class LLMEngine:
                 self.spec.cancelled(batch.requests)
             raise
         t2 = time.perf_counter()
-        deltas = self._update(live, sampled, verified)
+        deltas = self._outputs.update(live, sampled, verified, self.spec)
         stages = (batch.schedule_s, batch.prepare_s, batch.prepare_s + t1 - t0, t2 - t1)
         stages += (time.perf_counter() - t2,)
         self.step_times.add(len(batch.sched.chunks), batch.sched.num_batched_tokens, stages)
@@ -372,40 +372,6 @@ class LLMEngine:
             return self.spec.sample(live, logits)
         plain = [SamplingRow.of(r) for c, r in live if c.needs_sample]
         return self.sampler(logits, plain), []
-
-    def _update(
-        self,
-        live: list[tuple[ScheduledChunk, Request]],
-        sampled: SamplerOutput,
-        verified: list[Verified],
-    ) -> list[StreamDelta]:
-        deltas = []
-        row = 0
-        results = iter(verified)
-        for chunk, req in live:
-            if chunk.num_spec:
-                res = next(results)
-                # Append first (the committed tokens' blocks get hashed), then roll back,
-                # unless a stop among them ended the request (its blocks are freed).
-                delta = self._after_tokens(req, res.token_ids, res.logprobs)
-                if not req.is_finished:
-                    self.scheduler.update_verified(chunk, res.num_accepted)
-                    self.spec.after_verify(req, chunk, res.num_accepted)  # type: ignore[union-attr]
-                deltas.append(delta)
-                continue
-            req = self.scheduler.update_computed(chunk)
-            if not chunk.needs_sample:
-                continue
-            token_id = sampled.token_ids[row]
-            logprobs = sampled.logprobs[row]
-            row += 1
-            deltas.append(self._after_tokens(req, (token_id,), (logprobs,)))
-        return deltas
-
-    def _after_tokens(
-        self, req: Request, token_ids: Sequence[int], logprobs: Sequence[TokenLogprobs | None]
-    ) -> StreamDelta:
-        return self._outputs.after_tokens(req, token_ids, logprobs)
 
     def _final_delta(
         self,

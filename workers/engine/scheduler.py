@@ -20,9 +20,10 @@ Disaggregated roles differ only at the two ends of a request's life:
   ``finish_receiving`` says the KV arrived; then it decodes like any running request.
   The hand-off tracks it meanwhile and decides when its blocks may be freed.
 
-**KV tiers** (``tiers``, docs/kv-tiers.md): admission continues the pool's prefix hit
-through the tiers below it (host memory, disk) and onboards the blocks found there into
-fresh blocks before the request's first chunk; they count as computed, like a prefix hit.
+**Admission** (``workers/engine/admission.py``) gives an admitted request its blocks and
+its computed count: the prefix the pool's cache holds is shared and, with **KV tiers**
+(``tiers``, docs/kv-tiers.md), the prefix's continuation in the tiers below the pool
+(host memory, disk) is onboarded into fresh blocks; both count as computed.
 
 **Slots** (pipeline stages): with ``num_slots > 1`` every request belongs to one slot,
 chosen when it is added (the slot with the fewest unfinished requests), and
@@ -52,12 +53,13 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from workers.engine.block_manager import BlockManager, PrefixHit
+from workers.engine.admission import Admission, NotAdmitted
+from workers.engine.block_manager import BlockManager
 from workers.engine.handoff import HandoffState, KVHandoff
 from workers.engine.request import FinishReason, Request, RequestStatus
 
 if TYPE_CHECKING:
-    from workers.engine.kv_tiers.manager import KVTierManager, TierHit
+    from workers.engine.kv_tiers.manager import KVTierManager
 
 
 @dataclass(frozen=True)
@@ -117,6 +119,7 @@ class Scheduler:
         self.requests: dict[str, Request] = {}
         self.handoff = handoff if handoff is not None else KVHandoff(block_manager)
         self.tiers = tiers
+        self.admission = Admission(block_manager, self.handoff, tiers)
         self.num_preemptions = 0
         # Told of each request's first scheduling (its queue time and prefix-cache hit are
         # known then); the worker's metrics listen (workers/serving/service.py).
@@ -257,23 +260,13 @@ class Scheduler:
                 if not self._admit_receiving(req):
                     break
                 continue
-            prefix = bm.find_prefix(req.token_ids)
-            hit = self.tiers.find(req.token_ids, prefix) if self.tiers else None
-            num_cached = (prefix.num_blocks + (hit.num_blocks if hit else 0)) * bm.block_size
-            num_new = min(req.num_tokens - num_cached, budget)
-            if not bm.allocate_slots(req.request_id, num_cached, num_new, prefix):
+            num_cached = self.admission.allocate(req, budget)
+            if num_cached is NotAdmitted.NO_BLOCKS:
                 break  # FCFS: no one overtakes the head of the queue
-            if hit is not None and hit.num_blocks:
-                num_cached = self._onboard(req, prefix, hit)
-                # Fewer blocks arrived than found: compute from the first missing one. The
-                # blocks allocated cover it (num_cached only went down, num_new not up).
-                num_new = min(req.num_tokens - num_cached, budget)
-            self.waiting.remove(req)
-            if req.first_scheduled_time is None:
-                req.num_cached_tokens = num_cached
-                self._first_scheduled(req)
-            req.num_computed_tokens = num_cached
-            req.status = RequestStatus.RUNNING
+            assert isinstance(num_cached, int)
+            # After any onboarding: fewer blocks may have arrived than found.
+            num_new = min(req.num_tokens - num_cached, budget)
+            self._admitted(req, num_cached, RequestStatus.RUNNING)
             self.running.append(req)
             chunks.append(self._chunk(req, num_new))
             budget -= num_new
@@ -342,52 +335,34 @@ class Scheduler:
         return True
 
     def _admit_receiving(self, req: Request) -> bool:
-        """Admit the head of the queue into RECEIVING, if blocks allow: a remote prefill
-        (its whole prompt's KV comes from P) or a peer pull (its first
-        ``num_remote_tokens`` come from another worker; the rest is computed here after).
-
-        The prompt's leading blocks that this worker's prefix cache holds are shared (they
-        count as computed), those the tiers below it hold are onboarded into fresh blocks
-        (``_onboard``); fresh blocks take the rest of the remote part, and only those
-        are received. The transfer never writes a shared block (it would be overwritten
-        under its other owners). A remote prefill receives at least its last prompt block
-        (``find_prefix`` leaves one token), so there is always one transfer, whose notice
-        frees P's lease. A peer prefix this cache already covers is not received at all:
-        its handles are declined and the request is admitted as any other (returns True
-        without admitting: the caller looks at the head of the queue again). The first
-        output token's slot is allocated by its first decode step.
+        """Decode role: admit the head of the queue, whose KV (or a peer's prefix of it)
+        comes from another worker, into RECEIVING if blocks allow (False: it waits).
+        Its blocks and computed prefix: ``Admission.allocate_receiving``. A peer prefix
+        this worker already holds is declined: True without admitting (the caller looks at
+        the head of the queue again and admits it as any other request).
         """
-        bm = self.block_manager
-        prompt = req.prompt_token_ids
-        prefix = bm.find_prefix(prompt)
-        # The tiers below the pool too: their blocks are onboarded, not received.
-        hit = self.tiers.find(prompt, prefix) if self.tiers else None
-        num_cached = (prefix.num_blocks + (hit.num_blocks if hit else 0)) * bm.block_size
-        num_remote = req.num_remote_tokens
-        if num_cached >= num_remote:  # a peer prefix only: a remote prefill never gets here
-            self.handoff.not_needed(req.request_id)
-            req.num_peer_tokens = 0
-            return True
-        if not bm.allocate_slots(req.request_id, num_cached, num_remote - num_cached, prefix):
+        num_cached = self.admission.allocate_receiving(req)
+        if num_cached is NotAdmitted.NO_BLOCKS:
             return False
-        if hit is not None and hit.num_blocks:
-            num_cached = self._onboard(req, prefix, hit)  # fewer may arrive: receive those
+        if num_cached is NotAdmitted.DECLINED:
+            return True
+        assert isinstance(num_cached, int)
+        # The prefix is computed; a failed receive recomputes from here (finish_receiving).
+        self._admitted(req, num_cached, RequestStatus.RECEIVING)
+        first = num_cached // self.block_manager.block_size
+        self.handoff.start_receiving(
+            req.request_id, self.block_manager.block_table(req.request_id)[first:], first
+        )
+        return True
+
+    def _admitted(self, req: Request, num_cached: int, status: RequestStatus) -> None:
+        """``req`` leaves the queue with its first ``num_cached`` tokens computed."""
         self.waiting.remove(req)
         if req.first_scheduled_time is None:
             req.num_cached_tokens = num_cached
             self._first_scheduled(req)
-        # The prefix is computed; a failed receive recomputes from here (finish_receiving).
         req.num_computed_tokens = num_cached
-        req.status = RequestStatus.RECEIVING
-        first = num_cached // bm.block_size
-        self.handoff.start_receiving(req.request_id, bm.block_table(req.request_id)[first:], first)
-        return True
-
-    def _onboard(self, req: Request, prefix: PrefixHit, hit: TierHit) -> int:
-        """Onboard the tiers' blocks of ``req``'s prefix into its fresh blocks after
-        ``prefix`` (``KVTierManager.onboard_request``); returns the tokens now computed."""
-        assert self.tiers is not None
-        return self.tiers.onboard_request(req.request_id, req.token_ids, prefix, hit)
+        req.status = status
 
     def _head_of_queue(self, slot: int) -> Request | None:
         """The first waiting request of ``slot`` (FCFS within the slot)."""

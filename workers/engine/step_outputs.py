@@ -2,12 +2,15 @@
 
 One engine step appends one token per request, or several for a speculative verify step
 (the accepted proposals and the target's own token): the stop conditions are checked
-after each, and the tokens after one that ends the request are dropped.
+after each, and the tokens after one that ends the request are dropped. ``update`` is the
+engine step's last stage (schedule -> execute -> sample -> update): the computed chunks
+advance their requests in the scheduler and the sampled tokens go into the streams.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 from workers.engine.handoff import KVHandoff
 from workers.engine.outputs import StreamDelta
@@ -15,6 +18,12 @@ from workers.engine.request import Request, check_stop
 from workers.engine.scheduler import Scheduler
 from workers.protocol.logprobs import TokenLogprobs
 from workers.text.detokenizer import IncrementalDetokenizer
+
+if TYPE_CHECKING:
+    from workers.engine.sampler import SamplerOutput
+    from workers.engine.scheduler import ScheduledChunk
+    from workers.engine.speculative.decoder import SpeculativeDecoder
+    from workers.engine.speculative.rejection import Verified
 
 
 class StepOutputs:
@@ -31,6 +40,41 @@ class StepOutputs:
         self.handoff = handoff
         self.detokenizers = detokenizers
         self.max_model_len = max_model_len
+
+    def update(
+        self,
+        live: list[tuple[ScheduledChunk, Request]],
+        sampled: SamplerOutput,
+        verified: list[Verified],
+        spec: SpeculativeDecoder | None,
+    ) -> list[StreamDelta]:
+        """After a batch ran and was sampled: advance each chunk's request (the scheduler's
+        ``update_computed`` / ``update_verified``) and append its sampled tokens
+        (``after_tokens``); returns the deltas of the chunks that sampled. ``sampled``
+        has one row per plain sampling chunk, in order; ``verified`` one result per
+        verify chunk (``num_spec``), in order (``spec`` sampled them)."""
+        deltas = []
+        row = 0
+        results = iter(verified)
+        for chunk, req in live:
+            if chunk.num_spec:
+                res = next(results)
+                # Append first (the committed tokens' blocks get hashed), then roll back,
+                # unless a stop among them ended the request (its blocks are freed).
+                delta = self.after_tokens(req, res.token_ids, res.logprobs)
+                if not req.is_finished:
+                    self.scheduler.update_verified(chunk, res.num_accepted)
+                    spec.after_verify(req, chunk, res.num_accepted)  # type: ignore[union-attr]
+                deltas.append(delta)
+                continue
+            req = self.scheduler.update_computed(chunk)
+            if not chunk.needs_sample:
+                continue
+            token_id = sampled.token_ids[row]
+            logprobs = sampled.logprobs[row]
+            row += 1
+            deltas.append(self.after_tokens(req, (token_id,), (logprobs,)))
+        return deltas
 
     def after_tokens(
         self,
