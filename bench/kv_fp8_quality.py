@@ -25,7 +25,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import platform
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -34,6 +33,7 @@ import torch
 import torch.nn.functional as F
 from tokenizers import Tokenizer
 
+from bench.quant_quality import write_quality_json
 from cluster.tools.train import held_out_windows
 from kernels.attention_metadata import build_attention_metadata, slot_mapping_for
 from workers.engine.kv_cache import allocate_kv_cache
@@ -139,18 +139,7 @@ def main() -> None:
         print(f"{name:9} {r['perplexity']:10.4f}  {r['perplexity_ratio']:.4f}  "
               f"{r['next_token_agreement']:9.4f}  {r['top1_accuracy']:.4f}")  # fmt: skip
     if args.json:
-        report = args.model / "report.json"
-        result = {
-            "machine": platform.processor() or platform.machine(),
-            "torch": torch.__version__,
-            "model": str(args.model),
-            "kind": args.kind,
-            "num_windows": windows.shape[0],
-            "window_len": windows.shape[1] - 1,
-            "trainer_report": json.loads(report.read_text()) if report.is_file() else None,
-            "results": results,
-        }
-        args.json.write_text(json.dumps(result, indent=2) + "\n")
+        write_quality_json(args.json, args.model, args.kind, windows, results)
 
 
 if __name__ == "__main__":

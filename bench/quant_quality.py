@@ -143,18 +143,26 @@ def main() -> None:
         print(f"{name:13}  {r['perplexity']:10.3f}  {r['perplexity_vs_fp32']:6.3f}  "
               f"{r['next_token_agreement_vs_fp32']:17.4f}  {r['top1_accuracy']:14.4f}")  # fmt: skip
     if args.json:
-        report = args.model.parent / "report.json"  # the trained pair's, beside target/
-        result = {
-            "machine": platform.processor() or platform.machine(),
-            "torch": torch.__version__,
-            "model": str(args.model),
-            "kind": args.kind,
-            "num_windows": windows.shape[0],
-            "window_len": windows.shape[1] - 1,
-            "trainer_report": json.loads(report.read_text()) if report.is_file() else None,
-            "results": results,
-        }
-        args.json.write_text(json.dumps(result, indent=2) + "\n")
+        write_quality_json(args.json, args.model, args.kind, windows, results)
+
+
+def write_quality_json(
+    path: Path, model: Path, kind: str, windows: torch.Tensor, results: dict
+) -> None:
+    """A held-out quality run as JSON (this bench's and bench/kv_fp8_quality's): the
+    machine, the windows, the trained pair's own report and the results."""
+    report = model.parent / "report.json"  # the trained pair's, beside target/
+    result = {
+        "machine": platform.processor() or platform.machine(),
+        "torch": torch.__version__,
+        "model": str(model),
+        "kind": kind,
+        "num_windows": windows.shape[0],
+        "window_len": windows.shape[1] - 1,
+        "trainer_report": json.loads(report.read_text()) if report.is_file() else None,
+        "results": results,
+    }
+    path.write_text(json.dumps(result, indent=2) + "\n")
 
 
 if __name__ == "__main__":
