@@ -13,6 +13,7 @@ from workers.engine.sampler import Sampler
 from workers.engine.speculative.ngram import NgramProposer
 from workers.engine.speculative.rejection import RejectionSampler
 from workers.engine.speculative.stats import SpecDecodeStats
+from workers.engine.speculative.gate import AcceptanceGate
 from workers.engine.speculative.switch import SpeculationSwitch
 from workers.protocol.sampling_params import SamplingParams
 
@@ -143,3 +144,36 @@ def test_the_switch_speculates_where_it_measured_faster():
         switch.observe(16, True, tokens=64, seconds=0.04)  # 100
     # The bucket's 4th step explores (now plain), then speculation wins.
     assert [switch.speculate(16) for _ in range(3)] == [False, True, True]
+
+
+def test_the_gate_speculates_for_a_request_while_its_acceptance_pays():
+    gate = AcceptanceGate()
+    # Nothing measured: every request speculates (that measures the costs).
+    assert gate.break_even(1) == 0.0 and gate.allows("a", 1)
+    gate.observe(1, num_verified=1, seconds=0.016)
+    assert gate.break_even(1) == 0.0  # the plain cost is still unknown
+    gate.observe(1, num_verified=0, seconds=0.010)
+    assert gate.break_even(1) == pytest.approx(0.6)
+    gate.observe(16, num_verified=7, seconds=9.0)  # a mixed step says nothing
+    assert gate.break_even(16) == 0.0
+    gate.observe(16, num_verified=16, seconds=0.05)
+    gate.observe(16, num_verified=0, seconds=0.02)
+    assert gate.break_even(16) == pytest.approx(1.5)
+    # "a" accepts one proposal a step: pays at batch 1 (0.6 needed), not at 16 (1.5).
+    for _ in range(8):
+        gate.record("a", 1, num_decodes=1)
+    assert gate.allows("a", 1)
+    gate.record("a", 1, num_decodes=16)  # below 1.5: waits one step, then is probed
+    assert [gate.allows("a", 16) for _ in range(3)] == [False, True, True]
+    gate.record("a", 0, num_decodes=16)  # a probe that does not pay: the wait doubles
+    assert [gate.allows("a", 16) for _ in range(3)] == [False, False, True]
+    gate.record("a", 0, num_decodes=16)
+    assert [gate.allows("a", 16) for _ in range(5)] == [False] * 4 + [True]
+    for _ in range(6):  # the text turned predictable: probes pay, the wait is gone
+        gate.record("a", 4, num_decodes=16)
+    assert all(gate.allows("a", 16) for _ in range(5))
+    # A new request starts from the average over all requests.
+    gate.record("b", 0, num_decodes=1)
+    assert gate._overall is not None and gate.allows("c", 1) == (gate._overall >= 0.6)
+    gate.forget_all_but({"b"})
+    assert set(gate._accepted) == {"b"} and not gate._waiting

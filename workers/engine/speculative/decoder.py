@@ -16,9 +16,9 @@ Per step (docs/engine.md, "Speculative decoding"):
    (``Scheduler.update_verified``, ``rolled_back``).
 
 A request speculates unless it opted out (``SamplingParams.speculative``), is a prefill
-worker's request (it samples one token), or has room for fewer than two more tokens.
-With the draft model, a request whose recent proposals were mostly rejected pauses
-(``_Backoff``): a rejected proposal costs a draft forward and a verify slot for nothing.
+worker's request (it samples one token), or has room for fewer than two more tokens; and,
+with the measured decisions on (``adaptive``, the default), while its own acceptance pays
+for the extra cost of a verify step at this batch size (``gate.py``).
 """
 
 from __future__ import annotations
@@ -32,40 +32,11 @@ from workers.engine.request import Request
 from workers.engine.sampler import Sampler, SamplerOutput, SamplingRow
 from workers.engine.scheduler import ScheduledChunk, Scheduler, SchedulerOutput
 from workers.engine.speculative.draft import DraftProposer, rolled_back
+from workers.engine.speculative.gate import AcceptanceGate
 from workers.engine.speculative.ngram import NgramProposer
 from workers.engine.speculative.rejection import RejectionSampler, Verified
 from workers.engine.speculative.stats import SpecDecodeStats
 from workers.engine.speculative.switch import SpeculationSwitch
-
-
-class _Backoff:
-    """Per-request pause after poor acceptance: after a verify step that accepted less
-    than a quarter of its proposals, the request skips 1, 2, 4 ... (up to 16) steps; a
-    good step resets it."""
-
-    def __init__(self) -> None:
-        self.skip: dict[str, int] = {}  # request id -> steps left to skip
-        self.level: dict[str, int] = {}
-
-    def allows(self, request_id: str) -> bool:
-        left = self.skip.get(request_id, 0)
-        if left > 0:
-            self.skip[request_id] = left - 1
-            return False
-        return True
-
-    def record(self, request_id: str, num_draft: int, num_accepted: int) -> None:
-        if 4 * num_accepted >= num_draft:
-            self.level.pop(request_id, None)
-            return
-        level = min(self.level.get(request_id, 0) + 1, 5)
-        self.level[request_id] = level
-        self.skip[request_id] = 2 ** (level - 1)
-
-    def forget_all_but(self, live: set[str]) -> None:
-        for table in (self.skip, self.level):
-            for request_id in [r for r in table if r not in live]:
-                del table[request_id]
 
 
 def check_single_rank(
@@ -105,20 +76,22 @@ class SpeculativeDecoder:
         self.draft = draft
         self.rejection = RejectionSampler(sampler)
         self.stats = SpecDecodeStats()
-        self._backoff = _Backoff()
-        # Measured on/off rates per batch size; False: speculate wherever allowed (tests).
+        # Measured decisions: per batch size (switch) and per request (gate). False:
+        # speculate at every step a proposer may (tests, the benchmark's "forced").
         self.switch = SpeculationSwitch()
+        self.gate = AcceptanceGate()
         self.adaptive = True
+        self._num_decodes = 0  # running decodes when this step's proposals were made
         self._draft_probs: dict[str, torch.Tensor | None] = {}
 
     def propose(self, scheduler: Scheduler, max_model_len: int) -> None:
         """Set every running request's proposals for the step about to be scheduled."""
         decodes = [r for r in scheduler.running if r.num_unscheduled_tokens == 1]
+        self._num_decodes = len(decodes)
         speculate = 0 < len(decodes) <= self.max_batch_size and (
             not self.adaptive or self.switch.speculate(len(decodes))
         )
-        if self.draft is not None:
-            self._backoff.forget_all_but(set(scheduler.requests))
+        self.gate.forget_all_but(set(scheduler.requests))
         for req in scheduler.running:
             req.spec_token_ids = []
         if not speculate:
@@ -129,11 +102,11 @@ class SpeculativeDecoder:
             # Room for the proposals and the target's own token after them.
             room = min(req.max_tokens - req.num_output_tokens, max_model_len - req.num_tokens)
             k = min(self.k, room - 1)
-            if k < 1:
+            if k < 1 or (self.adaptive and not self.gate.allows(req.request_id, len(decodes))):
                 continue
             if self.ngram is not None:
                 req.spec_token_ids = self.ngram.propose(req.token_ids, k)
-            elif self._backoff.allows(req.request_id):
+            else:
                 req.spec_token_ids = [0] * k  # the draft fills them in (before_prepare)
 
     def before_prepare(self, sched: SchedulerOutput, requests: dict[str, Request]) -> None:
@@ -170,10 +143,10 @@ class SpeculativeDecoder:
         proposals = [r.spec_token_ids[: c.num_spec] for c, r in chunks]
         q = [self._draft_probs.pop(r.request_id, None) for r in requests]
         results = self.rejection(logits, requests, proposals, q)
+        num_decodes = self._num_decodes
         for (c, r), res in zip(chunks, results, strict=True):
             self.stats = self.stats.plus(c.num_spec, res.num_accepted)
-            if self.draft is not None:
-                self._backoff.record(r.request_id, c.num_spec, res.num_accepted)
+            self.gate.record(r.request_id, res.num_accepted, num_decodes)
         return results
 
     def observe(self, sched: SchedulerOutput, num_tokens: int, seconds: float) -> None:
@@ -181,8 +154,9 @@ class SpeculativeDecoder:
         decode-only steps feed the switch (a prefill chunk would blur the rate)."""
         if any(c.num_tokens > 1 and not c.num_spec for c in sched.chunks):
             return
-        speculated = any(c.num_spec for c in sched.chunks)
-        self.switch.observe(len(sched.chunks), speculated, num_tokens, seconds)
+        num_verified = sum(1 for c in sched.chunks if c.num_spec)
+        self.switch.observe(len(sched.chunks), num_verified > 0, num_tokens, seconds)
+        self.gate.observe(len(sched.chunks), num_verified, seconds)
 
     def cancelled(self, requests: Sequence[Request]) -> None:
         """A batch failed: its proposals were not verified; the draft's KV of them (written
