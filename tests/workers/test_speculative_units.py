@@ -10,10 +10,10 @@ import torch
 
 from workers.engine.request import Request
 from workers.engine.sampler import Sampler
+from workers.engine.speculative.gate import AcceptanceGate
 from workers.engine.speculative.ngram import NgramProposer
 from workers.engine.speculative.rejection import RejectionSampler
 from workers.engine.speculative.stats import SpecDecodeStats
-from workers.engine.speculative.gate import AcceptanceGate
 from workers.engine.speculative.switch import SpeculationSwitch
 from workers.protocol.sampling_params import SamplingParams
 
