@@ -81,13 +81,11 @@ class SpeculativeDecoder:
         self.switch = SpeculationSwitch()
         self.gate = AcceptanceGate()
         self.adaptive = True
-        self._num_decodes = 0  # running decodes when this step's proposals were made
         self._draft_probs: dict[str, torch.Tensor | None] = {}
 
     def propose(self, scheduler: Scheduler, max_model_len: int) -> None:
         """Set every running request's proposals for the step about to be scheduled."""
         decodes = [r for r in scheduler.running if r.num_unscheduled_tokens == 1]
-        self._num_decodes = len(decodes)
         speculate = 0 < len(decodes) <= self.max_batch_size and (
             not self.adaptive or self.switch.speculate(len(decodes))
         )
@@ -143,10 +141,9 @@ class SpeculativeDecoder:
         proposals = [r.spec_token_ids[: c.num_spec] for c, r in chunks]
         q = [self._draft_probs.pop(r.request_id, None) for r in requests]
         results = self.rejection(logits, requests, proposals, q)
-        num_decodes = self._num_decodes
         for (c, r), res in zip(chunks, results, strict=True):
             self.stats = self.stats.plus(c.num_spec, res.num_accepted)
-            self.gate.record(r.request_id, res.num_accepted, num_decodes)
+            self.gate.record(r.request_id, res.num_accepted)
         return results
 
     def observe(self, sched: SchedulerOutput, num_tokens: int, seconds: float) -> None:
