@@ -10,11 +10,10 @@ import torch
 
 from workers.engine.request import Request
 from workers.engine.sampler import Sampler
-from workers.engine.speculative.gate import AcceptanceGate
+from workers.engine.speculative.gate import AcceptanceGate, StepMode
 from workers.engine.speculative.ngram import NgramProposer
 from workers.engine.speculative.rejection import RejectionSampler
 from workers.engine.speculative.stats import SpecDecodeStats
-from workers.engine.speculative.switch import SpeculationSwitch
 from workers.protocol.sampling_params import SamplingParams
 
 
@@ -126,26 +125,6 @@ def test_rejection_sampling_keeps_the_targets_distribution(proposer):
     assert [o.token_ids for o in again] == [o.token_ids for o in out[:50]]
 
 
-def test_the_switch_speculates_where_it_measured_faster():
-    switch = SpeculationSwitch(explore_every=4)
-    # Nothing measured: speculating is tried first, then plain decoding.
-    assert switch.speculate(1)
-    switch.observe(1, True, tokens=3, seconds=0.02)  # 150 tokens/s per request
-    assert not switch.speculate(1)
-    switch.observe(1, False, tokens=1, seconds=0.01)  # 100
-    # Batch 16: speculation measured slower; batch 1 is another bucket and keeps its own.
-    switch.observe(16, True, tokens=20, seconds=0.05)  # 25
-    switch.observe(16, False, tokens=16, seconds=0.02)  # 50
-    decisions = [switch.speculate(1) for _ in range(8)]
-    assert decisions.count(True) == 6  # every 4th step of the bucket tries the other mode
-    assert [switch.speculate(16) for _ in range(3)] == [False, False, False]
-    # Acceptance improves at batch 16: the moving average follows.
-    for _ in range(8):
-        switch.observe(16, True, tokens=64, seconds=0.04)  # 100
-    # The bucket's 4th step explores (now plain), then speculation wins.
-    assert [switch.speculate(16) for _ in range(3)] == [False, True, True]
-
-
 def test_the_gate_speculates_for_a_request_while_its_acceptance_pays():
     gate = AcceptanceGate()
     # Nothing measured: every request speculates (that measures the costs).
@@ -180,3 +159,17 @@ def test_the_gate_speculates_for_a_request_while_its_acceptance_pays():
     assert gate.allows("c", 16)
     gate.forget_all_but({"b"})
     assert set(gate._accepted) == {"b"}
+
+
+def test_the_gate_measures_both_costs_then_explores_both_modes_now_and_then():
+    gate = AcceptanceGate(explore_every=4)
+    assert gate.step_mode(1) == StepMode.EVERYONE  # the cost of speculating, first
+    assert gate.step_mode(1) == StepMode.EVERYONE  # still unmeasured: still trying
+    gate.observe(1, num_verified=1, seconds=0.02)
+    assert gate.step_mode(1) == StepMode.NOBODY  # then the plain cost
+    gate.observe(1, num_verified=0, seconds=0.01)
+    modes = [gate.step_mode(1) for _ in range(8)]
+    assert modes.count(StepMode.EVERYONE) == 2 and modes.count(StepMode.NOBODY) == 2
+    assert modes.count(StepMode.GATED) == 4
+    assert gate.step_mode(16) == StepMode.EVERYONE  # another bucket keeps its own
+    assert gate.costs()[5] == {} and set(gate.costs()[1]) == {True, False}

@@ -113,8 +113,8 @@ class EngineConfig:
     speculative_ngram_min: int = setting(
         2, "Shortest n-gram (output suffix) the prompt lookup matches", ge=1, le=64
     )
-    # Below it, the engine measures whether speculating is faster per batch size and
-    # turns it off where it is not (workers/engine/speculative/switch.py).
+    # Below it, the engine measures what speculating costs per batch size and lets each
+    # request speculate while its acceptance pays for that (workers/engine/speculative/gate.py).
     speculative_max_batch_size: int = setting(
         32, "A step with more running decodes than this does not speculate", ge=1
     )

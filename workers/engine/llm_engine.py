@@ -137,10 +137,14 @@ class LLMEngine:
             self.model, self.kv_cache, config.block_size, self.device, before_forward
         )
         self.sampler = Sampler(self.vocab_size, seed=config.seed)
+        # The speculation switch's clock: on CPU this process's CPU time (steady when other
+        # processes share the cores; the work is all here), on an accelerator wall time.
+        self._spec_clock = time.process_time if self.device.type == "cpu" else time.perf_counter
         self.spec: SpeculativeDecoder | None = None
         if config.speculative_method is not None:
             if draft is not None:
                 draft.bind(num_blocks, config.block_size)
+                draft.clock = self._spec_clock
             self.spec = SpeculativeDecoder(config, self.sampler, draft)
         # Empty when config.detokenize is False (the router detokenizes at the edge).
         self._detokenizers: dict[str, IncrementalDetokenizer] = {}
@@ -150,9 +154,6 @@ class LLMEngine:
         self._pending: list[StreamDelta] = []  # finals of aborted requests, sent next step
         self.step_times = StepTimes()
         self._last_sched: SchedulerOutput | None = None  # the batch the last step completed
-        # The speculation switch's clock: on CPU this process's CPU time (steady when other
-        # processes share the cores; the work is all here), on an accelerator wall time.
-        self._spec_clock = time.process_time if self.device.type == "cpu" else time.perf_counter
 
     @property
     def spec_stats(self) -> SpecDecodeStats:

@@ -6,8 +6,8 @@ Per step (docs/engine.md, "Speculative decoding"):
    proposals in ``req.spec_token_ids`` (n-gram: the tokens themselves; draft: k
    placeholders, filled in step 3). Nobody speculates when more than
    ``speculative_max_batch_size`` decodes run (a large batch is compute-bound already,
-   and verifying k extra tokens per request would cost more than it saves), nor where
-   the measured rates say it is slower at this batch size (``switch.py``).
+   and verifying k extra tokens per request would cost more than it saves); below it,
+   a request speculates while its measured acceptance pays at this batch size (``gate.py``).
 2. The scheduler turns such a request into a verify chunk (its last token + proposals)
    if budget and free blocks allow, else it decodes plainly.
 3. ``before_prepare``: the draft model proposes for the batch's verify chunks.
@@ -32,11 +32,10 @@ from workers.engine.request import Request
 from workers.engine.sampler import Sampler, SamplerOutput, SamplingRow
 from workers.engine.scheduler import ScheduledChunk, Scheduler, SchedulerOutput
 from workers.engine.speculative.draft import DraftProposer, rolled_back
-from workers.engine.speculative.gate import AcceptanceGate
+from workers.engine.speculative.gate import AcceptanceGate, StepMode
 from workers.engine.speculative.ngram import NgramProposer
 from workers.engine.speculative.rejection import RejectionSampler, Verified
 from workers.engine.speculative.stats import SpecDecodeStats
-from workers.engine.speculative.switch import SpeculationSwitch
 
 
 def check_single_rank(
@@ -76,9 +75,8 @@ class SpeculativeDecoder:
         self.draft = draft
         self.rejection = RejectionSampler(sampler)
         self.stats = SpecDecodeStats()
-        # Measured decisions: per batch size (switch) and per request (gate). False:
-        # speculate at every step a proposer may (tests, the benchmark's "forced").
-        self.switch = SpeculationSwitch()
+        # Measured decisions (gate.py). False: speculate at every step a proposer may
+        # (tests, the benchmark's "forced").
         self.gate = AcceptanceGate()
         self.adaptive = True
         self._draft_probs: dict[str, torch.Tensor | None] = {}
@@ -86,9 +84,10 @@ class SpeculativeDecoder:
     def propose(self, scheduler: Scheduler, max_model_len: int) -> None:
         """Set every running request's proposals for the step about to be scheduled."""
         decodes = [r for r in scheduler.running if r.num_unscheduled_tokens == 1]
-        speculate = 0 < len(decodes) <= self.max_batch_size and (
-            not self.adaptive or self.switch.speculate(len(decodes))
-        )
+        mode = StepMode.EVERYONE
+        if self.adaptive and 0 < len(decodes) <= self.max_batch_size:
+            mode = self.gate.step_mode(len(decodes))
+        speculate = 0 < len(decodes) <= self.max_batch_size and mode != StepMode.NOBODY
         self.gate.forget_all_but(set(scheduler.requests))
         for req in scheduler.running:
             req.spec_token_ids = []
@@ -100,7 +99,9 @@ class SpeculativeDecoder:
             # Room for the proposals and the target's own token after them.
             room = min(req.max_tokens - req.num_output_tokens, max_model_len - req.num_tokens)
             k = min(self.k, room - 1)
-            if k < 1 or (self.adaptive and not self.gate.allows(req.request_id, len(decodes))):
+            if k < 1 or (
+                mode == StepMode.GATED and not self.gate.allows(req.request_id, len(decodes))
+            ):
                 continue
             if self.ngram is not None:
                 req.spec_token_ids = self.ngram.propose(req.token_ids, k)
@@ -148,11 +149,15 @@ class SpeculativeDecoder:
 
     def observe(self, sched: SchedulerOutput, num_tokens: int, seconds: float) -> None:
         """A whole engine step ran ``sched`` and emitted ``num_tokens`` in ``seconds``:
-        decode-only steps feed the switch (a prefill chunk would blur the rate)."""
+        decode-only steps feed the gate's step costs (a prefill chunk would blur them)."""
         if any(c.num_tokens > 1 and not c.num_spec for c in sched.chunks):
             return
         num_verified = sum(1 for c in sched.chunks if c.num_spec)
-        self.switch.observe(len(sched.chunks), num_verified > 0, num_tokens, seconds)
+        if self.draft is not None:
+            # Catching a request up after it sat out is paid once per stretch of speculation;
+            # counted in a step's cost, it made speculation look slow exactly when it was
+            # tried again, so it stayed off.
+            seconds -= self.draft.catch_up_seconds
         self.gate.observe(len(sched.chunks), num_verified, seconds)
 
     def cancelled(self, requests: Sequence[Request]) -> None:

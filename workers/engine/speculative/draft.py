@@ -25,7 +25,8 @@ take the runner for every forward.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import time
+from collections.abc import Callable, Mapping
 
 import torch
 
@@ -75,6 +76,11 @@ class DraftProposer:
         self.device = device
         self.runner: ModelRunner | None = None
         self.lean: LeanDraftForward | None = None
+        # Seconds (by ``clock``, the engine's speculation clock) the last ``propose`` spent
+        # catching requests up that were far behind: the price of (re)starting speculation
+        # for a request, not of a speculating step; the switch leaves it out of its rates.
+        self.clock: Callable[[], float] = time.perf_counter
+        self.catch_up_seconds = 0.0
 
     def bytes_per_block(self, block_size: int) -> int:
         a = self.arch
@@ -102,6 +108,7 @@ class DraftProposer:
         greedy requests: their proposals are the draft's argmax)."""
         assert self.runner is not None, "bind() first"
         copy_blocks(self.runner.kv_cache, sched.block_copies)  # the target's copy-on-write
+        self.catch_up_seconds = 0.0
         verify = [(c, requests[c.request_id]) for c in sched.chunks if c.num_spec]
         if not verify:
             return {}
@@ -115,12 +122,14 @@ class DraftProposer:
             for c, r in verify if r.num_tokens - r.draft_num_computed > MAX_LEAN_CATCH_UP
         ]  # fmt: skip
         if behind:
+            start = self.clock()
             behind.sort(key=lambda chunk: chunk.num_tokens != 1)  # decodes first
             self.runner.run(
                 self.runner.prepare_inputs(SchedulerOutput(tuple(behind), (), ()), requests)
             )
             for chunk in behind:
                 requests[chunk.request_id].draft_num_computed = chunk.start_pos + chunk.num_tokens
+            self.catch_up_seconds = self.clock() - start
         return propose_lean(self.lean, verify, sampler)
 
     def _propose_general(
