@@ -70,9 +70,9 @@ def test_handed_off_requests_speculate_with_the_same_greedy_tokens(cluster, expe
     assert after.speculative == "ngram, 4 tokens"
     steps, proposed, accepted = spec_counts(after, "decode-0")
     # The engine speculates until it has measured a speculative step of a batch size, then
-    # where that was faster (workers/engine/speculative/switch.py): proposals are certain
+    # where that pays (workers/engine/speculative/gate.py): proposals are certain
     # (the outputs repeat themselves), accepted ones depend on the timing measured, unlike
-    # tests/router/test_speculative_flow.py, which turns the switch off.
+    # tests/router/test_speculative_flow.py, which turns the gate off.
     assert steps > 0 and proposed > 0 and 0 <= accepted <= proposed
     assert spec_counts(after, "prefill-0") == (0, 0, 0)  # prefill never speculates
     # /metrics shows the same counts as the status (both from the worker's reports).

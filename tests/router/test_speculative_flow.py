@@ -52,7 +52,7 @@ def test_handed_off_requests_speculate_on_decode_with_the_same_tokens(model_dir)
     cluster = Cluster(model_dir, decode_settings=NGRAM)
     decode = cluster.services["decode-0"]
     # Speculate at every step the proposer has tokens for, whatever the engine's switch
-    # measured (workers/engine/speculative/switch.py): accepted tokens for sure.
+    # measured (workers/engine/speculative/gate.py): accepted tokens for sure.
     decode.engine.spec.adaptive = False
     labels = {"role": "decode", "model": "tiny", "instance": f"decode-0-{id(cluster)}"}
 

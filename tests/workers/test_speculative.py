@@ -49,7 +49,7 @@ def other_draft(tmp_path_factory) -> str:
 
 
 def SpecLLM(model: str, **kwargs) -> LLM:
-    """An LLM that speculates at every step it may: the measured switch (its own unit
+    """An LLM that speculates at every step it may: the measured gate (its own unit
     test) would turn speculation off where these tiny models make it slower."""
     llm = LLM(model, **kwargs)
     llm.engine.spec.adaptive = False
