@@ -51,7 +51,7 @@ def test_handed_off_requests_speculate_on_decode_with_the_same_tokens(model_dir)
     expected = list(llm.generate([PROMPT_IDS], params)[0].token_ids)
     cluster = Cluster(model_dir, decode_settings=NGRAM)
     decode = cluster.services["decode-0"]
-    # Speculate at every step the proposer has tokens for, whatever the engine's switch
+    # Speculate at every step the proposer has tokens for, whatever the engine's gate
     # measured (workers/engine/speculative/gate.py): accepted tokens for sure.
     decode.engine.spec.adaptive = False
     labels = {"role": "decode", "model": "tiny", "instance": f"decode-0-{id(cluster)}"}
