@@ -12,8 +12,9 @@ Two workloads, greedy, EOS ignored, ``--max-tokens`` output tokens per request:
 Each batch size B runs all the prompts (as many as the largest B), B at a time, so batch 1
 is sixteen requests one after another rather than one prompt's luck; three engines
 alternate within each repeat: ``off`` (no speculation), ``forced`` (speculating at every step) and ``auto``
-(the default settings: the engine measures whether speculation is faster per batch size
-and turns it off where it is not, up to ``speculative_max_batch_size``). Reported per engine and B: the
+(the default settings: the engine measures what a speculating step costs per batch size
+and lets each request speculate while its acceptance pays for it, up to
+``speculative_max_batch_size``: workers/engine/speculative/gate.py). Reported per engine and B: the
 median over repeats of tokens/s per request (each request's tokens over its own latency,
 mean over the batch), output tokens per CPU-second of this process, the acceptance rate
 and mean accepted length (accepted per verify step + 1), and the ratios against ``off``
