@@ -221,6 +221,12 @@ def main() -> None:
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 4, 16])
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--max-tokens", type=int, default=128)
+    parser.add_argument(
+        "--num-prompts",
+        type=int,
+        help="prompts per workload (default: the largest batch; 16 makes batch 1 alone "
+        "comparable with a run of --batches 1 4 16)",
+    )
     parser.add_argument("-k", type=int, default=4, help="speculative_num_tokens")
     parser.add_argument("--workloads", nargs="+", default=["code", "text"])
     parser.add_argument(
@@ -239,7 +245,7 @@ def main() -> None:
         target, draft = target or str(pair[0]), draft or str(pair[1])
     tokenizer = LLM(target, dtype="float32", num_kv_blocks=64, max_model_len=1024).engine.tokenizer
     held_out = stdlib_split(None).held_out
-    n = max(args.batches)
+    n = max(max(args.batches), args.num_prompts or 0)
     report: dict = {
         "machine": {
             "cpu": platform.processor() or platform.machine(),

@@ -3,8 +3,9 @@
 ``baton train-model`` trains it on CPU; what it saves is read by Baton's loader and by
 ``transformers`` alike, so its parameter names, RoPE (plain, ``rope_type: default``, the
 rotate-half layout), grouped-query attention, SwiGLU MLP and RMSNorm are exactly
-``modeling_llama``'s. Only what training needs is here: a full-sequence causal forward,
-no KV cache (tools may not import the engine's model: tests/test_layers.py).
+``modeling_llama``'s. Only what training needs is here: a full-sequence causal forward, and a plain KV cache for
+the greedy generation of on-policy distillation data (``generate_greedy``; tools may not
+import the engine's model: tests/test_layers.py).
 """
 
 from __future__ import annotations
@@ -62,7 +63,15 @@ class Attention(nn.Module):
         self.v_proj = nn.Linear(shape.hidden_size, self.num_kv_heads * head_dim, bias=False)
         self.o_proj = nn.Linear(self.num_heads * head_dim, shape.hidden_size, bias=False)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        past: tuple[torch.Tensor, torch.Tensor] | None = None,
+    ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
+        """Output and this layer's (k, v) ``[batch, kv_heads, past + seq_len, head_dim]``;
+        ``past``: the cached (k, v) of earlier positions (then ``seq_len`` must be 1)."""
         batch, seq_len, _ = x.shape
         # [batch, heads, seq_len, head_dim]
         q = self.q_proj(x).view(batch, seq_len, self.num_heads, self.head_dim).transpose(1, 2)
@@ -70,10 +79,14 @@ class Attention(nn.Module):
         v = self.v_proj(x).view(batch, seq_len, self.num_kv_heads, self.head_dim).transpose(1, 2)
         q = q * cos + _rotate_half(q) * sin
         k = k * cos + _rotate_half(k) * sin
-        out = F.scaled_dot_product_attention(
-            q, k, v, is_causal=True, enable_gqa=self.num_kv_heads != self.num_heads
+        if past is not None:
+            if seq_len != 1:
+                raise ValueError("a cached forward takes one new position at a time")
+            k, v = torch.cat([past[0], k], dim=2), torch.cat([past[1], v], dim=2)
+        out = F.scaled_dot_product_attention(  # one new query sees every cached key
+            q, k, v, is_causal=past is None, enable_gqa=self.num_kv_heads != self.num_heads
         )
-        return self.o_proj(out.transpose(1, 2).reshape(batch, seq_len, -1))
+        return self.o_proj(out.transpose(1, 2).reshape(batch, seq_len, -1)), (k, v)
 
 
 class MLP(nn.Module):
@@ -95,9 +108,16 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(shape.hidden_size)
         self.mlp = MLP(shape)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        past: tuple[torch.Tensor, torch.Tensor] | None = None,
+    ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
+        attn, kv = self.self_attn(self.input_layernorm(x), cos, sin, past)
+        x = x + attn
+        return x + self.mlp(self.post_attention_layernorm(x)), kv
 
 
 class _Body(nn.Module):  # HF's ``model.`` prefix
@@ -137,11 +157,34 @@ class TrainableLlama(nn.Module):
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         """Logits ``[batch, seq_len, vocab]`` of ``input_ids`` ``[batch, seq_len]``, causal."""
-        positions = torch.arange(input_ids.shape[1], dtype=torch.float32)
+        return self._forward(input_ids, None)[0]
+
+    def _forward(
+        self, input_ids: torch.Tensor, cache: list[tuple[torch.Tensor, torch.Tensor]] | None
+    ) -> tuple[torch.Tensor, list[tuple[torch.Tensor, torch.Tensor]]]:
+        start = 0 if cache is None else cache[0][0].shape[2]
+        positions = torch.arange(start, start + input_ids.shape[1], dtype=torch.float32)
         freqs = torch.outer(positions, self.inv_freq)
         emb = torch.cat((freqs, freqs), dim=-1)  # [seq_len, head_dim]
         cos, sin = emb.cos(), emb.sin()
         x = self.model.embed_tokens(input_ids)
-        for layer in self.model.layers:
-            x = layer(x, cos, sin)
-        return self.lm_head(self.model.norm(x))
+        new_cache = []
+        for i, layer in enumerate(self.model.layers):
+            x, kv = layer(x, cos, sin, None if cache is None else cache[i])
+            new_cache.append(kv)
+        return self.lm_head(self.model.norm(x)), new_cache
+
+    @torch.no_grad()
+    def generate_greedy(self, prompts: torch.Tensor, num_new: int) -> torch.Tensor:
+        """``prompts`` ``[batch, prompt_len]`` followed by ``num_new`` greedy tokens each
+        (EOS not special), over a KV cache: ``[batch, prompt_len + num_new]``."""
+        was_training = self.training
+        self.eval()
+        logits, cache = self._forward(prompts, None)
+        out = [prompts]
+        for step in range(num_new):
+            out.append(logits[:, -1].argmax(-1, keepdim=True))
+            if step + 1 < num_new:
+                logits, cache = self._forward(out[-1], cache)
+        self.train(was_training)
+        return torch.cat(out, dim=1)

@@ -59,7 +59,10 @@ def train_target(
         logits = model(windows[:, :-1])
         return F.cross_entropy(logits.flatten(0, 1), windows[:, 1:].flatten())
 
-    _optimise(model, stream, schedule, seed, loss_of, "target", log)
+    def draw(generator: torch.Generator) -> torch.Tensor:
+        return random_windows(stream, schedule.seq_len, schedule.batch_size, generator)
+
+    _optimise(model, draw, schedule, seed, loss_of, "target", log)
 
 
 def distill_draft(
@@ -69,9 +72,30 @@ def distill_draft(
     schedule: Schedule,
     seed: int,
     log: Callable[[str], None] | None = None,
+    *,
+    generated: torch.Tensor | None = None,
+    generated_fraction: float = 0.0,
 ) -> None:
-    """Train ``draft`` in place to match ``target``'s next-token distributions."""
+    """Train ``draft`` in place to match ``target``'s next-token distributions.
+
+    ``generated``: ``[num, seq_len + 1]`` windows of the target's own greedy continuations
+    (train_onpolicy); ``round(generated_fraction * batch_size)`` windows of every batch are
+    drawn from them, the rest from ``stream``. Without them the draws are the corpus
+    windows alone, exactly as before."""
     target.eval()
+    num_generated = 0 if generated is None else round(generated_fraction * schedule.batch_size)
+    if generated is not None and generated.shape[1] != schedule.seq_len + 1:
+        raise ValueError(f"generated windows of {generated.shape[1]} tokens, not seq_len + 1")
+
+    def draw(generator: torch.Generator) -> torch.Tensor:
+        num_corpus = schedule.batch_size - num_generated
+        parts = []
+        if num_corpus:
+            parts.append(random_windows(stream, schedule.seq_len, num_corpus, generator))
+        if num_generated:
+            rows = torch.randint(0, generated.shape[0], (num_generated,), generator=generator)
+            parts.append(generated[rows])
+        return torch.cat(parts)
 
     def loss_of(windows: torch.Tensor) -> torch.Tensor:
         inputs = windows[:, :-1]
@@ -80,12 +104,12 @@ def distill_draft(
         student = F.log_softmax(draft(inputs).flatten(0, 1), dim=-1)
         return -(teacher * student).sum(-1).mean()
 
-    _optimise(draft, stream, schedule, seed, loss_of, "draft", log)
+    _optimise(draft, draw, schedule, seed, loss_of, "draft", log)
 
 
 def _optimise(
     model: TrainableLlama,
-    stream: torch.Tensor,
+    draw: Callable[[torch.Generator], torch.Tensor],
     schedule: Schedule,
     seed: int,
     loss_of: Callable[[torch.Tensor], torch.Tensor],
@@ -108,8 +132,7 @@ def _optimise(
     for step in range(schedule.steps):
         for group in optimizer.param_groups:
             group["lr"] = schedule.lr * _lr_factor(step, schedule)
-        windows = random_windows(stream, schedule.seq_len, schedule.batch_size, generator)
-        loss = loss_of(windows)
+        loss = loss_of(draw(generator))
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), schedule.grad_clip)

@@ -16,6 +16,12 @@ from cluster.tools.train import RECIPES, TEST_PAIR_DIR, load_trainable, train_pa
 from cluster.tools.train_corpus import eval_windows, stdlib_split, token_stream
 from cluster.tools.train_llama import LlamaShape, TrainableLlama
 from cluster.tools.train_loop import Schedule, held_out
+from cluster.tools.train_onpolicy import (
+    OnPolicy,
+    continuation_probe,
+    continuation_prompts,
+    onpolicy_sequences,
+)
 from workers import LLM, SamplingParams
 from workers.text.tokenizer import Tokenizer
 
@@ -194,3 +200,79 @@ def test_cli_reports_the_committed_pair(capsys):
     report = json.loads((TEST_PAIR_DIR / "report.json").read_text())
     assert f"target {report['held_out']['target_ppl']:.2f}" in out
     assert tuple(RECIPES) == cli_models.TRAIN_RECIPES
+
+
+def test_onpolicy_sequences_are_the_targets_greedy_continuations_of_train_text():
+    """The draft's on-policy windows: a train-split prompt, then what the target says."""
+    target = load_trainable(trained_pair("test")[0])
+    stream = torch.arange(2000)  # stands in for the train stream: its offsets are visible
+    config = OnPolicy(num_sequences=5, fraction=0.5, prompt_len=(8, 16), generation_batch=2)
+    seqs = onpolicy_sequences(target, stream, config, seq_len=32, seed=3)
+    assert seqs.shape == (5, 33)
+    assert torch.equal(seqs, onpolicy_sequences(target, stream, config, seq_len=32, seed=3))
+    assert not torch.equal(seqs, onpolicy_sequences(target, stream, config, seq_len=32, seed=4))
+    for seq in seqs:
+        # The prompt is a run of the stream (consecutive ids here), then greedy tokens.
+        prompt_len = next(i for i in range(1, 33) if seq[i] != seq[i - 1] + 1)
+        assert 8 <= prompt_len <= 16
+        with torch.no_grad():
+            want = seq[:prompt_len][None]
+            for _ in range(33 - prompt_len):
+                want = torch.cat([want, target(want)[:, -1].argmax(-1, keepdim=True)], dim=1)
+        assert torch.equal(seq, want[0])
+
+
+def test_onpolicy_distillation_draws_from_the_train_split_only(tmp_path, monkeypatch):
+    """An on-policy recipe prompts the target with training text (never held-out text),
+    mixes the continuations into the draft's batches, is deterministic, and reports the
+    benchmark-like probe; the target is the one the corpus-only recipe trains."""
+    seen: list[torch.Tensor] = []
+    real = train.onpolicy_sequences
+
+    def spy(target, stream, *args, **kwargs):
+        seen.append(stream)
+        return real(target, stream, *args, **kwargs)
+
+    monkeypatch.setattr(train, "onpolicy_sequences", spy)
+    recipe = dataclasses.replace(
+        _mini_recipe(0), draft_onpolicy=OnPolicy(num_sequences=6, fraction=0.5, prompt_len=(8, 16))
+    )
+    assert recipe.target_digest() == _mini_recipe(0).target_digest()
+    assert recipe.digest() != _mini_recipe(0).digest()
+    reports = [train_pair(recipe, tmp_path / name) for name in ("a", "b")]
+    plain = train_pair(_mini_recipe(0), tmp_path / "plain")
+    split = stdlib_split(recipe.max_train_bytes)
+    assert len(seen) == 2 and torch.equal(seen[0], seen[1])
+    tokenizer = Tokenizer.from_dir(tmp_path / "a" / "target")
+    eos = tokenizer.token_to_id("<|end_of_text|>")
+    encode = lambda texts: [tokenizer.encode(t) for t in texts]  # noqa: E731
+    assert torch.equal(seen[0], token_stream(encode, split.train, eos))
+    weights = "model.safetensors"
+    for name in ("a", "b", "plain"):
+        assert (tmp_path / name / "target" / weights).read_bytes() == (
+            tmp_path / "a" / "target" / weights
+        ).read_bytes()
+    draft_a = (tmp_path / "a" / "draft" / weights).read_bytes()
+    assert draft_a == (tmp_path / "b" / "draft" / weights).read_bytes()
+    assert draft_a != (tmp_path / "plain" / "draft" / weights).read_bytes()
+    assert reports[0] == reports[1] | {"train_seconds": reports[0]["train_seconds"]}
+    assert reports[0]["onpolicy_sequences"] == 6 and plain["onpolicy_sequences"] == 0
+    probe = reports[0]["continuation_probe"]
+    assert probe["num_new"] == 128 and probe["num_tokens"] == 4 and probe["num_prompts"] >= 1
+    assert 1.0 <= probe["mean_accepted_length"] <= 5.0
+
+
+def test_continuation_probe_replays_greedy_speculation():
+    """A draft that is the target accepts every proposal; the probe's prompts come from
+    inside files, not their starts."""
+    target = load_trainable(trained_pair("test")[0])
+    prompts = torch.randint(0, 2048, (3, 16), generator=torch.Generator().manual_seed(0))
+    same = continuation_probe(target, target, prompts, num_new=10, num_tokens=4)
+    assert same.token_agreement == same.acceptance_rate == 1.0
+    # 10 tokens, 4 per step plus the target's own: steps of 5, 5 -> 4 accepted per step.
+    assert same.mean_accepted_length == 5.0
+    files = [list(range(i * 1000, i * 1000 + 900)) for i in range(4)]
+    got = continuation_prompts(files, 3, prompt_len=64, seed=0)
+    assert got.shape == (3, 64)
+    assert all(row[0] % 1000 + 64 <= 900 - 64 for row in got.tolist())
+    assert torch.equal(got, continuation_prompts(files, 3, prompt_len=64, seed=0))
