@@ -137,7 +137,7 @@ class LLMEngine:
             self.model, self.kv_cache, config.block_size, self.device, before_forward
         )
         self.sampler = Sampler(self.vocab_size, seed=config.seed)
-        # The speculation switch's clock: on CPU this process's CPU time (steady when other
+        # The speculation gate's clock: on CPU this process's CPU time (steady when other
         # processes share the cores; the work is all here), on an accelerator wall time.
         self._spec_clock = time.process_time if self.device.type == "cpu" else time.perf_counter
         self.spec: SpeculativeDecoder | None = None
@@ -328,9 +328,8 @@ class LLMEngine:
             return deltas
         deltas = self._complete()
         if self.spec is not None:
-            num_tokens = sum(len(d.token_ids) for d in deltas)
             assert self._last_sched is not None
-            self.spec.observe(self._last_sched, num_tokens, self._spec_clock() - start)
+            self.spec.observe(self._last_sched, self._spec_clock() - start)
         deltas, self._pending = self._pending + deltas, []
         return deltas
 

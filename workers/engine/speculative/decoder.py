@@ -147,9 +147,9 @@ class SpeculativeDecoder:
             self.gate.record(r.request_id, res.num_accepted)
         return results
 
-    def observe(self, sched: SchedulerOutput, num_tokens: int, seconds: float) -> None:
-        """A whole engine step ran ``sched`` and emitted ``num_tokens`` in ``seconds``:
-        decode-only steps feed the gate's step costs (a prefill chunk would blur them)."""
+    def observe(self, sched: SchedulerOutput, seconds: float) -> None:
+        """A whole engine step ran ``sched`` in ``seconds``: decode-only steps feed the
+        gate's step costs (a prefill chunk would blur them)."""
         if any(c.num_tokens > 1 and not c.num_spec for c in sched.chunks):
             return
         num_verified = sum(1 for c in sched.chunks if c.num_spec)

@@ -78,7 +78,7 @@ class DraftProposer:
         self.lean: LeanDraftForward | None = None
         # Seconds (by ``clock``, the engine's speculation clock) the last ``propose`` spent
         # catching requests up that were far behind: the price of (re)starting speculation
-        # for a request, not of a speculating step; the switch leaves it out of its rates.
+        # for a request, not of a speculating step; the gate leaves it out of its step costs.
         self.clock: Callable[[], float] = time.perf_counter
         self.catch_up_seconds = 0.0
 

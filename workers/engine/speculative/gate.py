@@ -12,9 +12,10 @@ where nobody verified, ``spec`` for steps where every decode did. A request spec
     a  >=  spec / plain - 1          (the break-even accepted count)
 
 where ``a`` is its own moving average of accepted proposals per verify step, starting from
-the average over all requests. (At batch 1 on the bench pair a verify step costs ~1.3 plain
-ones: a request speculates while it averages 0.3 accepted proposals or more; at batch 16
-only requests well above the average do, if any.)
+the average over all requests. (At batch 1 on the bench pair a speculating step measured
+~1.65-1.7 plain ones: a request speculates while it averages about 0.7 accepted proposals
+or more, against 2.1-2.2 on average; at batch 16 only requests well above the average do,
+if any.)
 
 A request below the line learns nothing while it sits out, so each step it sits out moves
 its average a step towards the average over all requests: acceptance comes in stretches,
