@@ -68,19 +68,15 @@ def code_edit_prompts(texts: tuple[str, ...], num: int, tokenizer, seed: int) ->
     return prompts
 
 
-def text_prompts(texts: tuple[str, ...], num: int, tokenizer, seed: int) -> list[str]:
-    """Windows of 256 tokens from ``texts`` (one per file, from a random offset)."""
-    rng = random.Random(seed)
-    prompts = []
-    for text in rng.sample(list(texts), len(texts)):
-        ids = tokenizer.encode(text)
-        if len(ids) < 1024:
-            continue
-        start = rng.randrange(0, len(ids) - 512)
-        prompts.append(ids[start : start + 256])
-        if len(prompts) == num:
-            return prompts
-    raise ValueError(f"only {len(prompts)} held-out files are long enough")
+def text_prompts(texts: tuple[str, ...], num: int, tokenizer, seed: int) -> list[list[int]]:
+    """Windows of 256 tokens from ``texts`` (one per file of at least 1024 tokens, from a
+    random offset): the trainer's ``continuation_probe`` prompts, chosen by the same code."""
+    from cluster.tools.train_onpolicy import continuation_prompts
+
+    prompts = continuation_prompts([tokenizer.encode(t) for t in texts], num, 256, seed).tolist()
+    if len(prompts) < num:
+        raise ValueError(f"only {len(prompts)} held-out files are long enough")
+    return prompts
 
 
 def run_once(llm: LLM, prompts: list, max_tokens: int) -> dict:
