@@ -68,3 +68,25 @@ def test_bfloat16_matches_when_supported():
 def test_pack_refuses_what_it_cannot_pack():
     with pytest.raises(ValueError, match="2-D CPU weight"):
         cpu_linear.pack(torch.randn(8))
+
+
+@pytest.mark.parametrize(
+    "plain,packed,expected",
+    [
+        ((10e-6, 100e-6), (5e-6, 50e-6), True),  # faster at both row counts
+        ((10e-6, 100e-6), (20e-6, 200e-6), False),  # slower at both
+        ((10e-6, 100e-6), (14.7e-6, 40e-6), True),  # 1.47x slower at 1 row, 2.5x faster batched
+        ((10e-6, 100e-6), (14.7e-6, 91e-6), False),  # the Intel VM: 1.47x slower, 1.1x faster
+    ],
+)
+def test_packing_is_chosen_by_its_relative_cost(plain, packed, expected):
+    assert cpu_linear.PackingChoice(32, plain, packed).use_packed is expected
+
+
+@needs_onednn
+def test_measure_packing_times_both_kernels():
+    weight = torch.randn(256, 128)
+    choice = cpu_linear.measure_packing(weight, rows=8, repeats=2)
+    assert choice.rows == 8
+    assert all(s > 0 for s in (*choice.plain_s, *choice.packed_s))
+    assert "F.linear" in choice.describe() and "1 / 8 rows" in choice.describe()

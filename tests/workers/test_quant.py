@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import math
 import shutil
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -159,8 +160,10 @@ def test_quantized_on_load_equals_the_quantized_checkpoint(
     on_load = prefill_logits(dense_dir, quantization)
     dense = prefill_logits(dense_dir)
     assert not torch.equal(on_load, dense)
+    # On load, int4 takes the largest kernel group dividing every layer's width: 64 here.
+    group_size = 64 if quantization == "int4" else 128
     for scheme in schemes:
-        path = quantized_copy(dense_dir, tmp_path, scheme)
+        path = quantized_copy(dense_dir, tmp_path, scheme, group_size)
         assert torch.equal(prefill_logits(path), on_load), scheme
         assert torch.equal(prefill_logits(path, quantization), on_load), scheme
 
@@ -314,8 +317,8 @@ def test_the_engine_takes_the_quantization_setting(dense_dir, tmp_path):
         return llm.generate([[5, 6, 7, 8]], params)[0].token_ids, down.dtype
 
     on_load, dtype = generate(dense_dir, quantization="int4")
-    assert dtype == torch.uint8  # down_proj (K = 128) on the CPU int4 kernel
-    assert generate(quantized_copy(dense_dir, tmp_path, "int4-awq"))[0] == on_load
+    assert dtype == torch.uint8  # down_proj on the CPU int4 kernel
+    assert generate(quantized_copy(dense_dir, tmp_path, "int4-awq", 64))[0] == on_load
     with pytest.raises(ValueError, match="already quantized"):
         generate(quantized_copy(dense_dir, tmp_path, "fp8"), quantization="int4")
 
@@ -327,3 +330,39 @@ def test_pipeline_stages_load_only_their_int4_layers(dense_dir, tmp_path):
         mlp = model.model.layers[stage].mlp
         assert mlp.down_proj.weight.dtype == torch.uint8  # this stage's layer: int4-packed
         assert not list(model.model.layers[1 - stage].parameters())  # the other stage's
+
+
+@pytest.mark.parametrize(
+    "widths,expected",
+    [
+        ((576, 1536), 64),  # SmolLM2-135M: 128 does not divide its hidden size
+        ((4096, 11008), 128),  # Llama-2-7B
+        ((64, 128), 64),
+        ((96, 160), 32),
+        ((40, 100), 128),  # none divides: 128, and those layers keep a dense weight
+    ],
+)
+def test_on_load_int4_groups_fit_every_layer(widths, expected):
+    from workers.models.quant import on_load_group_size
+
+    layers = [SimpleNamespace(input_size=w) for w in widths]
+    assert on_load_group_size(layers) == expected
+
+
+def test_on_load_int4_puts_every_layer_of_a_576_wide_model_on_the_kernel(tmp_path):
+    """SmolLM2's shapes (hidden 576, intermediate 1536): with groups of 128 only down_proj
+    took the CPU kernel; every linear of every layer does now."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from workers.models.quant.linear import linear_layers
+
+    path = tmp_path / "wide"
+    config = LlamaConfig(
+        vocab_size=256, hidden_size=576, intermediate_size=1536, num_hidden_layers=1,
+        num_attention_heads=9, num_key_value_heads=3, tie_word_embeddings=True,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    LlamaForCausalLM(config).save_pretrained(path)
+    model, _ = load_model(path, torch.float32, CPU, quantization="int4")
+    layers = linear_layers(model).values()
+    assert len(layers) == 4 and all(m.weight.dtype == torch.uint8 for m in layers)

@@ -238,6 +238,28 @@ class ParallelLMHead(VocabParallelEmbedding):
         return self.compute_logits(hidden_states)
 
 
+def _dense_linear_layers(model: nn.Module) -> list[nn.Module]:
+    return [
+        m
+        for m in model.modules()
+        if isinstance(m, ColumnParallelLinear | RowParallelLinear | ParallelLMHead)
+        and m.weight.is_floating_point()  # not an int4-packed weight (workers/models/quant)
+        and not m.weight.is_mkldnn
+    ]
+
+
+def measure_linear_packing(model: nn.Module) -> cpu_linear.PackingChoice | None:
+    """Time ``F.linear`` against oneDNN packing on the largest decoder-layer weight of
+    ``model`` (the LM head only when it is the one dense layer left, as with int4
+    layers: its size makes the timing slower); None when there is no dense layer."""
+    dense = _dense_linear_layers(model)
+    layers = [m for m in dense if not isinstance(m, ParallelLMHead)] or dense
+    if not layers:
+        return None
+    largest = max(layers, key=lambda m: m.weight.numel())
+    return cpu_linear.measure_packing(largest.weight.detach())
+
+
 def pack_linear_weights(model: nn.Module) -> int:
     """Move every linear layer and LM head of ``model`` onto oneDNN with a packed weight.
 
@@ -247,12 +269,7 @@ def pack_linear_weights(model: nn.Module) -> int:
     packed copy (the embedding keeps the plain weight to look rows up in). Mutates the
     model; returns how many weights were packed.
     """
-    layers = [
-        m
-        for m in model.modules()
-        if isinstance(m, ColumnParallelLinear | RowParallelLinear | ParallelLMHead)
-        and m.weight.is_floating_point()  # not an int4-packed weight (workers/models/quant)
-    ]
+    layers = _dense_linear_layers(model)
     for layer in layers:
         packed = cpu_linear.pack(layer.weight.detach())
         layer.weight = nn.Parameter(packed, requires_grad=False)

@@ -24,7 +24,7 @@ from workers.models import quant
 from workers.models.arch_config import ArchConfig
 from workers.models.base import CausalLM
 from workers.models.kv_scales import KV_SCALE_SUFFIXES, load_kv_scale
-from workers.models.layers import pack_linear_weights
+from workers.models.layers import measure_linear_packing, pack_linear_weights
 from workers.models.parallel import ParallelContext
 from workers.models.registry import get_model_class
 
@@ -46,8 +46,9 @@ def load_model(
     """Build the model for ``model_dir`` on ``device`` in ``dtype`` and load its weights.
 
     ``parallel`` defaults to a single rank, ``ops`` to ``get_kernel_ops(device)``. On CPU,
-    the linear weights are then packed for oneDNN where it takes ``dtype`` (see
-    ``kernels/cpu_linear.py``; chosen here, once), unless ``pack_linear`` is False: a
+    the linear weights are then packed for oneDNN where it takes ``dtype`` and a timing of
+    both on this machine finds it faster (see ``kernels/cpu_linear.py``; chosen here,
+    once, and logged), unless ``pack_linear`` is False: a
     packed weight is an opaque oneDNN tensor, which indexing and comparisons refuse.
     Raises ValueError for an unsupported architecture, a directory without weights, and
     missing, unexpected or wrongly shaped tensors (named in the message).
@@ -74,8 +75,17 @@ def load_model(
             num_int4 = quant.finalize(model, dtype, device, use_triton=ops is not REFERENCE_OPS)
             logger.info("weights: %s (%s), %d int4 kernels", spec.method, spec.layout, num_int4)
         if pack_linear and device.type == "cpu" and cpu_linear.packing_supported(dtype):
-            num_packed = pack_linear_weights(model)
-            logger.info("%d linear weights packed for oneDNN (%s)", num_packed, dtype)
+            # Chosen by timing both on this machine, not by its CPU vendor.
+            choice = measure_linear_packing(model)
+            if choice is not None and choice.use_packed:
+                num_packed = pack_linear_weights(model)
+                logger.info(
+                    "%d linear weights packed for oneDNN (%s): measured %s",
+                    num_packed, dtype, choice.describe(),
+                )  # fmt: skip
+            elif choice is not None:
+                logger.info("linear weights kept for F.linear (%s): measured %s",
+                            dtype, choice.describe())  # fmt: skip
     model.eval()
     return model, config  # type: ignore[return-value]
 
