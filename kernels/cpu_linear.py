@@ -48,6 +48,15 @@ def linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None = No
     return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
 
 
+def linear_bf16(
+    x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None = None
+) -> torch.Tensor:
+    """``linear`` with ``packed = pack(weight.bfloat16())``: ``x`` rounded to bfloat16 for
+    the multiply, the result back in ``x``'s dtype (half the weight bytes of float32)."""
+    out = linear(x.to(torch.bfloat16), packed, None if bias is None else bias.bfloat16())
+    return out.to(x.dtype)
+
+
 @functools.cache
 def packing_supported(dtype: torch.dtype) -> bool:
     """Whether ``pack``/``linear`` work for ``dtype`` on this CPU and match ``F.linear``

@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from safetensors import safe_open
 
 from cluster.tools.make_model import make_model
+from kernels import cpu_linear
 from kernels.int4_linear import dequantize as int4_dequantize
 from tests.workers.test_models import PagedRunner
 from workers.models import load_model
@@ -366,3 +367,26 @@ def test_on_load_int4_puts_every_layer_of_a_576_wide_model_on_the_kernel(tmp_pat
     model, _ = load_model(path, torch.float32, CPU, quantization="int4")
     layers = linear_layers(model).values()
     assert len(layers) == 4 and all(m.weight.dtype == torch.uint8 for m in layers)
+
+
+@pytest.mark.skipif(
+    not cpu_linear.packing_supported(torch.bfloat16), reason="no bfloat16 oneDNN linear here"
+)
+def test_int4_models_take_a_bfloat16_lm_head_on_cpu(dense_dir):
+    """An int4 model's LM head multiplies in bfloat16 (as its int4 layers do): half the
+    bytes of the float32 head; logits within bfloat16 rounding of the float32 head's."""
+    int4_model, _ = load_model(dense_dir, torch.float32, CPU, quantization="int4")
+    head = int4_model.lm_head
+    assert head.weight.is_mkldnn and head.weight.dtype == torch.bfloat16
+    assert head.matmul is cpu_linear.linear_bf16
+    # The tied embedding keeps its float32 weight to look rows up in.
+    assert int4_model.model.embed_tokens.weight.dtype == torch.float32
+    dense_model, _ = load_model(dense_dir, torch.float32, CPU)
+    hidden = torch.randn(
+        5, dense_model.config.hidden_size, generator=torch.Generator().manual_seed(1)
+    )
+    with torch.inference_mode():
+        got, want = head.compute_logits(hidden), dense_model.compute_logits(hidden)
+    assert got.dtype == torch.float32
+    torch.testing.assert_close(got, want, rtol=0.05, atol=0.05)
+    assert not torch.equal(got, want)  # the bfloat16 path really ran

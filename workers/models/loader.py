@@ -24,7 +24,11 @@ from workers.models import quant
 from workers.models.arch_config import ArchConfig
 from workers.models.base import CausalLM
 from workers.models.kv_scales import KV_SCALE_SUFFIXES, load_kv_scale
-from workers.models.layers import measure_linear_packing, pack_linear_weights
+from workers.models.layers import (
+    measure_linear_packing,
+    pack_linear_weights,
+    pack_lm_head_bfloat16,
+)
 from workers.models.parallel import ParallelContext
 from workers.models.registry import get_model_class
 
@@ -74,6 +78,14 @@ def load_model(
                 load_weights(model, weights, config)
             num_int4 = quant.finalize(model, dtype, device, use_triton=ops is not REFERENCE_OPS)
             logger.info("weights: %s (%s), %d int4 kernels", spec.method, spec.layout, num_int4)
+            if (
+                num_int4
+                and device.type == "cpu"
+                and dtype == torch.float32
+                and cpu_linear.packing_supported(torch.bfloat16)
+                and pack_lm_head_bfloat16(model)
+            ):
+                logger.info("LM head in bfloat16 (oneDNN), as the int4 layers compute")
         if pack_linear and device.type == "cpu" and cpu_linear.packing_supported(dtype):
             # Chosen by timing both on this machine, not by its CPU vendor.
             choice = measure_linear_packing(model)

@@ -4,7 +4,8 @@ and the engine's ``quantization`` setting (``none`` | ``fp8`` | ``int4``), resol
 A quantized checkpoint is read in its own layout whatever the setting says, but a setting
 that names a different method is refused (converting between them would lose the
 checkpoint's precision silently). ``fp8`` / ``int4`` on an unquantized checkpoint quantize
-it on load: FP8 per 128x128 block, INT4 asymmetric in groups of 128 (round to nearest).
+it on load: FP8 per 128x128 block, INT4 asymmetric in groups of 128 (round to nearest; 64
+or 32 where 128 does not divide a layer's width: ``quant.on_load_group_size``).
 """
 
 from __future__ import annotations
