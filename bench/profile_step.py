@@ -121,6 +121,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--quantization", default="none")
+    parser.add_argument("--dtype", default="float32")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
@@ -130,7 +131,7 @@ def main() -> None:
     engine = LLMEngine(
         EngineConfig(
             model=args.model,
-            dtype="float32",
+            dtype=args.dtype,
             device="cpu",
             quantization=args.quantization,
             enable_prefix_caching=False,

@@ -31,6 +31,8 @@ lot), causally, with a bottom-right-aligned mask when part of the context is cac
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 
@@ -158,15 +160,24 @@ def _extend_attention(
     return out[0].transpose(0, 1)  # [query_len, Hq, D]
 
 
+DecodeFn = Callable[
+    [torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, float], torch.Tensor
+]  # (query, kv_cache_layer, block_tables, seq_lens, scale) -> out, for the decodes
+
+
 def paged_attention(
     query: torch.Tensor,
     kv_cache_layer: torch.Tensor,
     metadata: AttentionMetadata,
     scale: float,
+    *,
+    decode_fn: DecodeFn | None = None,
 ) -> torch.Tensor:
     """Attend each query token to its sequence's cached context; returns a new tensor.
 
     Reads ``kv_cache_layer`` only. ``query`` is [num_tokens, num_heads, head_dim].
+    ``decode_fn``: computes the decodes instead of the reference's gather-and-``bmm``
+    (the C++ kernel of ``kernels/cpu_paged_decode.py``; not for an FP8 cache).
     """
     num_heads, num_kv_heads = query.shape[1], kv_cache_layer.shape[2]
     cache_head_dim = kv_cache_layer.shape[4]
@@ -178,7 +189,11 @@ def paged_attention(
         raise ValueError(f"num_heads {num_heads} is not a multiple of num_kv_heads {num_kv_heads}")
     output = torch.empty_like(query)
     num_decodes = metadata.num_decodes
-    if num_decodes:
+    if num_decodes and decode_fn is not None and not is_fp8_cache(kv_cache_layer):
+        output[:num_decodes] = decode_fn(
+            query[:num_decodes], kv_cache_layer, metadata.block_tables, metadata.seq_lens, scale
+        )
+    elif num_decodes:
         output[:num_decodes] = _decode_attention(
             query[:num_decodes], kv_cache_layer, metadata, scale
         )

@@ -12,10 +12,13 @@ from kernels.paged_attention import paged_attention
 from kernels.rms_norm import rms_norm
 
 
-def test_cpu_gets_reference_ops():
+def test_cpu_gets_reference_ops_with_the_cpp_decode():
     ops = get_kernel_ops(torch.device("cpu"))
-    assert isinstance(ops, KernelOps)
-    assert ops.rms_norm is rms_norm and ops.paged_attention is paged_attention
+    assert isinstance(ops, KernelOps) and not ops.is_triton
+    assert ops.rms_norm is rms_norm
+    # Decode attention through the C++ kernel (tests/kernels/test_cpu_paged_decode.py).
+    assert ops.paged_attention.func is paged_attention
+    assert ops.paged_attention.keywords["decode_fn"] is not None
     with pytest.raises(dataclasses.FrozenInstanceError):
         ops.rms_norm = None  # type: ignore[misc]
 

@@ -203,7 +203,7 @@ def test_sharded_checkpoint_loads_the_same(tmp_path):
 
 def test_packing_leaves_the_tied_embedding_plain(tmp_path):
     make_hf_model("qwen2", tmp_path)  # tied embeddings
-    model, config = load_model(tmp_path, torch.float32, torch.device("cpu"))
+    model, config = load_model(tmp_path, torch.float32, torch.device("cpu"), pack_linear=True)
     embed, head = model.model.embed_tokens, model.lm_head
     assert config.tie_word_embeddings and head.weight.is_mkldnn and not embed.weight.is_mkldnn
     plain, _ = load_model(tmp_path, torch.float32, torch.device("cpu"), pack_linear=False)

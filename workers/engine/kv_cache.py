@@ -14,6 +14,7 @@ row of ``head_dim`` float8_e4m3fn values and their float32 scale (``kernels/fp8_
 from __future__ import annotations
 
 import math
+import mmap
 
 import numpy as np
 import torch
@@ -63,11 +64,27 @@ def allocate_kv_cache(
     # Zero-filled, so every slot holds a finite value: the attention ops gather whole blocks
     # and rely on masked slots weighing exactly zero (see kernels/paged_attention.py).
     if device.type == "cpu":
-        # calloc'ed by numpy: the OS hands out zero pages lazily, so a multi-GiB cache costs
-        # nothing at start-up (torch.zeros would memset it all: ~3 s for 2 GiB here).
         num_bytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
-        return torch.from_numpy(np.zeros(num_bytes, dtype=np.uint8)).view(dtype).view(shape)
+        return torch.frombuffer(_zeroed_host_memory(num_bytes), dtype=torch.uint8).view(
+            dtype
+        ).view(shape)  # fmt: skip
     return torch.zeros(shape, dtype=dtype, device=device)
+
+
+def _zeroed_host_memory(num_bytes: int) -> mmap.mmap | np.ndarray:
+    """Zeroed host memory for the cache, asked for in transparent huge pages.
+
+    An anonymous mapping: the OS hands out zero pages lazily, so a multi-GiB cache costs
+    nothing at start-up (torch.zeros would memset it all: ~3 s for 2 GiB here). Huge pages
+    (where the kernel's THP setting is ``madvise`` or ``always``) because a decode reads its
+    blocks a whole all-layer block apart (737 KB for SmolLM2-135M), one TLB miss per 4 KiB
+    page otherwise: measured on the 2-core VM, decode attention at batch 32 and context
+    512 took 1.44 instead of 1.72 ms per layer. The tensor keeps the mapping alive."""
+    if num_bytes == 0 or not hasattr(mmap, "MADV_HUGEPAGE"):
+        return np.zeros(num_bytes, dtype=np.uint8)
+    memory = mmap.mmap(-1, num_bytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    memory.madvise(mmap.MADV_HUGEPAGE)
+    return memory
 
 
 def copy_blocks(kv_cache: torch.Tensor, copies: list[tuple[int, int]] | tuple) -> None:

@@ -13,13 +13,14 @@ import json
 import logging
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Literal
 
 import torch
 from safetensors import safe_open
 from torch import nn
 from tqdm import tqdm
 
-from kernels import REFERENCE_OPS, KernelOps, cpu_linear, get_kernel_ops
+from kernels import KernelOps, cpu_linear, get_kernel_ops
 from workers.models import quant
 from workers.models.arch_config import ArchConfig
 from workers.models.base import CausalLM
@@ -44,15 +45,16 @@ def load_model(
     device: torch.device,
     parallel: ParallelContext | None = None,
     ops: KernelOps | None = None,
-    pack_linear: bool = True,
+    pack_linear: bool | Literal["auto"] = "auto",
     quantization: str = "none",
 ) -> tuple[CausalLM, ArchConfig]:
     """Build the model for ``model_dir`` on ``device`` in ``dtype`` and load its weights.
 
     ``parallel`` defaults to a single rank, ``ops`` to ``get_kernel_ops(device)``. On CPU,
-    the linear weights are then packed for oneDNN where it takes ``dtype`` and a timing of
-    both on this machine finds it faster (see ``kernels/cpu_linear.py``; chosen here,
-    once, and logged), unless ``pack_linear`` is False: a
+    the linear weights are then packed for oneDNN where it takes ``dtype`` and, with
+    ``pack_linear="auto"``, a timing of both on this machine finds it faster (see
+    ``kernels/cpu_linear.py``; chosen here, once, and logged); ``True`` packs without
+    timing (tests of the packed path), ``False`` never packs: a
     packed weight is an opaque oneDNN tensor, which indexing and comparisons refuse.
     Raises ValueError for an unsupported architecture, a directory without weights, and
     missing, unexpected or wrongly shaped tensors (named in the message).
@@ -76,7 +78,7 @@ def load_model(
                     model, tensors, spec, lambda name: _to_param_name(name, packed_modules)[0]
                 )
                 load_weights(model, weights, config)
-            num_int4 = quant.finalize(model, dtype, device, use_triton=ops is not REFERENCE_OPS)
+            num_int4 = quant.finalize(model, dtype, device, use_triton=ops.is_triton)
             logger.info("weights: %s (%s), %d int4 kernels", spec.method, spec.layout, num_int4)
             if (
                 num_int4
@@ -88,12 +90,12 @@ def load_model(
                 logger.info("LM head in bfloat16 (oneDNN), as the int4 layers compute")
         if pack_linear and device.type == "cpu" and cpu_linear.packing_supported(dtype):
             # Chosen by timing both on this machine, not by its CPU vendor.
-            choice = measure_linear_packing(model)
-            if choice is not None and choice.use_packed:
+            choice = measure_linear_packing(model) if pack_linear == "auto" else None
+            if pack_linear is True or (choice is not None and choice.use_packed):
                 num_packed = pack_linear_weights(model)
                 logger.info(
-                    "%d linear weights packed for oneDNN (%s): measured %s",
-                    num_packed, dtype, choice.describe(),
+                    "%d linear weights packed for oneDNN (%s): %s", num_packed, dtype,
+                    "asked for" if choice is None else f"measured {choice.describe()}",
                 )  # fmt: skip
             elif choice is not None:
                 logger.info("linear weights kept for F.linear (%s): measured %s",
