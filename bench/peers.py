@@ -12,8 +12,10 @@ alternates between rounds; medians over rounds are reported):
   (Q4_1: the like-for-like peer of ``baton-int4``, not of float32).
 
 Workload (``PROMPTS``, written for this benchmark, never used to tune anything): 32 chat
-prompts through the model's chat template (~40 tokens each), greedy, EOS ignored, 128
-new tokens, prefix caching off where the system has it, ``--threads`` math threads.
+prompts through the model's chat template (~40 tokens each), greedy, EOS suppressed (never
+sampled, never stopping: transformers' ``min_new_tokens``, vLLM's and Baton's
+``min_tokens``, llama.cpp's logit set to -inf), 128 new tokens, prefix caching off where
+the system has it, ``--threads`` math threads.
 
 - **batched**: all 32 requests at once; output tokens / wall seconds. llama.cpp runs
   them as 32 sequences of one batch (its own KV per sequence: ``n_seq_max``).
@@ -107,7 +109,9 @@ def _run_baton(job: dict) -> dict:
     )
 
     def generate(prompts, n):
-        params = SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
+        # EOS suppressed (min_tokens), as transformers' min_new_tokens and vLLM's
+        # min_tokens do: ignore_eos alone would let the argmax pick EOS and go on after it.
+        params = SamplingParams(max_tokens=n, min_tokens=n, temperature=0.0)
         return [list(o.token_ids) for o in llm.generate(prompts, [params] * len(prompts))]
 
     return _measure(job, generate)
@@ -166,7 +170,7 @@ def _run_llamacpp(job: dict) -> dict:
     params.n_seq_max, params.kv_unified = num, False  # one KV per sequence
     params.n_threads = params.n_threads_batch = job["threads"]
     ctx = llama_cpp.llama_init_from_model(llm.model, params)
-    vocab = llm.n_vocab()
+    vocab, eos = llm.n_vocab(), llm.token_eos()
 
     def decode(batch, entries: list[tuple[int, int, int, bool]]) -> np.ndarray:
         """One llama_decode of (seq, pos, token, wants_logits); the argmax of each row
@@ -179,6 +183,7 @@ def _run_llamacpp(job: dict) -> dict:
             raise RuntimeError(f"llama_decode failed: {rc}")
         rows = sum(e[3] for e in entries)
         logits = np.ctypeslib.as_array(llama_cpp.llama_get_logits(ctx), shape=(rows, vocab))
+        logits[:, eos] = -np.inf  # suppressed, as every other system here does
         return logits.argmax(axis=1)
 
     def generate(prompts, n):
@@ -311,6 +316,12 @@ def main() -> None:
                   f"single {res['single_decode_tok_s']:6.1f} tok/s", flush=True)  # fmt: skip
     summary = {}
     ref = results.get("baton", [{}])[0].get("outputs")
+    float32 = [s for s in systems if s in ("baton", "transformers", "vllm")]
+    agreement = {
+        f"{a} vs {b}": first_divergence(results[a][0]["outputs"], results[b][0]["outputs"])
+        for i, a in enumerate(float32)
+        for b in float32[i + 1 :]
+    }
     for system, runs in results.items():
         same = None
         if ref is not None and system not in ("llamacpp", "baton-int4"):
@@ -323,15 +334,47 @@ def main() -> None:
             "single_all": [r["single_decode_tok_s"] for r in runs],
             "greedy_equal_to_baton": same,
         }
-    print(json.dumps(summary, indent=1))
+    bandwidth = read_bandwidth(args.threads)
+    print(json.dumps({"summary": summary, "greedy_agreement": agreement}, indent=1))
+    print(f"read bandwidth {bandwidth / 1e9:.1f} GB/s")
     if args.json:
         out = {
             "command": "python -m bench.peers " + " ".join(sys.argv[1:]),
             "machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPUs",
             "loadavg_1min_before_each_run": loads,
+            "read_bandwidth_bytes_per_s": bandwidth,
             "summary": summary,
+            "greedy_agreement": agreement,
         }
         args.json.write_text(json.dumps(out, indent=1) + "\n")
+
+
+def first_divergence(one: list[list[int]], other: list[list[int]]) -> dict:
+    """How two systems' greedy outputs of the same prompts agree: the share of prompts
+    equal throughout, and for the others the index of the first token that differs (a late
+    index is a near-tie that float rounding tipped, not a wrong model)."""
+    where = [
+        next(i for i, (x, y) in enumerate(zip(a, b, strict=True)) if x != y)
+        for a, b in zip(one, other, strict=True)
+        if a != b
+    ]
+    return {"equal_share": 1 - len(where) / len(one), "first_difference_at": sorted(where)}
+
+
+def read_bandwidth(threads: int) -> float:
+    """This machine's read bandwidth in bytes/s: the best of 5 sums of a 1 GiB float32
+    tensor with ``threads`` threads (the bound a batch-1 decode step is held to)."""
+    import torch
+
+    torch.set_num_threads(threads)
+    data = torch.ones(1 << 28)
+    data.sum()
+    best = float("inf")
+    for _ in range(5):
+        start = time.perf_counter()
+        data.sum()
+        best = min(best, time.perf_counter() - start)
+    return data.numel() * 4 / best
 
 
 def _smollm2_gguf() -> str:
