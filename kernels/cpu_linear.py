@@ -18,8 +18,8 @@ The ops are torch's own oneDNN bindings (``torch.ops.mkldnn``, in every x86 buil
 caller keeps ``F.linear``.
 
 Which is faster depends on the CPU, not on its vendor's name: on the AMD VM above packing
-wins everywhere; on an Intel VM of the same project ``F.linear`` was 1.47x faster at one
-row (a whole decode step of SmolLM2-135M) and packing 1.1x faster batched. So
+wins everywhere; on an Intel VM of the same project a whole decode step of SmolLM2-135M was
+1.47x faster at one stream with ``F.linear`` and 1.1x slower batched. So
 ``measure_packing`` times both on the model's own weight at start-up and the loader keeps
 the winner (and logs both timings).
 """
