@@ -54,19 +54,24 @@ def _cpu_fingerprint() -> str:
     return "\n".join(sorted(set(keep)))
 
 
+def extension_name() -> str:
+    """The built module's name: the source, this CPU and torch's version, hashed."""
+    digest = hashlib.sha256(
+        _SOURCE.read_bytes() + _cpu_fingerprint().encode() + torch.__version__.encode()
+    ).hexdigest()[:12]
+    return f"baton_paged_decode_{digest}"
+
+
 @functools.cache
 def load() -> PagedDecode | None:
     """The built kernel's ``paged_decode``, or None (reason logged) where it is unavailable."""
     if os.environ.get("BATON_CPU_KERNELS", "1") == "0":
         return None
-    digest = hashlib.sha256(
-        _SOURCE.read_bytes() + _cpu_fingerprint().encode() + torch.__version__.encode()
-    ).hexdigest()[:12]
     try:
         from torch.utils.cpp_extension import load as load_extension
 
         module = load_extension(
-            name=f"baton_paged_decode_{digest}",
+            name=extension_name(),
             sources=[str(_SOURCE)],
             extra_cflags=["-O3", "-march=native", "-fopenmp"],
             extra_ldflags=["-fopenmp"],

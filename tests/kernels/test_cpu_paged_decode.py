@@ -6,6 +6,9 @@ a layer view of a whole cache, bfloat16; and the CPU op set that dispatches to i
 from __future__ import annotations
 
 import logging
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -109,3 +112,17 @@ def test_a_build_failure_is_logged_and_falls_back(monkeypatch, caplog, tmp_path)
     finally:
         cpu_paged_decode.load.cache_clear()
     assert "could not be built" in caplog.text
+
+
+def test_a_second_process_reuses_the_built_kernel():
+    """A restart loads the module built before (torch's extension cache) instead of
+    compiling again: the shared object is not rewritten."""
+    from torch.utils.cpp_extension import _get_build_directory
+
+    build_dir = Path(_get_build_directory(cpu_paged_decode.extension_name(), False))
+    built = next(build_dir.glob("*.so"))
+    before = built.stat().st_mtime_ns
+    code = "from kernels import cpu_paged_decode; assert cpu_paged_decode.load() is not None"
+    root = Path(__file__).resolve().parents[2]
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=root, timeout=120)
+    assert built.stat().st_mtime_ns == before
