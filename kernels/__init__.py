@@ -4,8 +4,8 @@
 so dispatch happens at start-up, never per call: CUDA devices get the Triton kernels
 (``kernels/triton_*.py``), CPUs the plain-PyTorch references with decode attention through
 the C++ kernel of ``kernels/cpu_paged_decode.py`` (where it builds and measures faster),
-other devices the references, against which the Triton and C++ kernels are tested. Triton is imported only when a Triton op set is asked for, so
-CPU-only installs need no Triton.
+other devices the references, against which the Triton and C++ kernels are tested. Triton
+is imported only when a Triton op set is asked for, so CPU-only installs need no Triton.
 """
 
 from __future__ import annotations

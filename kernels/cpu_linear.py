@@ -27,11 +27,12 @@ the winner (and logs both timings).
 from __future__ import annotations
 
 import functools
-import time
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+
+from kernels.timing import fastest
 
 
 def pack(weight: torch.Tensor) -> torch.Tensor:
@@ -108,17 +109,16 @@ def measure_packing(weight: torch.Tensor, rows: int = 32, repeats: int = 7) -> P
     milliseconds for a model's largest linear. Requires ``packing_supported``."""
     packed = pack(weight)
     gen = torch.Generator().manual_seed(0)
-    inputs = [torch.randn(n, weight.shape[1], generator=gen).to(weight.dtype) for n in (1, rows)]
-    best: dict[tuple[str, int], float] = {}
+    one, many = (torch.randn(n, weight.shape[1], generator=gen).to(weight.dtype) for n in (1, rows))
     with torch.inference_mode():
-        for _ in range(repeats):
-            for i, x in enumerate(inputs):
-                for name, w, call in (("plain", weight, F.linear), ("packed", packed, linear)):
-                    start = time.perf_counter()
-                    for _ in range(3):
-                        call(x, w)
-                    elapsed = (time.perf_counter() - start) / 3
-                    best[name, i] = min(best.get((name, i), elapsed), elapsed)
-    return PackingChoice(
-        rows, (best["plain", 0], best["plain", 1]), (best["packed", 0], best["packed", 1])
-    )
+        plain_1, packed_1, plain_n, packed_n = fastest(
+            [
+                lambda: F.linear(one, weight),
+                lambda: linear(one, packed),
+                lambda: F.linear(many, weight),
+                lambda: linear(many, packed),
+            ],
+            repeats,
+            inner=3,
+        )
+    return PackingChoice(rows, (plain_1, plain_n), (packed_1, packed_n))

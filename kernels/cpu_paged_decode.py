@@ -4,7 +4,7 @@ The kernel is ``kernels/csrc/paged_decode.cpp`` (layouts and the reason there), 
 first use with torch's C++ extension loader (gcc, ``-O3 -march=native``, OpenMP: the
 threads are torch's own intra-op threads) into torch's extension cache, under a name that
 includes this CPU's model and flags, so a cache shared by unlike machines never loads code
-built for another instruction set. A second process finds it built (about 30 s the first
+built for another instruction set. A second process finds it built (about 20 s the first
 time on the 2-core VM, well under a second after).
 
 ``load()`` returns the kernel, or None where it cannot be built (no compiler, no
@@ -22,11 +22,12 @@ import hashlib
 import logging
 import os
 import platform
-import time
 from pathlib import Path
 from typing import Protocol
 
 import torch
+
+from kernels.timing import fastest
 
 logger = logging.getLogger(__name__)
 
@@ -102,14 +103,12 @@ def measure(decode: PagedDecode, repeats: int = 5) -> tuple[float, float]:
     metadata = build_attention_metadata(
         [1] * num_seqs, [seq_len] * num_seqs, tables.numpy(), list(range(num_seqs)), num_seqs
     )
-    best = [float("inf"), float("inf")]
     with torch.inference_mode():
-        for _ in range(repeats):
-            for i, call in enumerate((
+        kernel_s, reference_s = fastest(
+            [
                 lambda: decode(query, cache, metadata.block_tables, metadata.seq_lens, 0.125),
                 lambda: _decode_attention(query, cache, metadata, 0.125),
-            )):  # fmt: skip
-                start = time.perf_counter()
-                call()
-                best[i] = min(best[i], time.perf_counter() - start)
-    return best[0], best[1]
+            ],
+            repeats,
+        )
+    return kernel_s, reference_s

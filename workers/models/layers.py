@@ -281,7 +281,7 @@ def pack_lm_head_bfloat16(model: nn.Module) -> bool:
     """Give a float32 model's LM head a bfloat16 oneDNN-packed weight (CPU; the caller
     checks ``cpu_linear.packing_supported(torch.bfloat16)``). For int4 models only: their
     linears already multiply bfloat16 activations, and at one row the float32 head is a
-    quarter of the step (113 MB of SmolLM2-135M's ~190 MB read per token). A tied head
+    quarter of the step (113 MB of the ~173 MB an int4 SmolLM2-135M reads per token). A tied head
     gets its own copy; the embedding keeps its weight. Mutates the model; False if the
     model has no float32 LM head on this rank."""
     head = getattr(model, "lm_head", None)

@@ -34,7 +34,9 @@ def on_load_group_size(layers: Iterable[nn.Module]) -> int:
 
     Why not always 128: SmolLM2's hidden size is 576, which 128 does not divide, and a
     layer the kernel cannot take keeps a dequantized float weight (no faster than float);
-    measured there, groups of 128 left 3 of each decoder layer's 4 linears dense.
+    measured there, groups of 128 left 3 of each decoder layer's 4 linears dense. With
+    tensor parallelism a row-parallel layer counts by its shard's width (its groups must
+    not straddle ranks), so the group, and with it the rounding, can depend on tp_size.
     """
     widths = [_input_width(m) for m in layers]
     for size in sorted((g for g in INT4_CPU_GROUP_SIZES if g <= ON_LOAD_GROUP_SIZE), reverse=True):
