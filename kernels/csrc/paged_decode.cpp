@@ -22,6 +22,12 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
+#include <type_traits>
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
 #include <limits>
 #include <vector>
 
@@ -44,11 +50,131 @@ inline void prefetch_rows(const scalar_t* rows, int64_t count) {
   for (int64_t off = 0; off < bytes; off += 64) __builtin_prefetch(p + off, 0, 0);
 }
 
-template <typename scalar_t>
+// exp(x) for x <= 0 (scores minus their maximum), as a short polynomial that the compiler
+// vectorizes: libm's scalar expf was most of the kernel's time at long contexts (one call
+// per query head and position). Range reduction by powers of two, Cephes' expf
+// coefficients: within 2 ulp of expf on [-80, 0]. Below e^-80 a weight adds nothing to a
+// float32 sum that holds e^0 = 1, so inputs are clamped there (2^n stays a normal number).
+inline float exp_nonpositive(float x) {
+  x = x < -80.0f ? -80.0f : x;
+  const float n = std::floor(x * 1.44269504088896341f + 0.5f);
+  const float r = (x - n * 0.693359375f) + n * 2.12194440e-4f;
+  float p = 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  const float y = p * r * r + r + 1.0f;
+  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
+  float two_n;
+  std::memcpy(&two_n, &bits, sizeof(two_n));
+  return y * two_n;
+}
+
+#if defined(__AVX512F__)
+// The same exponential on 16 lanes (x <= 0), with scalef doing the 2^n.
+inline __m512 exp_nonpositive16(__m512 x) {
+  x = _mm512_max_ps(x, _mm512_set1_ps(-80.0f));
+  const __m512 n = _mm512_roundscale_ps(
+      _mm512_fmadd_ps(x, _mm512_set1_ps(1.44269504088896341f), _mm512_set1_ps(0.5f)),
+      _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+  r = _mm512_fmadd_ps(n, _mm512_set1_ps(2.12194440e-4f), r);
+  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+  const __m512 y = _mm512_add_ps(_mm512_fmadd_ps(_mm512_mul_ps(p, r), r, r), _mm512_set1_ps(1.0f));
+  return _mm512_scalef_ps(y, n);
+}
+#endif
+
+// s[0..n) = exp(s[i] - peak); returns their sum.
+inline float exp_shifted(float* __restrict s, int64_t n, float peak) {
+  int64_t i = 0;
+  float total = 0.0f;
+#if defined(__AVX512F__)
+  const __m512 shift = _mm512_set1_ps(peak);
+  __m512 sum = _mm512_setzero_ps();
+  for (; i + 16 <= n; i += 16) {
+    const __m512 e = exp_nonpositive16(_mm512_sub_ps(_mm512_loadu_ps(s + i), shift));
+    _mm512_storeu_ps(s + i, e);
+    sum = _mm512_add_ps(sum, e);
+  }
+  total = _mm512_reduce_add_ps(sum);
+#endif
+  for (; i < n; ++i) {
+    s[i] = exp_nonpositive(s[i] - peak);
+    total += s[i];
+  }
+  return total;
+}
+
+// Scores of one K row against the G query rows q [G, kD] (float32, AVX-512 when built
+// for it): the row is loaded once into registers and reused by every head of the group.
+template <typename scalar_t, int kD>
+inline void score_row(const float* __restrict q, const scalar_t* __restrict kr, int64_t group,
+                      int64_t head_dim, float* __restrict out, int64_t out_stride) {
+#if defined(__AVX512F__)
+  if constexpr (std::is_same_v<scalar_t, float> && kD > 0 && kD % 16 == 0) {
+    __m512 k[kD / 16];
+    for (int j = 0; j < kD / 16; ++j) k[j] = _mm512_loadu_ps(kr + 16 * j);
+    for (int64_t g = 0; g < group; ++g) {
+      const float* qg = q + g * kD;
+      __m512 acc = _mm512_mul_ps(_mm512_loadu_ps(qg), k[0]);
+      for (int j = 1; j < kD / 16; ++j) acc = _mm512_fmadd_ps(_mm512_loadu_ps(qg + 16 * j), k[j], acc);
+      out[g * out_stride] = _mm512_reduce_add_ps(acc);
+    }
+    return;
+  }
+#endif
+  for (int64_t g = 0; g < group; ++g) {
+    const float* __restrict qg = q + g * head_dim;
+    float dot = 0.0f;
+#pragma omp simd reduction(+ : dot)
+    for (int64_t d = 0; d < head_dim; ++d) dot += qg[d] * static_cast<float>(kr[d]);
+    out[g * out_stride] = dot;
+  }
+}
+
+// a[kD] += sum over the block's rows r of p[r] * v[r] (rows cs3 apart), accumulators in
+// registers for the whole block when built for AVX-512.
+template <typename scalar_t, int kD>
+inline void accumulate_rows(float* __restrict a, const float* __restrict p,
+                            const scalar_t* __restrict v, int64_t rows, int64_t row_stride,
+                            int64_t head_dim) {
+#if defined(__AVX512F__)
+  if constexpr (std::is_same_v<scalar_t, float> && kD > 0 && kD % 16 == 0) {
+    __m512 acc[kD / 16];
+    for (int j = 0; j < kD / 16; ++j) acc[j] = _mm512_loadu_ps(a + 16 * j);
+    for (int64_t r = 0; r < rows; ++r) {
+      const __m512 pr = _mm512_set1_ps(p[r]);
+      const float* vr = v + r * row_stride;
+      for (int j = 0; j < kD / 16; ++j) acc[j] = _mm512_fmadd_ps(pr, _mm512_loadu_ps(vr + 16 * j), acc[j]);
+    }
+    for (int j = 0; j < kD / 16; ++j) _mm512_storeu_ps(a + 16 * j, acc[j]);
+    return;
+  }
+#endif
+  for (int64_t r = 0; r < rows; ++r) {
+    const float pr = p[r];
+    const scalar_t* __restrict vr = v + r * row_stride;
+#pragma omp simd
+    for (int64_t d = 0; d < head_dim; ++d) a[d] += pr * static_cast<float>(vr[d]);
+  }
+}
+
+// kD: head_dim when it is one of the common sizes (a compile-time trip count lets the
+// compiler keep each row in vector registers), 0 for any other, read at run time.
+template <typename scalar_t, int kD>
 void decode_kernel(const torch::Tensor& query, const torch::Tensor& cache,
                    const torch::Tensor& block_tables, const torch::Tensor& seq_lens,
                    double scale, torch::Tensor& out) {
-  const int64_t num_seqs = query.size(0), num_heads = query.size(1), head_dim = query.size(2);
+  const int64_t num_seqs = query.size(0), num_heads = query.size(1);
+  const int64_t head_dim = kD > 0 ? kD : query.size(2);
   const int64_t num_kv_heads = cache.size(2), block_size = cache.size(3);
   const int64_t group = num_heads / num_kv_heads;
   const scalar_t* q_ptr = query.data_ptr<scalar_t>();
@@ -77,7 +203,9 @@ void decode_kernel(const torch::Tensor& query, const torch::Tensor& cache,
   std::vector<float> part_acc(num_chunks * num_kv_heads * group * head_dim);
 
   at::parallel_for(0, num_chunks * num_kv_heads, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> q(group * head_dim), scores(group * kChunk);
+    std::vector<float> q_buf(group * head_dim), score_buf(group * kChunk);
+    float* __restrict q = q_buf.data();
+    float* __restrict scores = score_buf.data();
     int64_t seq = 0;
     for (int64_t item = begin; item < end; ++item) {
       const int64_t chunk = item / num_kv_heads, kvh = item % num_kv_heads;
@@ -85,54 +213,46 @@ void decode_kernel(const torch::Tensor& query, const torch::Tensor& cache,
       const int64_t lo = (chunk - first_chunk[seq]) * kChunk;
       const int64_t hi = std::min<int64_t>(lo + kChunk, lens[seq]);
       const int64_t n = hi - lo;
+      const int32_t* table = tables + seq * ts0;
       for (int64_t g = 0; g < group; ++g) {
         const scalar_t* src = q_ptr + seq * qs0 + (kvh * group + g) * qs1;
         for (int64_t d = 0; d < head_dim; ++d) q[g * head_dim + d] = static_cast<float>(src[d]) * fscale;
       }
-      // Pass 1: scores against K, each row read once.
-      const int64_t rows = block_size * head_dim;
-      for (int64_t pos = lo; pos < hi; ++pos) {
-        const int64_t block = tables[seq * ts0 + pos / block_size];
-        if (pos % block_size == 0 && pos + kAhead * block_size < hi)
-          prefetch_rows(c_ptr + tables[seq * ts0 + pos / block_size + kAhead] * cs0 + kvh * cs2, rows);
-        const scalar_t* k = c_ptr + block * cs0 + kvh * cs2 + (pos % block_size) * cs3;
-        for (int64_t g = 0; g < group; ++g) {
-          const float* qg = q.data() + g * head_dim;
-          float dot = 0.0f;
-#pragma omp simd reduction(+ : dot)
-          for (int64_t d = 0; d < head_dim; ++d) dot += qg[d] * static_cast<float>(k[d]);
-          scores[g * kChunk + pos - lo] = dot;
-        }
+      const int64_t block_rows = block_size * head_dim;
+      // Pass 1: scores against K, block by block, each row read once for all G heads.
+      for (int64_t pos = lo; pos < hi;) {
+        const int64_t b = pos / block_size, off = pos % block_size;
+        const int64_t rows = std::min(block_size - off, hi - pos);
+        if (pos + rows + (kAhead - 1) * block_size < hi)
+          prefetch_rows(c_ptr + table[b + kAhead] * cs0 + kvh * cs2, block_rows);
+        const scalar_t* k = c_ptr + table[b] * cs0 + kvh * cs2 + off * cs3;
+        for (int64_t r = 0; r < rows; ++r)
+          score_row<scalar_t, kD>(q, k + r * cs3, group, head_dim, scores + pos - lo + r, kChunk);
+        pos += rows;
       }
       const int64_t slot = item * group;  // == (chunk * num_kv_heads + kvh) * group
       for (int64_t g = 0; g < group; ++g) {
-        float* s = scores.data() + g * kChunk;
+        float* __restrict s = scores + g * kChunk;
         float peak = -std::numeric_limits<float>::infinity();
         for (int64_t i = 0; i < n; ++i) peak = s[i] > peak ? s[i] : peak;
-        float total = 0.0f;
-        for (int64_t i = 0; i < n; ++i) {
-          // Below e^-80 a weight adds nothing to a float32 sum that holds e^0 = 1, and libm's
-          // expf takes a slow path for results that would be denormal: clamp first.
-          s[i] = std::exp(std::max(s[i] - peak, -80.0f));
-          total += s[i];
-        }
+        const float total = exp_shifted(s, n, peak);
         part_max[slot + g] = peak;
         part_sum[slot + g] = total;
       }
-      // Pass 2: the weighted sum of V, each row read once.
-      float* acc = part_acc.data() + slot * head_dim;
+      // Pass 2: the weighted sum of V, block by block (a block's rows stay in L1 while
+      // each of the G heads accumulates over them).
+      float* __restrict acc = part_acc.data() + slot * head_dim;
       std::fill(acc, acc + group * head_dim, 0.0f);
-      for (int64_t pos = lo; pos < hi; ++pos) {
-        const int64_t block = tables[seq * ts0 + pos / block_size];
-        if (pos % block_size == 0 && pos + kAhead * block_size < hi)
-          prefetch_rows(c_ptr + tables[seq * ts0 + pos / block_size + kAhead] * cs0 + cs1 + kvh * cs2, rows);
-        const scalar_t* v = c_ptr + block * cs0 + cs1 + kvh * cs2 + (pos % block_size) * cs3;
-        for (int64_t g = 0; g < group; ++g) {
-          const float p = scores[g * kChunk + pos - lo];
-          float* a = acc + g * head_dim;
-#pragma omp simd
-          for (int64_t d = 0; d < head_dim; ++d) a[d] += p * static_cast<float>(v[d]);
-        }
+      for (int64_t pos = lo; pos < hi;) {
+        const int64_t b = pos / block_size, off = pos % block_size;
+        const int64_t rows = std::min(block_size - off, hi - pos);
+        if (pos + rows + (kAhead - 1) * block_size < hi)
+          prefetch_rows(c_ptr + table[b + kAhead] * cs0 + cs1 + kvh * cs2, block_rows);
+        const scalar_t* v = c_ptr + table[b] * cs0 + cs1 + kvh * cs2 + off * cs3;
+        for (int64_t g = 0; g < group; ++g)
+          accumulate_rows<scalar_t, kD>(acc + g * head_dim, scores + g * kChunk + pos - lo, v, rows,
+                                        cs3, head_dim);
+        pos += rows;
       }
     }
   });
@@ -180,7 +300,11 @@ torch::Tensor paged_decode(const torch::Tensor& query, const torch::Tensor& kv_c
   auto out = torch::empty_like(query);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::ScalarType::BFloat16, at::ScalarType::Half, query.scalar_type(),
                                   "paged_decode", [&] {
-                                    decode_kernel<scalar_t>(query, kv_cache_layer, tables, lens, scale, out);
+                                    switch (query.size(2)) {
+                                      case 64: decode_kernel<scalar_t, 64>(query, kv_cache_layer, tables, lens, scale, out); break;
+                                      case 128: decode_kernel<scalar_t, 128>(query, kv_cache_layer, tables, lens, scale, out); break;
+                                      default: decode_kernel<scalar_t, 0>(query, kv_cache_layer, tables, lens, scale, out);
+                                    }
                                   });
   return out;
 }
