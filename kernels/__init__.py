@@ -2,8 +2,8 @@
 
 ``get_kernel_ops(device)`` returns a ``KernelOps``; the model holds it and calls through it,
 so dispatch happens at start-up, never per call: CUDA devices get the Triton kernels
-(``kernels/triton_*.py``), CPUs the plain-PyTorch references with decode attention through
-the C++ kernel of ``kernels/cpu_paged_decode.py`` (where it builds and measures faster),
+(``kernels/triton_*.py``), CPUs the plain-PyTorch references with RMSNorm and decode attention
+from the C++ module of ``kernels/cpu_extension.py`` (where it builds and measures faster),
 other devices the references, against which the Triton and C++ kernels are tested. Triton
 is imported only when a Triton op set is asked for, so CPU-only installs need no Triton.
 """
@@ -18,7 +18,7 @@ from functools import partial
 
 import torch
 
-from kernels import cpu_paged_decode
+from kernels import cpu_extension, cpu_paged_decode
 from kernels.activation import silu_and_mul
 from kernels.attention_metadata import AttentionMetadata
 from kernels.kv_store import store_kv
@@ -53,6 +53,9 @@ class KernelOps:
     store_kv: Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], None]
     paged_attention: Callable[[torch.Tensor, torch.Tensor, AttentionMetadata, float], torch.Tensor]
     is_triton: bool = False  # the Triton set (CUDA, or its interpreter in tests)
+    # The C++ CPU set (kernels/csrc): its norms and decode attention are the ones the C++
+    # layer stack (workers/models/fused_decode.py) computes with, so the two agree bitwise.
+    is_cpu_kernels: bool = False
 
 
 REFERENCE_OPS = KernelOps(
@@ -97,11 +100,13 @@ def triton_kernel_ops() -> KernelOps:
 
 @functools.cache
 def cpu_kernel_ops() -> KernelOps:
-    """The CPU op set: the references, with decode attention through the C++ kernel of
-    ``kernels/cpu_paged_decode.py`` where it builds and a timing of both here finds it
-    faster (logged once per process); otherwise exactly ``REFERENCE_OPS``."""
+    """The CPU op set: the references, with RMSNorm and decode attention from the C++
+    module (``kernels/cpu_extension.py``) where it builds and a timing of both here finds
+    its decode attention faster (logged once per process); otherwise exactly
+    ``REFERENCE_OPS``."""
+    module = cpu_extension.load()
     decode = cpu_paged_decode.load()
-    if decode is None:
+    if module is None or decode is None:
         return REFERENCE_OPS
     cpp_s, reference_s = cpu_paged_decode.measure(decode)
     logger.info(
@@ -111,7 +116,13 @@ def cpu_kernel_ops() -> KernelOps:
     )  # fmt: skip
     if cpp_s >= reference_s:
         return REFERENCE_OPS
-    return replace(REFERENCE_OPS, paged_attention=partial(paged_attention, decode_fn=decode))
+    return replace(
+        REFERENCE_OPS,
+        rms_norm=module.rms_norm,
+        fused_add_rms_norm=module.fused_add_rms_norm,
+        paged_attention=partial(paged_attention, decode_fn=decode),
+        is_cpu_kernels=True,
+    )
 
 
 def get_kernel_ops(device: torch.device | str, *, use_triton: bool | None = None) -> KernelOps:

@@ -1,37 +1,24 @@
 """Decode attention over the paged KV cache in C++ on CPU, reading each K/V row once.
 
-The kernel is ``kernels/csrc/paged_decode.cpp`` (layouts and the reason there), built on
-first use with torch's C++ extension loader (gcc, ``-O3 -march=native``, OpenMP: the
-threads are torch's own intra-op threads) into torch's extension cache, under a name that
-includes this CPU's model and flags, so a cache shared by unlike machines never loads code
-built for another instruction set. A second process finds it built (about 20 s the first
-time on the 2-core VM, well under a second after).
-
-``load()`` returns the kernel, or None where it cannot be built (no compiler, no
-``ninja``, a build error: logged once with the reason); callers then keep the PyTorch
+The kernel is ``kernels/csrc/paged_decode.h`` (layouts and the reason there), in the module
+that ``kernels/cpu_extension.py`` builds on first use. ``load()`` returns the kernel, or
+None where that module cannot be built (logged there); callers then keep the PyTorch
 reference (``kernels/paged_attention.py``). ``BATON_CPU_KERNELS=0`` turns it off.
 
 Numerics: float32 scores and sums, like the reference, but in another order (one pass
-over positions instead of ``bmm`` tiles), so results agree to float rounding, not bits.
+over positions instead of ``bmm`` tiles) and with a polynomial exponential within 2 ulp
+of libm's, so results agree to float rounding, not bits.
 """
 
 from __future__ import annotations
 
 import functools
-import hashlib
-import logging
-import os
-import platform
-from pathlib import Path
 from typing import Protocol
 
 import torch
 
+from kernels import cpu_extension
 from kernels.timing import fastest
-
-logger = logging.getLogger(__name__)
-
-_SOURCE = Path(__file__).with_name("csrc") / "paged_decode.cpp"
 
 
 class PagedDecode(Protocol):
@@ -45,46 +32,11 @@ class PagedDecode(Protocol):
     ) -> torch.Tensor: ...
 
 
-def _cpu_fingerprint() -> str:
-    """The CPU's model name and feature flags (Linux), else what ``platform`` knows."""
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return platform.processor() or platform.machine()
-    keep = [line for line in text.splitlines() if line.startswith(("model name", "flags"))]
-    return "\n".join(sorted(set(keep)))
-
-
-def extension_name() -> str:
-    """The built module's name: the source, this CPU and torch's version, hashed."""
-    digest = hashlib.sha256(
-        _SOURCE.read_bytes() + _cpu_fingerprint().encode() + torch.__version__.encode()
-    ).hexdigest()[:12]
-    return f"baton_paged_decode_{digest}"
-
-
 @functools.cache
 def load() -> PagedDecode | None:
-    """The built kernel's ``paged_decode``, or None (reason logged) where it is unavailable."""
-    if os.environ.get("BATON_CPU_KERNELS", "1") == "0":
-        return None
-    try:
-        from torch.utils.cpp_extension import load as load_extension
-
-        module = load_extension(
-            name=extension_name(),
-            sources=[str(_SOURCE)],
-            extra_cflags=["-O3", "-march=native", "-fopenmp"],
-            extra_ldflags=["-fopenmp"],
-            verbose=False,
-        )
-    except Exception as exc:
-        logger.warning(
-            "the C++ paged decode kernel could not be built (%s: %s); decode attention "
-            "runs on the PyTorch reference", type(exc).__name__, str(exc).splitlines()[0][:200],
-        )  # fmt: skip
-        return None
-    return module.paged_decode
+    """The built kernel's ``paged_decode``, or None where the module is unavailable."""
+    module = cpu_extension.load()
+    return None if module is None else module.paged_decode
 
 
 def measure(decode: PagedDecode, repeats: int = 5) -> tuple[float, float]:

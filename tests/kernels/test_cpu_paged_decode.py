@@ -1,4 +1,4 @@
-"""The C++ decode attention kernel (kernels/csrc/paged_decode.cpp) against dense attention
+"""The C++ decode attention kernel (kernels/csrc/paged_decode.h) against dense attention
 written plainly, on odd sizes: GQA ratios 1/4/7, head dims 64/80/128, blocks of 16/32,
 ragged lengths across the 256-position chunks it splits and merges, poisoned unowned slots,
 a layer view of a whole cache, bfloat16; and the CPU op set that dispatches to it."""
@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from kernels import REFERENCE_OPS, cpu_kernel_ops, cpu_paged_decode
+from kernels import REFERENCE_OPS, cpu_extension, cpu_kernel_ops, cpu_paged_decode
 from kernels.paged_attention import paged_attention
 from tests.kernels.test_paged_attention import HEAD_CONFIGS, dense_reference, make_case
 
@@ -89,10 +89,12 @@ def test_the_cpu_op_set_uses_it_for_decodes_and_the_reference_for_the_rest():
 
 def test_off_by_environment(monkeypatch):
     monkeypatch.setenv("BATON_CPU_KERNELS", "0")
+    cpu_extension.load.cache_clear()
     cpu_paged_decode.load.cache_clear()
     try:
-        assert cpu_paged_decode.load() is None
+        assert cpu_extension.load() is None and cpu_paged_decode.load() is None
     finally:
+        cpu_extension.load.cache_clear()
         cpu_paged_decode.load.cache_clear()
 
 
@@ -101,16 +103,10 @@ def test_measure_times_both():
     assert kernel_s > 0 and reference_s > 0
 
 
-def test_a_build_failure_is_logged_and_falls_back(monkeypatch, caplog, tmp_path):
-    broken = tmp_path / "paged_decode.cpp"
-    broken.write_text("this is not C++\n")
-    monkeypatch.setattr(cpu_paged_decode, "_SOURCE", broken)
-    cpu_paged_decode.load.cache_clear()
-    try:
-        with caplog.at_level(logging.WARNING, logger="kernels.cpu_paged_decode"):
-            assert cpu_paged_decode.load() is None
-    finally:
-        cpu_paged_decode.load.cache_clear()
+def test_a_build_failure_is_logged_and_falls_back(caplog, tmp_path):
+    (tmp_path / "cpu_kernels.cpp").write_text("this is not C++\n")
+    with caplog.at_level(logging.WARNING, logger="kernels.cpu_extension"):
+        assert cpu_extension.load(tmp_path) is None
     assert "could not be built" in caplog.text
 
 
@@ -119,7 +115,7 @@ def test_a_second_process_reuses_the_built_kernel():
     compiling again: the shared object is not rewritten."""
     from torch.utils.cpp_extension import _get_build_directory
 
-    build_dir = Path(_get_build_directory(cpu_paged_decode.extension_name(), False))
+    build_dir = Path(_get_build_directory(cpu_extension.extension_name(), False))
     built = next(build_dir.glob("*.so"))
     before = built.stat().st_mtime_ns
     code = "from kernels import cpu_paged_decode; assert cpu_paged_decode.load() is not None"

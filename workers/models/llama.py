@@ -11,7 +11,7 @@ Qwen2 and Qwen3 reuse these classes with their own attention (see qwen2.py, qwen
 
 from __future__ import annotations
 
-from typing import ClassVar
+from typing import TYPE_CHECKING, ClassVar
 
 import torch
 from torch import nn
@@ -30,6 +30,9 @@ from workers.models.layers import (
     VocabParallelEmbedding,
 )
 from workers.models.parallel import ParallelContext
+
+if TYPE_CHECKING:
+    from workers.models.fused_decode import FusedDecode
 
 
 class PPMissingLayer(nn.Module):
@@ -195,6 +198,8 @@ class LlamaModel(nn.Module):
             if parallel.is_last_stage
             else None
         )
+        # Decode steps in one C++ call (CPU; set by workers/models/fused_decode.py).
+        self.fused_decode: FusedDecode | None = None
 
     def forward(
         self,
@@ -205,6 +210,10 @@ class LlamaModel(nn.Module):
     ) -> torch.Tensor | None:
         """Hidden states [num_tokens, hidden_size] on the last stage; None on the others,
         which hand (hidden, residual) to the next stage instead."""
+        fused = self.fused_decode
+        if fused is not None and fused.takes(input_ids.shape[0], kv_cache, attn_metadata):
+            assert self.embed_tokens is not None  # attached on a single stage only
+            return fused(self.embed_tokens(input_ids), positions, kv_cache, attn_metadata)
         if self.embed_tokens is not None:
             hidden_states = self.embed_tokens(input_ids)  # [num_tokens, hidden_size]
             residual = None

@@ -24,6 +24,7 @@ from kernels import KernelOps, cpu_linear, get_kernel_ops
 from workers.models import quant
 from workers.models.arch_config import ArchConfig
 from workers.models.base import CausalLM
+from workers.models.fused_decode import attach_fused_decode
 from workers.models.kv_scales import KV_SCALE_SUFFIXES, load_kv_scale
 from workers.models.layers import (
     measure_linear_packing,
@@ -47,6 +48,7 @@ def load_model(
     ops: KernelOps | None = None,
     pack_linear: bool | Literal["auto"] = "auto",
     quantization: str = "none",
+    fused_decode: bool = True,
 ) -> tuple[CausalLM, ArchConfig]:
     """Build the model for ``model_dir`` on ``device`` in ``dtype`` and load its weights.
 
@@ -56,6 +58,8 @@ def load_model(
     ``kernels/cpu_linear.py``; chosen here, once, and logged); ``True`` packs without
     timing (tests of the packed path), ``False`` never packs: a
     packed weight is an opaque oneDNN tensor, which indexing and comparisons refuse.
+    Last, on CPU, decode steps get the C++ layer stack where it computes the model
+    exactly (``workers/models/fused_decode.py``; ``fused_decode=False``: always eager).
     Raises ValueError for an unsupported architecture, a directory without weights, and
     missing, unexpected or wrongly shaped tensors (named in the message).
     """
@@ -100,6 +104,8 @@ def load_model(
             elif choice is not None:
                 logger.info("linear weights kept for F.linear (%s): measured %s",
                             dtype, choice.describe())  # fmt: skip
+    if fused_decode and device.type == "cpu":
+        attach_fused_decode(model)
     model.eval()
     return model, config  # type: ignore[return-value]
 

@@ -42,6 +42,7 @@ from workers.engine.speculative.draft_loop import (
     choose_proposals,
     propose_lean,
 )
+from workers.models.fused_decode import attach_fused_decode
 from workers.models.layers import pack_linear_weights
 from workers.models.loader import load_model
 
@@ -62,6 +63,7 @@ class DraftProposer:
         self.lean_supported = LeanDraftForward.supports(self.model)
         if not self.lean_supported and device.type == "cpu" and packing_supported(dtype):
             pack_linear_weights(self.model)  # what load_model would have done
+            attach_fused_decode(self.model)  # again: its stack held the unpacked weights
         if self.arch.vocab_size != target_vocab_size:
             raise ValueError(
                 f"speculative_draft_model: vocabulary of {self.arch.vocab_size} tokens, the "

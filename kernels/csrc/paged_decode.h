@@ -1,4 +1,5 @@
-// Decode attention straight over the paged KV cache, on CPU (kernels/cpu_paged_decode.py).
+// Decode attention straight over the paged KV cache, on CPU (kernels/cpu_paged_decode.py; built into the
+// module of kernels/csrc/cpu_kernels.cpp).
 //
 // Why: the PyTorch reference (kernels/paged_attention.py) first copies every block a
 // decode reads into a padded buffer (index_select) and then reads that copy with bmm, so
@@ -16,6 +17,8 @@
 // float32 whatever the cache dtype; each softmax subtracts its maximum first, as
 // torch.softmax does, and the chunks are merged by rescaling to the overall maximum.
 // A decode of length 0 gets zeros.
+#pragma once
+
 #include <torch/extension.h>
 
 #include <ATen/Parallel.h>
@@ -31,7 +34,8 @@
 #include <limits>
 #include <vector>
 
-namespace {
+namespace baton {
+namespace paged_decode_detail {
 
 // Positions per work item: long contexts are split so that one decode still keeps every
 // thread busy (flash-decoding); the chunks' partial softmaxes are merged at the end.
@@ -283,7 +287,9 @@ void decode_kernel(const torch::Tensor& query, const torch::Tensor& cache,
   });
 }
 
-torch::Tensor paged_decode(const torch::Tensor& query, const torch::Tensor& kv_cache_layer,
+}  // namespace paged_decode_detail
+
+inline torch::Tensor paged_decode(const torch::Tensor& query, const torch::Tensor& kv_cache_layer,
                            const torch::Tensor& block_tables, const torch::Tensor& seq_lens,
                            double scale) {
   TORCH_CHECK(query.dim() == 3 && kv_cache_layer.dim() == 5, "query [N, Hq, D], cache [nb, 2, Hkv, bs, D]");
@@ -301,16 +307,13 @@ torch::Tensor paged_decode(const torch::Tensor& query, const torch::Tensor& kv_c
   AT_DISPATCH_FLOATING_TYPES_AND2(at::ScalarType::BFloat16, at::ScalarType::Half, query.scalar_type(),
                                   "paged_decode", [&] {
                                     switch (query.size(2)) {
-                                      case 64: decode_kernel<scalar_t, 64>(query, kv_cache_layer, tables, lens, scale, out); break;
-                                      case 128: decode_kernel<scalar_t, 128>(query, kv_cache_layer, tables, lens, scale, out); break;
-                                      default: decode_kernel<scalar_t, 0>(query, kv_cache_layer, tables, lens, scale, out);
+                                      case 64: paged_decode_detail::decode_kernel<scalar_t, 64>(query, kv_cache_layer, tables, lens, scale, out); break;
+                                      case 128: paged_decode_detail::decode_kernel<scalar_t, 128>(query, kv_cache_layer, tables, lens, scale, out); break;
+                                      default: paged_decode_detail::decode_kernel<scalar_t, 0>(query, kv_cache_layer, tables, lens, scale, out);
                                     }
                                   });
   return out;
 }
 
-}  // namespace
+}  // namespace baton
 
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("paged_decode", &paged_decode, "Decode attention over the paged KV cache (CPU)");
-}
