@@ -10,8 +10,15 @@ source is rebuilt. A second process finds it built (about 40 s the first time on
 2-core VM, well under a second after).
 
 ``load()`` returns the module, or None where it cannot be built (no compiler, no
-``ninja``, a build error: logged once with the reason); callers then keep the PyTorch
-paths. ``BATON_CPU_KERNELS=0`` turns it off.
+``ninja``, a build error, another process's build still holding the lock after
+``BUILD_WAIT_S``: logged once with the reason); callers then keep the PyTorch paths.
+``BATON_CPU_KERNELS=0`` turns it off.
+
+Concurrent starts (the workers of a node) build once: the build runs under an OS file lock
+(``filelock``) that the kernel releases when its holder dies. torch's own guard is a
+``lock`` file that a build killed midway leaves behind, after which every later process
+waited on it forever (seen in this project's tests); under our lock such a file can only
+be stale, so it is removed (and logged) before torch looks.
 """
 
 from __future__ import annotations
@@ -25,11 +32,13 @@ from pathlib import Path
 from types import ModuleType
 
 import torch
+from filelock import FileLock, Timeout
 
 logger = logging.getLogger(__name__)
 
 CSRC = Path(__file__).with_name("csrc")
 _MAIN = "cpu_kernels.cpp"  # the one translation unit; it includes the headers
+BUILD_WAIT_S = 600.0  # how long a process waits for another's build before giving up
 
 
 def _cpu_fingerprint() -> str:
@@ -61,23 +70,33 @@ def load(csrc: Path | None = None) -> ModuleType | None:
     if os.environ.get("BATON_CPU_KERNELS", "1") == "0":
         return None
     csrc = csrc or CSRC
+    name = extension_name(csrc)
     try:
+        from torch.utils.cpp_extension import _get_build_directory
         from torch.utils.cpp_extension import load as load_extension
 
-        return load_extension(
-            name=extension_name(csrc),
-            sources=[str(csrc / _MAIN)],
-            extra_include_paths=[str(csrc)],
-            # No contraction of a product and a sum into one FMA: the eager ops round
-            # both (rotary), and the two paths must agree to the bit.
-            extra_cflags=["-O3", "-march=native", "-fopenmp", "-ffp-contract=off"],
-            extra_ldflags=["-fopenmp"],
-            verbose=False,
-        )
+        build_dir = Path(_get_build_directory(name, False))
+        with FileLock(str(build_dir) + ".flock", timeout=BUILD_WAIT_S):
+            stale = build_dir / "lock"
+            if stale.exists():
+                logger.warning("removing %s, left by a build that was killed midway", stale)
+                stale.unlink(missing_ok=True)
+            return load_extension(
+                name=name,
+                sources=[str(csrc / _MAIN)],
+                extra_include_paths=[str(csrc)],
+                # No contraction of a product and a sum into one FMA: the eager ops round
+                # both (rotary), and the two paths must agree to the bit.
+                extra_cflags=["-O3", "-march=native", "-fopenmp", "-ffp-contract=off"],
+                extra_ldflags=["-fopenmp"],
+                verbose=False,
+            )
+    except Timeout:
+        reason = f"another process held the build lock for over {BUILD_WAIT_S:.0f} s"
     except Exception as exc:
-        logger.warning(
-            "the C++ CPU kernels could not be built (%s: %s); decode attention and the "
-            "decoder layers run on the PyTorch paths",
-            type(exc).__name__, str(exc).splitlines()[0][:200] if str(exc) else "",
-        )  # fmt: skip
-        return None
+        reason = f"{type(exc).__name__}: {str(exc).splitlines()[0][:200] if str(exc) else ''}"
+    logger.warning(
+        "the C++ CPU kernels could not be built (%s); decode attention and the decoder "
+        "layers run on the PyTorch paths", reason,
+    )  # fmt: skip
+    return None

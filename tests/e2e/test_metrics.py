@@ -27,9 +27,15 @@ PREFILL = {"role": "prefill", "model": "tiny", "instance": "prefill-0"}
 DECODE = {"role": "decode", "model": "tiny", "instance": "decode-0"}
 
 
+# A request that is still decoding when the test looks: the tiny model's whole context
+# (2048 positions), not 400 tokens, which it decodes in a fraction of a second.
+LONG = 1950
+
+
 @pytest.fixture(scope="module")
 def cluster(tiny_model_dir, tmp_path_factory):
     config = cluster_config(tiny_model_dir, max_queued_requests=4)
+    config["model"]["max_model_len"] = 2048  # room for LONG tokens after a short prompt
     served = start_cluster(config, tmp_path_factory.mktemp("metrics"))
     yield served
     (url,) = served.metrics_urls()
@@ -137,7 +143,7 @@ def test_refusals_aborts_and_cancellations_are_counted(cluster):
     finals = []
     thread = threading.Thread(
         target=lambda: finals.append(
-            collect(stub, request("abort me", max_tokens=400, request_id="m-abort"))[2]
+            collect(stub, request("abort me", max_tokens=LONG, request_id="m-abort"))[2]
         )
     )
     thread.start()
@@ -149,7 +155,7 @@ def test_refusals_aborts_and_cancellations_are_counted(cluster):
     assert finals and finals[0].finish_reason == pb.FINISH_REASON_ABORT
 
     # Client cancellation after the first tokens.
-    call = stub.Generate(request("cancel me", max_tokens=400), timeout=60)
+    call = stub.Generate(request("cancel me", max_tokens=LONG), timeout=60)
     for msg in call:
         if msg.delta.token_ids:
             break
@@ -188,7 +194,7 @@ def wait_for(cluster, condition, timeout_s=10.0) -> Scrape:
 
 def test_gauges_follow_a_running_request(cluster):
     stub = cluster.stub()
-    call = stub.Generate(request("keep running", max_tokens=400), timeout=60)
+    call = stub.Generate(request("keep running", max_tokens=LONG), timeout=60)
     it = iter(call)
     next(it)  # the first token: decoding now
     busy = wait_for(cluster, lambda s: s.get("baton_num_requests_running", **DECODE) == 1)
