@@ -53,8 +53,8 @@ class KernelOps:
     store_kv: Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], None]
     paged_attention: Callable[[torch.Tensor, torch.Tensor, AttentionMetadata, float], torch.Tensor]
     is_triton: bool = False  # the Triton set (CUDA, or its interpreter in tests)
-    # The C++ CPU set (kernels/csrc): its norms and decode attention are the ones the C++
-    # layer stack (workers/models/fused_decode.py) computes with, so the two agree bitwise.
+    # The C++ CPU set (kernels/csrc): its norms, SiLU and decode attention are the ones the
+    # C++ layer stack (workers/models/fused_decode.py) computes with, so the two agree bitwise.
     is_cpu_kernels: bool = False
 
 
@@ -100,8 +100,8 @@ def triton_kernel_ops() -> KernelOps:
 
 @functools.cache
 def cpu_kernel_ops() -> KernelOps:
-    """The CPU op set: the references, with RMSNorm and decode attention from the C++
-    module (``kernels/cpu_extension.py``) where it builds and a timing of both here finds
+    """The CPU op set: the references, with RMSNorm, SiLU-and-multiply and decode
+    attention from the C++ module (``kernels/cpu_extension.py``) where it builds and a timing of both here finds
     its decode attention faster (logged once per process); otherwise exactly
     ``REFERENCE_OPS``."""
     module = cpu_extension.load()
@@ -120,6 +120,7 @@ def cpu_kernel_ops() -> KernelOps:
         REFERENCE_OPS,
         rms_norm=module.rms_norm,
         fused_add_rms_norm=module.fused_add_rms_norm,
+        silu_and_mul=module.silu_and_mul,
         paged_attention=partial(paged_attention, decode_fn=decode),
         is_cpu_kernels=True,
     )

@@ -1,10 +1,11 @@
 // The CPU kernels' Python module (built by kernels/cpu_extension.py): decode attention over
-// the paged KV cache (paged_decode.h), RMSNorm (rms_norm.h) and the fused decoder-layer
-// stack (decode_stack.h).
+// the paged KV cache (paged_decode.h), RMSNorm (rms_norm.h), SiLU-and-multiply
+// (activation.h) and the fused decoder-layer stack (decode_stack.h).
 #include <torch/extension.h>
 
 #include <pybind11/stl.h>
 
+#include "activation.h"
 #include "decode_stack.h"
 #include "paged_decode.h"
 #include "rms_norm.h"
@@ -20,6 +21,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("fused_add_rms_norm", &baton::fused_add_rms_norm,
         "(weight * rms_norm(x + residual), x + residual) (CPU)", py::arg("x"), py::arg("residual"),
         py::arg("weight"), py::arg("eps"));
+  m.def("silu_and_mul", &baton::silu_and_mul, "silu(x[..., :d]) * x[..., d:] (CPU)", py::arg("x"));
   py::class_<baton::Linear>(m, "Linear")
       .def(py::init<const std::string&, at::Tensor, std::optional<at::Tensor>,
                     std::optional<at::Tensor>, int64_t>(),

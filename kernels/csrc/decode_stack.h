@@ -4,8 +4,8 @@
 // at one sequence was Python and the dispatch of ~75 small ATen ops per layer (norms,
 // rotary, the KV store's indexing, views), not arithmetic (bench/profile_step.py). Here a
 // layer is its four matmuls (the same calls the eager layers make: oneDNN over the packed
-// weight, F.linear, or the int4 kernel), the SiLU (ATen's, so the same numbers), and
-// plain loops for the rest, so a step costs one call from Python.
+// weight, F.linear, or the int4 kernel) and loops for the rest (the norms and SiLU are the
+// CPU op set's own, rms_norm.h and activation.h), so a step costs one call from Python.
 //
 // Scope: single-token decodes of a Llama-family layer (Llama, Mistral, Qwen2's q/k/v bias,
 // Qwen3's per-head q/k norms) on one rank, float32 or bfloat16, a KV cache of the model's
@@ -34,6 +34,7 @@
 #include <string>
 #include <vector>
 
+#include "activation.h"
 #include "paged_decode.h"
 #include "rms_norm.h"
 
@@ -228,9 +229,7 @@ class DecodeStack {
       add_rms_norm<T>(residual.data_ptr<T>(), o.data_ptr<T>(), layer.post_norm.data_ptr<T>(),
                       normed.data_ptr<T>(), n, h, h, h, eps);
       at::Tensor gate_up = layer.gate_up(normed);  // [N, 2 * intermediate]
-      const int64_t inter = gate_up.size(1) / 2;
-      // As kernels/activation.py: silu(gate) * up, with ATen's SiLU.
-      at::Tensor act = at::silu(gate_up.narrow(1, 0, inter)).mul_(gate_up.narrow(1, inter, inter));
+      at::Tensor act = silu_and_mul(gate_up);  // the CPU op set's (activation.h)
       sub = layer.down(act).contiguous();
     }
     at::Tensor result = at::empty_like(residual);

@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from kernels import REFERENCE_OPS, cpu_extension, cpu_kernel_ops
+from kernels.activation import silu_and_mul
 from kernels.rms_norm import fused_add_rms_norm, rms_norm
 from tests.kernels.paged_batch import build_metadata, positions_for
 from tests.workers.test_models import BLOCK_SIZE, CASES, PROMPT_LENS, PagedRunner, make_hf_model
@@ -201,3 +202,19 @@ def test_inputs_are_not_mutated_by_the_cpp_norms():
     MODULE.fused_add_rms_norm(x, residual, weight, 1e-6)
     MODULE.rms_norm(x, weight, 1e-6)
     assert torch.equal(x, x0) and torch.equal(residual, r0)
+
+
+def test_the_cpu_op_set_gates_through_cpp():
+    ops = cpu_kernel_ops()
+    assert ops.silu_and_mul is MODULE.silu_and_mul
+    gen = torch.Generator().manual_seed(1)
+    for dtype, tol in ((torch.float32, 2e-6), (torch.bfloat16, 1e-2)):
+        # 3 x 5 rows of 2 x 37: a vector body and a scalar tail; far tails of the SiLU.
+        x = (6 * torch.randn(3, 5, 74, generator=gen)).to(dtype)
+        x[0, 0, :4] = torch.tensor([-200.0, 200.0, -90.0, 0.0]).to(dtype)
+        got, want = ops.silu_and_mul(x), silu_and_mul(x)
+        assert got.shape == (3, 5, 37) and got.dtype == dtype
+        torch.testing.assert_close(got, want, rtol=tol, atol=tol)
+        assert torch.isfinite(got).all()
+    with pytest.raises(RuntimeError, match="must be even"):
+        ops.silu_and_mul(torch.randn(2, 7))
