@@ -43,6 +43,10 @@ _CATEGORIES: tuple[tuple[str, str], ...] = (
     ("aten::addmm", "linear"),
     ("aten::mm", "linear"),
     ("int4pack", "linear"),
+    ("baton::paged_decode", "attention"),  # the C++ module's named scopes (kernels/csrc)
+    ("baton::rms_norm", "norm"),
+    ("baton::silu_and_mul", "activation"),
+    ("baton::rope_kv_store", "kv write"),
     ("aten::bmm", "attention"),
     ("softmax", "attention"),
     ("scaled_dot_product", "attention"),

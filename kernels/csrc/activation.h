@@ -15,6 +15,7 @@
 #include <torch/extension.h>
 
 #include <ATen/Parallel.h>
+#include <ATen/record_function.h>
 
 #include <cmath>
 
@@ -88,6 +89,7 @@ inline void silu_mul_row(const T* gate, const T* up, T* out, int64_t n) {
 // x [..., 2 * d] (gate, then up) -> [..., d]: a new tensor, x untouched.
 inline torch::Tensor silu_and_mul(const torch::Tensor& x) {
   TORCH_CHECK(x.dim() >= 1 && x.size(-1) % 2 == 0, "silu_and_mul: the last dim must be even");
+  RECORD_FUNCTION("baton::silu_and_mul", std::vector<c10::IValue>());  // for torch's profiler
   auto input = x.contiguous();
   const int64_t width = input.size(-1), d = width / 2, rows = width ? input.numel() / width : 0;
   auto sizes = input.sizes().vec();

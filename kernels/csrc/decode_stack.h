@@ -203,23 +203,26 @@ class DecodeStack {
       at::Tensor qkv = layer.qkv(normed).contiguous();  // [N, q_size + 2 * kv_size]
       T* qkv_ptr = qkv.data_ptr<T>();
       const int64_t width = qkv.size(1);
-      for (int64_t t = 0; t < n; ++t) {
-        T* q = qkv_ptr + t * width;
-        T* k = q + q_size;
-        if (layer.q_norm.has_value()) {  // Qwen3: each head normed over its D features
-          add_rms_norm<T>(q, nullptr, layer.q_norm->data_ptr<T>(), q, num_heads_, d, d, d, eps);
-          add_rms_norm<T>(k, nullptr, layer.k_norm->data_ptr<T>(), k, num_kv_heads_, d, d, d, eps);
-        }
-        const T* cs = cos_sin + pos[t] * rot_dim;
-        rotate_heads<T>(q, num_heads_, d, cs, rot_dim);
-        rotate_heads<T>(k, num_kv_heads_, d, cs, rot_dim);
-        if (slots[t] < 0) continue;  // a token whose K/V is not kept
-        const int64_t block = slots[t] / block_size, off = slots[t] % block_size;
-        T* dst = cache + block * cs0 + layer.cache_layer * cs1 + off * cs4;
-        const T* v = k + kv_size;
-        for (int64_t kvh = 0; kvh < num_kv_heads_; ++kvh) {
-          std::memcpy(dst + kvh * cs3, k + kvh * d, d * sizeof(T));
-          std::memcpy(dst + cs2 + kvh * cs3, v + kvh * d, d * sizeof(T));
+      {  // RoPE and the K/V store, token by token
+        RECORD_FUNCTION("baton::rope_kv_store", std::vector<c10::IValue>());  // for the profiler
+        for (int64_t t = 0; t < n; ++t) {
+          T* q = qkv_ptr + t * width;
+          T* k = q + q_size;
+          if (layer.q_norm.has_value()) {  // Qwen3: each head normed over its D features
+            add_rms_norm<T>(q, nullptr, layer.q_norm->data_ptr<T>(), q, num_heads_, d, d, d, eps);
+            add_rms_norm<T>(k, nullptr, layer.k_norm->data_ptr<T>(), k, num_kv_heads_, d, d, d, eps);
+          }
+          const T* cs = cos_sin + pos[t] * rot_dim;
+          rotate_heads<T>(q, num_heads_, d, cs, rot_dim);
+          rotate_heads<T>(k, num_kv_heads_, d, cs, rot_dim);
+          if (slots[t] < 0) continue;  // a token whose K/V is not kept
+          const int64_t block = slots[t] / block_size, off = slots[t] % block_size;
+          T* dst = cache + block * cs0 + layer.cache_layer * cs1 + off * cs4;
+          const T* v = k + kv_size;
+          for (int64_t kvh = 0; kvh < num_kv_heads_; ++kvh) {
+            std::memcpy(dst + kvh * cs3, k + kvh * d, d * sizeof(T));
+            std::memcpy(dst + cs2 + kvh * cs3, v + kvh * d, d * sizeof(T));
+          }
         }
       }
       at::Tensor query = qkv.narrow(1, 0, q_size).view({n, num_heads_, d});

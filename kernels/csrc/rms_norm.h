@@ -12,6 +12,7 @@
 #include <torch/extension.h>
 
 #include <ATen/Parallel.h>
+#include <ATen/record_function.h>
 
 #include <cmath>
 #include <tuple>
@@ -31,6 +32,7 @@ inline float rounded(float v) {
 template <typename T>
 void add_rms_norm(T* x, const T* add, const T* w, T* out, int64_t n, int64_t h, int64_t ld,
                   int64_t out_ld, float eps) {
+  RECORD_FUNCTION("baton::rms_norm", std::vector<c10::IValue>());  // for torch's profiler
   at::parallel_for(0, n, 16, [&](int64_t begin, int64_t end) {
     for (int64_t row = begin; row < end; ++row) {
       T* xr = x + row * ld;
