@@ -108,7 +108,7 @@ def profile_ops(engine: LLMEngine, steps: int) -> dict[str, float]:
     wall = time.perf_counter() - t0
     totals: dict[str, float] = {}
     for evt in prof.key_averages():
-        if not evt.key.startswith(("aten::", "mkldnn::", "quantized::")):
+        if not evt.key.startswith(("aten::", "mkldnn::", "quantized::", "baton::")):
             continue
         totals[category(evt.key)] = totals.get(category(evt.key), 0.0) + evt.self_cpu_time_total
     ops_s = sum(totals.values()) / 1e6
