@@ -218,3 +218,31 @@ def test_the_cpu_op_set_gates_through_cpp():
         assert torch.isfinite(got).all()
     with pytest.raises(RuntimeError, match="must be even"):
         ops.silu_and_mul(torch.randn(2, 7))
+
+
+def test_the_engine_gives_the_same_tokens_with_and_without_the_stack(tmp_path, monkeypatch):
+    """Chunked prefills beside decodes (eager steps) and decode-only steps (the stack)
+    interleave; turning the stack off changes no token, and it really ran."""
+    from cluster.tools.make_model import make_model
+    from workers import LLM, SamplingParams
+
+    path = make_model(tmp_path / "tiny", "llama", "tiny")
+    prompts = [[3 + i] * n for i, n in enumerate((5, 40, 90, 17, 63, 2))]
+    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    calls = []
+    original = FusedDecode.__call__
+
+    def counting(self, *args):
+        calls.append(args[0].shape[0])
+        return original(self, *args)
+
+    monkeypatch.setattr(FusedDecode, "__call__", counting)
+    # A small step budget: prompts are prefilled in chunks beside running decodes.
+    config = dict(dtype="float32", max_num_batched_tokens=32, max_num_seqs=8)
+    fused = [o.token_ids for o in LLM(str(path), **config).generate(prompts, params)]
+    assert calls and max(calls) > 1, "no decode step went through the stack"
+    monkeypatch.setenv("BATON_FUSED_DECODE", "0")
+    calls.clear()
+    eager = [o.token_ids for o in LLM(str(path), **config).generate(prompts, params)]
+    assert not calls
+    assert fused == eager
