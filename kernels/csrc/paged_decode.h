@@ -30,6 +30,8 @@
 #include <cstring>
 #include <type_traits>
 
+#include "exp_poly.h"
+
 #if defined(__AVX512F__)
 #include <immintrin.h>
 #endif
@@ -56,47 +58,8 @@ inline void prefetch_rows(const scalar_t* rows, int64_t count) {
   for (int64_t off = 0; off < bytes; off += 64) __builtin_prefetch(p + off, 0, 0);
 }
 
-// exp(x) for x <= 0 (scores minus their maximum), as a short polynomial that the compiler
-// vectorizes: libm's scalar expf was most of the kernel's time at long contexts (one call
-// per query head and position). Range reduction by powers of two, Cephes' expf
-// coefficients: within 2 ulp of expf on [-80, 0]. Below e^-80 a weight adds nothing to a
-// float32 sum that holds e^0 = 1, so inputs are clamped there (2^n stays a normal number).
-inline float exp_nonpositive(float x) {
-  x = x < -80.0f ? -80.0f : x;
-  const float n = std::floor(x * 1.44269504088896341f + 0.5f);
-  const float r = (x - n * 0.693359375f) + n * 2.12194440e-4f;
-  float p = 1.9875691500e-4f;
-  p = p * r + 1.3981999507e-3f;
-  p = p * r + 8.3334519073e-3f;
-  p = p * r + 4.1665795894e-2f;
-  p = p * r + 1.6666665459e-1f;
-  p = p * r + 5.0000001201e-1f;
-  const float y = p * r * r + r + 1.0f;
-  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
-  float two_n;
-  std::memcpy(&two_n, &bits, sizeof(two_n));
-  return y * two_n;
-}
-
-#if defined(__AVX512F__)
-// The same exponential on 16 lanes (x <= 0), with scalef doing the 2^n.
-inline __m512 exp_nonpositive16(__m512 x) {
-  x = _mm512_max_ps(x, _mm512_set1_ps(-80.0f));
-  const __m512 n = _mm512_roundscale_ps(
-      _mm512_fmadd_ps(x, _mm512_set1_ps(1.44269504088896341f), _mm512_set1_ps(0.5f)),
-      _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-  r = _mm512_fmadd_ps(n, _mm512_set1_ps(2.12194440e-4f), r);
-  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
-  const __m512 y = _mm512_add_ps(_mm512_fmadd_ps(_mm512_mul_ps(p, r), r, r), _mm512_set1_ps(1.0f));
-  return _mm512_scalef_ps(y, n);
-}
-#endif
+// Below e^-80 a softmax weight adds nothing to a float32 sum that holds e^0 = 1.
+constexpr float kLowestScore = -80.0f;
 
 // s[0..n) = exp(s[i] - peak); returns their sum.
 inline float exp_shifted(float* __restrict s, int64_t n, float peak) {
@@ -106,14 +69,14 @@ inline float exp_shifted(float* __restrict s, int64_t n, float peak) {
   const __m512 shift = _mm512_set1_ps(peak);
   __m512 sum = _mm512_setzero_ps();
   for (; i + 16 <= n; i += 16) {
-    const __m512 e = exp_nonpositive16(_mm512_sub_ps(_mm512_loadu_ps(s + i), shift));
+    const __m512 e = exp_poly16(_mm512_sub_ps(_mm512_loadu_ps(s + i), shift), kLowestScore);
     _mm512_storeu_ps(s + i, e);
     sum = _mm512_add_ps(sum, e);
   }
   total = _mm512_reduce_add_ps(sum);
 #endif
   for (; i < n; ++i) {
-    s[i] = exp_nonpositive(s[i] - peak);
+    s[i] = exp_poly(s[i] - peak, kLowestScore);
     total += s[i];
   }
   return total;
