@@ -30,7 +30,7 @@ from tests.e2e.test_metrics import Scrape
 from tests.e2e.test_parallel_cluster import _rank_pids
 
 STREAMS = [f"Stream {i}: {'different words ' * i}" for i in range(4)]
-MAX_TOKENS = 300  # long enough to be mid-stream when the worker is killed
+MAX_TOKENS = 470  # long enough to be mid-stream when the worker is killed (prompts <= 42 tokens)
 MIGRATIONS = "baton_router_migrations_total"
 FAILURES = "baton_kv_transfer_failures_total"
 
