@@ -126,6 +126,7 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--quantization", default="none")
     parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8_e4m3"])
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
@@ -138,6 +139,7 @@ def main() -> None:
             dtype=args.dtype,
             device="cpu",
             quantization=args.quantization,
+            kv_cache_dtype=args.kv_cache_dtype,
             enable_prefix_caching=False,
             max_model_len=max_len,
             max_num_seqs=max(batches),
@@ -173,7 +175,11 @@ def main() -> None:
             )
     result = {
         "command": "python -m bench.profile_step "
-        + " ".join(f"--{k} {v}" for k, v in vars(args).items() if v is not None and k != "json"),
+        + " ".join(
+            f"--{k.replace('_', '-')} {v}"
+            for k, v in vars(args).items()
+            if v is not None and k != "json"
+        ),
         "machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPUs",
         "torch": torch.__version__,
         "threads": args.threads,

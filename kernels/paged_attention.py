@@ -177,7 +177,7 @@ def paged_attention(
 
     Reads ``kv_cache_layer`` only. ``query`` is [num_tokens, num_heads, head_dim].
     ``decode_fn``: computes the decodes instead of the reference's gather-and-``bmm``
-    (the C++ kernel of ``kernels/cpu_paged_decode.py``; not for an FP8 cache).
+    (the C++ kernel of ``kernels/cpu_paged_decode.py``, which reads an FP8 cache too).
     """
     num_heads, num_kv_heads = query.shape[1], kv_cache_layer.shape[2]
     cache_head_dim = kv_cache_layer.shape[4]
@@ -189,7 +189,7 @@ def paged_attention(
         raise ValueError(f"num_heads {num_heads} is not a multiple of num_kv_heads {num_kv_heads}")
     output = torch.empty_like(query)
     num_decodes = metadata.num_decodes
-    if num_decodes and decode_fn is not None and not is_fp8_cache(kv_cache_layer):
+    if num_decodes and decode_fn is not None:
         output[:num_decodes] = decode_fn(
             query[:num_decodes], kv_cache_layer, metadata.block_tables, metadata.seq_lens, scale
         )

@@ -33,7 +33,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            py::arg("scale"), py::arg("cos_sin_cache"), py::arg("final_norm"))
       .def("add_layer", &baton::DecodeStack::add_layer, py::arg("qkv"), py::arg("o"),
            py::arg("gate_up"), py::arg("down"), py::arg("input_norm"), py::arg("post_norm"),
-           py::arg("q_norm"), py::arg("k_norm"), py::arg("cache_layer"))
+           py::arg("q_norm"), py::arg("k_norm"), py::arg("cache_layer"), py::arg("k_scale"),
+           py::arg("v_scale"))
       .def_property_readonly("num_layers", &baton::DecodeStack::num_layers)
       .def("forward", &baton::DecodeStack::forward, py::arg("hidden"), py::arg("positions"),
            py::arg("kv_cache"), py::arg("slot_mapping"), py::arg("block_tables"),

@@ -9,16 +9,19 @@
 //
 // Scope: single-token decodes of a Llama-family layer (Llama, Mistral, Qwen2's q/k/v bias,
 // Qwen3's per-head q/k norms) on one rank, float32 or bfloat16, a KV cache of the model's
-// dtype; the caller (Python) sends anything else through the eager layers.
+// dtype or packed FP8 rows (kernels/fp8_kv.py); the caller (Python) sends anything else
+// through the eager layers.
 //
 // Numerics follow the eager ops (kernels/rms_norm.py, rotary.py, kv_store.py): each
 // elementwise result is rounded to the model dtype where the eager op rounds it, norms
 // accumulate in float32. Sums run in another order, so results agree to float rounding.
+// An FP8 row is quantized as kernels/fp8_kv.py quantize_rows does it, to the bit.
 //
 // Layouts:
 //   hidden        [N, hidden] (the embedded tokens; the result has the same shape)
 //   positions     [N] int64
-//   kv_cache      [num_blocks, num_layers, 2, Hkv, block_size, D] (the whole cache)
+//   kv_cache      [num_blocks, num_layers, 2, Hkv, block_size, D] (the whole cache), or
+//                 uint8 [..., D + 4] for FP8
 //   slot_mapping  [N] int64 (negative: do not store), block_tables [N, max_blocks] int32,
 //   seq_lens      [N] int32, as for paged_decode.
 #pragma once
@@ -27,9 +30,11 @@
 
 #include <ATen/Parallel.h>
 #include <ATen/core/dispatch/Dispatcher.h>
+#include <c10/util/Float8_e4m3fn.h>
 
 #include <cmath>
 #include <cstring>
+#include <limits>
 #include <optional>
 #include <string>
 #include <vector>
@@ -105,6 +110,8 @@ struct DecoderLayer {
   at::Tensor input_norm, post_norm;       // [hidden]
   std::optional<at::Tensor> q_norm, k_norm;  // [head_dim] (Qwen3)
   int64_t cache_layer;                    // this layer's index in the KV cache
+  // A checkpoint's static FP8 KV scales (workers/models/attention.py); NaN: each row's own.
+  float k_scale, v_scale;
 };
 
 namespace decode_stack_detail {
@@ -126,6 +133,29 @@ inline void rotate_heads(T* x, int64_t heads, int64_t head_dim, const T* cos_sin
   }
 }
 
+// Constants of kernels/fp8_kv.py.
+constexpr float kFp8Max = 448.0f;
+constexpr float kFp8MinScale = 1e-12f;
+
+// One row of d values -> its packed FP8 row (d bytes of float8_e4m3fn, then the float32
+// scale), as quantize_rows computes it: scale = max(amax|x| / 448, 1e-12) in float32
+// (or the static scale), each value x / scale (a true division, as torch's), clamped to
+// +-448 and rounded to the nearest e4m3 by c10's conversion, the one torch's cast uses.
+template <typename T>
+inline void quantize_fp8_row(const T* x, int64_t d, float static_scale, uint8_t* dst) {
+  float scale = static_scale;
+  if (std::isnan(static_scale)) {
+    float amax = 0.0f;
+    for (int64_t i = 0; i < d; ++i) amax = std::max(amax, std::fabs(static_cast<float>(x[i])));
+    scale = std::max(amax / kFp8Max, kFp8MinScale);
+  }
+  for (int64_t i = 0; i < d; ++i) {
+    const float v = std::min(std::max(static_cast<float>(x[i]) / scale, -kFp8Max), kFp8Max);
+    dst[i] = c10::Float8_e4m3fn(v).x;
+  }
+  std::memcpy(dst + d, &scale, sizeof(float));
+}
+
 }  // namespace decode_stack_detail
 
 class DecodeStack {
@@ -142,10 +172,14 @@ class DecodeStack {
 
   void add_layer(Linear qkv, Linear o, Linear gate_up, Linear down, at::Tensor input_norm,
                  at::Tensor post_norm, std::optional<at::Tensor> q_norm,
-                 std::optional<at::Tensor> k_norm, int64_t cache_layer) {
+                 std::optional<at::Tensor> k_norm, int64_t cache_layer,
+                 std::optional<double> k_scale, std::optional<double> v_scale) {
+    const float none = std::numeric_limits<float>::quiet_NaN();
     layers_.push_back(DecoderLayer{std::move(qkv), std::move(o), std::move(gate_up), std::move(down),
                                    input_norm.contiguous(), post_norm.contiguous(),
-                                   std::move(q_norm), std::move(k_norm), cache_layer});
+                                   std::move(q_norm), std::move(k_norm), cache_layer,
+                                   k_scale ? static_cast<float>(*k_scale) : none,
+                                   v_scale ? static_cast<float>(*v_scale) : none});
   }
 
   int64_t num_layers() const { return static_cast<int64_t>(layers_.size()); }
@@ -154,10 +188,12 @@ class DecodeStack {
                      const at::Tensor& kv_cache, const at::Tensor& slot_mapping,
                      const at::Tensor& block_tables, const at::Tensor& seq_lens) const {
     TORCH_CHECK(hidden.dim() == 2 && kv_cache.dim() == 6, "hidden [N, H], kv_cache [nb, L, 2, Hkv, bs, D]");
-    TORCH_CHECK(hidden.scalar_type() == kv_cache.scalar_type() &&
+    const bool fp8 = kv_cache.scalar_type() == at::kByte;
+    TORCH_CHECK((fp8 || hidden.scalar_type() == kv_cache.scalar_type()) &&
                     hidden.scalar_type() == cos_sin_cache_.scalar_type(),
-                "hidden, KV cache and rotary table must share the model dtype");
-    TORCH_CHECK(kv_cache.size(3) == num_kv_heads_ && kv_cache.size(5) == head_dim_ &&
+                "hidden, KV cache (unless FP8) and rotary table must share the model dtype");
+    TORCH_CHECK(kv_cache.size(3) == num_kv_heads_ &&
+                    kv_cache.size(5) == head_dim_ + (fp8 ? paged_decode_detail::kScaleBytes : 0) &&
                     kv_cache.stride(5) == 1,
                 "the KV cache's heads or head_dim differ from the model's");
     TORCH_CHECK(positions.scalar_type() == at::kLong && slot_mapping.scalar_type() == at::kLong,
@@ -190,7 +226,10 @@ class DecodeStack {
     const int64_t num_blocks = kv_cache.size(0), block_size = kv_cache.size(4);
     for (int64_t t = 0; t < n; ++t)
       TORCH_CHECK(slots[t] < num_blocks * block_size, "slot ", slots[t], " outside the KV cache");
-    T* cache = kv_cache.data_ptr<T>();
+    const bool fp8 = kv_cache.scalar_type() == at::kByte;
+    // Element strides: bytes for an FP8 cache, T's otherwise.
+    uint8_t* cache8 = fp8 ? kv_cache.data_ptr<uint8_t>() : nullptr;
+    T* cache = fp8 ? nullptr : kv_cache.data_ptr<T>();
     const int64_t cs0 = kv_cache.stride(0), cs1 = kv_cache.stride(1), cs2 = kv_cache.stride(2),
                   cs3 = kv_cache.stride(3), cs4 = kv_cache.stride(4);
 
@@ -217,8 +256,16 @@ class DecodeStack {
           rotate_heads<T>(k, num_kv_heads_, d, cs, rot_dim);
           if (slots[t] < 0) continue;  // a token whose K/V is not kept
           const int64_t block = slots[t] / block_size, off = slots[t] % block_size;
-          T* dst = cache + block * cs0 + layer.cache_layer * cs1 + off * cs4;
+          const int64_t row = block * cs0 + layer.cache_layer * cs1 + off * cs4;
           const T* v = k + kv_size;
+          if (fp8) {
+            for (int64_t kvh = 0; kvh < num_kv_heads_; ++kvh) {
+              quantize_fp8_row<T>(k + kvh * d, d, layer.k_scale, cache8 + row + kvh * cs3);
+              quantize_fp8_row<T>(v + kvh * d, d, layer.v_scale, cache8 + row + cs2 + kvh * cs3);
+            }
+            continue;
+          }
+          T* dst = cache + row;
           for (int64_t kvh = 0; kvh < num_kv_heads_; ++kvh) {
             std::memcpy(dst + kvh * cs3, k + kvh * d, d * sizeof(T));
             std::memcpy(dst + cs2 + kvh * cs3, v + kvh * d, d * sizeof(T));

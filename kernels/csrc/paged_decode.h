@@ -17,11 +17,17 @@
 // float32 whatever the cache dtype; each softmax subtracts its maximum first, as
 // torch.softmax does, and the chunks are merged by rescaling to the overall maximum.
 // A decode of length 0 gets zeros.
+//
+// An FP8 cache (kernels/fp8_kv.py: uint8, rows of D float8_e4m3fn bytes then a float32
+// scale) is read the same way, a quarter of the bytes of float32: each block's rows of one
+// head are dequantized into a small float tile (fp8 * scale rounded to the query's dtype,
+// as the reference's dequantize_rows computes it) that the float code then reads from L1.
 #pragma once
 
 #include <torch/extension.h>
 
 #include <ATen/record_function.h>
+#include <c10/util/Float8_e4m3fn.h>
 
 #include <ATen/Parallel.h>
 
@@ -56,6 +62,43 @@ inline void prefetch_rows(const scalar_t* rows, int64_t count) {
   const char* p = reinterpret_cast<const char*>(rows);
   const int64_t bytes = count * static_cast<int64_t>(sizeof(scalar_t));
   for (int64_t off = 0; off < bytes; off += 64) __builtin_prefetch(p + off, 0, 0);
+}
+
+// Bytes of an FP8 row's scale, after its head_dim values (kernels/fp8_kv.py SCALE_BYTES).
+constexpr int64_t kScaleBytes = 4;
+
+// rows packed FP8 rows (row_stride bytes apart) -> out [rows, head_dim] float, each value
+// fp8 * scale rounded to scalar_t as kernels/fp8_kv.py dequantize_rows rounds it.
+template <typename scalar_t>
+inline void dequantize_fp8_rows(const uint8_t* __restrict src, int64_t rows, int64_t row_stride,
+                                int64_t head_dim, float* __restrict out) {
+  for (int64_t r = 0; r < rows; ++r) {
+    const uint8_t* row = src + r * row_stride;
+    float* __restrict o = out + r * head_dim;
+    float scale;
+    std::memcpy(&scale, row + head_dim, sizeof(float));
+    int64_t d = 0;
+#if defined(__AVX512F__)
+    if constexpr (std::is_same_v<scalar_t, float>) {
+      // e4m3 -> half by moving the bits (sign to bit 15, exponent and mantissa up by 7):
+      // the half is exactly the fp8 value / 2^8 (subnormals too, the exponent biases
+      // being 7 and 15), and vcvtph2ps is exact. Times 2^8 * scale (exact: a power of
+      // two) the product is the same real number as fp8 * scale, so it rounds the same.
+      const __m512 s = _mm512_set1_ps(scale * 256.0f);
+      const __m512i sign = _mm512_set1_epi32(0x80), magnitude = _mm512_set1_epi32(0x7F);
+      for (; d + 16 <= head_dim; d += 16) {
+        const __m512i w = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row + d)));
+        const __m512i half = _mm512_or_si512(_mm512_slli_epi32(_mm512_and_si512(w, sign), 8),
+                                             _mm512_slli_epi32(_mm512_and_si512(w, magnitude), 7));
+        _mm512_storeu_ps(o + d, _mm512_mul_ps(_mm512_cvtph_ps(_mm512_cvtepi32_epi16(half)), s));
+      }
+    }
+#endif
+    for (; d < head_dim; ++d) {
+      const float v = static_cast<float>(c10::Float8_e4m3fn(row[d], c10::Float8_e4m3fn::from_bits()));
+      o[d] = static_cast<float>(static_cast<scalar_t>(v * scale));
+    }
+  }
 }
 
 // Below e^-80 a softmax weight adds nothing to a float32 sum that holds e^0 = 1.
@@ -138,7 +181,8 @@ inline void accumulate_rows(float* __restrict a, const float* __restrict p,
 
 // kD: head_dim when it is one of the common sizes (a compile-time trip count lets the
 // compiler keep each row in vector registers), 0 for any other, read at run time.
-template <typename scalar_t, int kD>
+// kFp8: the cache is packed FP8 rows (uint8) rather than scalar_t.
+template <typename scalar_t, int kD, bool kFp8>
 void decode_kernel(const torch::Tensor& query, const torch::Tensor& cache,
                    const torch::Tensor& block_tables, const torch::Tensor& seq_lens,
                    double scale, torch::Tensor& out) {
@@ -147,7 +191,8 @@ void decode_kernel(const torch::Tensor& query, const torch::Tensor& cache,
   const int64_t num_kv_heads = cache.size(2), block_size = cache.size(3);
   const int64_t group = num_heads / num_kv_heads;
   const scalar_t* q_ptr = query.data_ptr<scalar_t>();
-  const scalar_t* c_ptr = cache.data_ptr<scalar_t>();
+  using cache_t = std::conditional_t<kFp8, uint8_t, scalar_t>;
+  const cache_t* c_ptr = cache.data_ptr<cache_t>();
   const int32_t* tables = block_tables.data_ptr<int32_t>();
   const int32_t* lens = seq_lens.data_ptr<int32_t>();
   scalar_t* o_ptr = out.data_ptr<scalar_t>();
@@ -173,8 +218,10 @@ void decode_kernel(const torch::Tensor& query, const torch::Tensor& cache,
 
   at::parallel_for(0, num_chunks * num_kv_heads, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> q_buf(group * head_dim), score_buf(group * kChunk);
+    std::vector<float> tile_buf(kFp8 ? block_size * head_dim : 0);  // one block's rows, dequantized
     float* __restrict q = q_buf.data();
     float* __restrict scores = score_buf.data();
+    float* __restrict tile = tile_buf.data();
     int64_t seq = 0;
     for (int64_t item = begin; item < end; ++item) {
       const int64_t chunk = item / num_kv_heads, kvh = item % num_kv_heads;
@@ -187,16 +234,22 @@ void decode_kernel(const torch::Tensor& query, const torch::Tensor& cache,
         const scalar_t* src = q_ptr + seq * qs0 + (kvh * group + g) * qs1;
         for (int64_t d = 0; d < head_dim; ++d) q[g * head_dim + d] = static_cast<float>(src[d]) * fscale;
       }
-      const int64_t block_rows = block_size * head_dim;
+      const int64_t block_rows = block_size * cs3;  // one head's rows of a block, in cache_t
       // Pass 1: scores against K, block by block, each row read once for all G heads.
       for (int64_t pos = lo; pos < hi;) {
         const int64_t b = pos / block_size, off = pos % block_size;
         const int64_t rows = std::min(block_size - off, hi - pos);
         if (pos + rows + (kAhead - 1) * block_size < hi)
           prefetch_rows(c_ptr + table[b + kAhead] * cs0 + kvh * cs2, block_rows);
-        const scalar_t* k = c_ptr + table[b] * cs0 + kvh * cs2 + off * cs3;
-        for (int64_t r = 0; r < rows; ++r)
-          score_row<scalar_t, kD>(q, k + r * cs3, group, head_dim, scores + pos - lo + r, kChunk);
+        const cache_t* k = c_ptr + table[b] * cs0 + kvh * cs2 + off * cs3;
+        if constexpr (kFp8) {
+          dequantize_fp8_rows<scalar_t>(k, rows, cs3, head_dim, tile);
+          for (int64_t r = 0; r < rows; ++r)
+            score_row<float, kD>(q, tile + r * head_dim, group, head_dim, scores + pos - lo + r, kChunk);
+        } else {
+          for (int64_t r = 0; r < rows; ++r)
+            score_row<scalar_t, kD>(q, k + r * cs3, group, head_dim, scores + pos - lo + r, kChunk);
+        }
         pos += rows;
       }
       const int64_t slot = item * group;  // == (chunk * num_kv_heads + kvh) * group
@@ -217,10 +270,17 @@ void decode_kernel(const torch::Tensor& query, const torch::Tensor& cache,
         const int64_t rows = std::min(block_size - off, hi - pos);
         if (pos + rows + (kAhead - 1) * block_size < hi)
           prefetch_rows(c_ptr + table[b + kAhead] * cs0 + cs1 + kvh * cs2, block_rows);
-        const scalar_t* v = c_ptr + table[b] * cs0 + cs1 + kvh * cs2 + off * cs3;
-        for (int64_t g = 0; g < group; ++g)
-          accumulate_rows<scalar_t, kD>(acc + g * head_dim, scores + g * kChunk + pos - lo, v, rows,
-                                        cs3, head_dim);
+        const cache_t* v = c_ptr + table[b] * cs0 + cs1 + kvh * cs2 + off * cs3;
+        if constexpr (kFp8) {
+          dequantize_fp8_rows<scalar_t>(v, rows, cs3, head_dim, tile);
+          for (int64_t g = 0; g < group; ++g)
+            accumulate_rows<float, kD>(acc + g * head_dim, scores + g * kChunk + pos - lo, tile, rows,
+                                       head_dim, head_dim);
+        } else {
+          for (int64_t g = 0; g < group; ++g)
+            accumulate_rows<scalar_t, kD>(acc + g * head_dim, scores + g * kChunk + pos - lo, v, rows,
+                                          cs3, head_dim);
+        }
         pos += rows;
       }
     }
@@ -258,9 +318,12 @@ inline torch::Tensor paged_decode(const torch::Tensor& query, const torch::Tenso
                            const torch::Tensor& block_tables, const torch::Tensor& seq_lens,
                            double scale) {
   TORCH_CHECK(query.dim() == 3 && kv_cache_layer.dim() == 5, "query [N, Hq, D], cache [nb, 2, Hkv, bs, D]");
-  TORCH_CHECK(query.scalar_type() == kv_cache_layer.scalar_type(), "query and cache dtypes differ");
+  const bool fp8 = kv_cache_layer.scalar_type() == at::kByte;
+  TORCH_CHECK(fp8 || query.scalar_type() == kv_cache_layer.scalar_type(), "query and cache dtypes differ");
   TORCH_CHECK(query.stride(2) == 1 && kv_cache_layer.stride(4) == 1, "head_dim must be contiguous");
-  TORCH_CHECK(query.size(2) == kv_cache_layer.size(4), "query and cache head_dim differ");
+  TORCH_CHECK(query.size(2) + (fp8 ? paged_decode_detail::kScaleBytes : 0) == kv_cache_layer.size(4),
+              fp8 ? "an FP8 cache's rows must be the query's head_dim + 4 bytes"
+                  : "query and cache head_dim differ");
   TORCH_CHECK(query.size(1) % kv_cache_layer.size(2) == 0, "num_heads must be a multiple of num_kv_heads");
   TORCH_CHECK(block_tables.scalar_type() == torch::kInt32 && seq_lens.scalar_type() == torch::kInt32,
               "block_tables and seq_lens must be int32");
@@ -273,14 +336,18 @@ inline torch::Tensor paged_decode(const torch::Tensor& query, const torch::Tenso
   auto out = torch::empty_like(query);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::ScalarType::BFloat16, at::ScalarType::Half, query.scalar_type(),
                                   "paged_decode", [&] {
-                                    switch (query.size(2)) {
-                                      case 64: paged_decode_detail::decode_kernel<scalar_t, 64>(query, kv_cache_layer, tables, lens, scale, out); break;
-                                      case 128: paged_decode_detail::decode_kernel<scalar_t, 128>(query, kv_cache_layer, tables, lens, scale, out); break;
-                                      default: paged_decode_detail::decode_kernel<scalar_t, 0>(query, kv_cache_layer, tables, lens, scale, out);
-                                    }
-                                  });
+    using namespace paged_decode_detail;
+    const auto run = [&](auto fp8_tag) {
+      constexpr bool kFp8 = decltype(fp8_tag)::value;
+      switch (query.size(2)) {
+        case 64: decode_kernel<scalar_t, 64, kFp8>(query, kv_cache_layer, tables, lens, scale, out); break;
+        case 128: decode_kernel<scalar_t, 128, kFp8>(query, kv_cache_layer, tables, lens, scale, out); break;
+        default: decode_kernel<scalar_t, 0, kFp8>(query, kv_cache_layer, tables, lens, scale, out);
+      }
+    };
+    if (fp8) run(std::true_type{}); else run(std::false_type{});
+  });
   return out;
 }
 
 }  // namespace baton
-

@@ -63,6 +63,41 @@ def test_bfloat16_within_its_rounding():
     torch.testing.assert_close(got.float(), want, rtol=2e-2, atol=2e-2)
 
 
+@pytest.mark.parametrize("head_dim", [64, 80])
+def test_fp8_cache_reads_as_its_dequantized_rows_bitwise(head_dim):
+    """Over an FP8 cache the kernel computes what it computes over the float32 cache that
+    dequantize_rows makes of it, to the bit: the bit-moving e4m3 conversion is exact for
+    every byte (zero, subnormals, +-448, both signs) and the scale multiplies once."""
+    from kernels.fp8_kv import dequantize_rows, quantize_rows
+
+    seq_lens = [1, 300, 47]
+    query, cache, _, metadata = make_case([1] * 3, seq_lens, 3, 8, 2, head_dim, 16, seed=7)
+    fp8 = quantize_rows(cache)
+    # Every one of the 256 byte values but the two NaNs somewhere in the cache, with odd scales.
+    values = torch.arange(256, dtype=torch.uint8)
+    values = values[(values & 0x7F) != 0x7F]
+    flat = fp8.view(-1, head_dim + 4)
+    flat[: values.numel() // 2, :2] = values.view(-1, 2)
+    flat[:50, head_dim:] = torch.tensor([3.7e-3], dtype=torch.float32).view(torch.uint8)
+    got = DECODE(query, fp8, metadata.block_tables, metadata.seq_lens, 0.125)
+    want = DECODE(query, dequantize_rows(fp8, torch.float32), metadata.block_tables,
+                  metadata.seq_lens, 0.125)  # fmt: skip
+    assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fp8_cache_matches_the_reference(dtype):
+    from kernels.fp8_kv import quantize_rows
+
+    seq_lens = [1, 16, 257, 700, 33]
+    query, cache, _, metadata = make_case([1] * 5, seq_lens, 5, 8, 2, 64, 16, dtype=dtype, seed=9)
+    fp8 = quantize_rows(cache)
+    got = DECODE(query, fp8, metadata.block_tables, metadata.seq_lens, 0.125)
+    want = paged_attention(query, fp8, metadata, 0.125)  # the reference: gather, dequantize, bmm
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(got.float(), want.float(), rtol=tol, atol=tol)
+
+
 def test_refuses_what_it_cannot_read():
     query, cache, _, metadata = make_case([1], [20], 1, 8, 2, 64, 16)
     with pytest.raises(RuntimeError, match="head_dim"):
@@ -71,6 +106,8 @@ def test_refuses_what_it_cannot_read():
         DECODE(query, cache, metadata.block_tables.long(), metadata.seq_lens, 0.1)
     with pytest.raises(RuntimeError, match="dtypes differ"):
         DECODE(query.double(), cache, metadata.block_tables, metadata.seq_lens, 0.1)
+    with pytest.raises(RuntimeError, match="head_dim \\+ 4"):  # FP8 rows without their scale
+        DECODE(query, cache.to(torch.uint8), metadata.block_tables, metadata.seq_lens, 0.1)
 
 
 def test_the_cpu_op_set_uses_it_for_decodes_and_the_reference_for_the_rest():

@@ -2,8 +2,9 @@
 against the eager layers it replaces for decode steps: the same logits and the same KV
 cache, to the bit, on the four architectures (Qwen2's q/k/v bias, Qwen3's per-head norms,
 llama3 RoPE scaling, GQA ratios 2 and 4), float32 and bfloat16, plain and oneDNN-packed
-and int4 weights, over a poisoned paged cache; where it attaches and where it does not;
-and the C++ RMSNorm the eager CPU layers now share with it.
+and int4 weights, over a poisoned paged cache of the model's dtype or FP8 (per-row and
+static scales); where it attaches and where it does not; and the C++ RMSNorm the eager
+CPU layers now share with it.
 """
 
 from __future__ import annotations
@@ -26,10 +27,12 @@ CPU = torch.device("cpu")
 MODULE = cpu_extension.load()  # a required piece of the CPU path: never skipped
 
 
-def _prefill(model, config, gen):
+def _prefill(model, config, gen, fp8=False):
     """A runner whose cache holds fresh prompts of PROMPT_LENS tokens (an eager step)."""
     total = [n + 3 for n in PROMPT_LENS]
     runner = PagedRunner(model, config, total)
+    if fp8:
+        _to_fp8(runner)
     tokens = [torch.randint(0, config.vocab_size, (n,), generator=gen) for n in total]
     seqs = list(range(len(tokens)))
     runner.step(seqs, [t[:n] for t, n in zip(tokens, PROMPT_LENS, strict=True)], PROMPT_LENS)
@@ -50,7 +53,18 @@ def _decode(runner, tokens, seqs, lens):
         return runner.model.compute_logits(hidden)
 
 
-def _fused_against_eager(model, config, seed=2):
+def _to_fp8(runner):
+    """The runner's cache as a poisoned packed FP8 cache (kernels/fp8_kv.py) of its shape."""
+    from kernels.fp8_kv import packed_row_bytes
+
+    shape = (*runner.kv_cache.shape[:-1], packed_row_bytes(runner.kv_cache.shape[-1]))
+    runner.kv_cache = torch.randint(
+        0, 256, shape, dtype=torch.uint8, generator=torch.Generator().manual_seed(4)
+    )
+    return runner
+
+
+def _fused_against_eager(model, config, seed=2, fp8=False):
     """Two decode steps through the stack and through the eager layers, from one prefill:
     logits and the whole cache must agree to the bit."""
     assert isinstance(model.model.fused_decode, FusedDecode)
@@ -62,7 +76,7 @@ def _fused_against_eager(model, config, seed=2):
         calls.append(1)
         return original(*args)
 
-    runner, tokens, seqs = _prefill(model, config, torch.Generator().manual_seed(2))
+    runner, tokens, seqs = _prefill(model, config, torch.Generator().manual_seed(2), fp8)
     eager = copy.copy(runner)
     eager.kv_cache = runner.kv_cache.clone()
     lens = list(PROMPT_LENS)
@@ -113,6 +127,28 @@ def test_int4_decode_steps_equal_the_eager_layers_bitwise(tmp_path):
     _fused_against_eager(model, config)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_fp8_cache_decode_steps_equal_the_eager_layers_bitwise(arch, dtype, tmp_path):
+    """The stack quantizes each K/V row as quantize_rows does and attends over the FP8
+    cache as the eager op set's kernel does: the same logits and the same cache bytes."""
+    make_hf_model(arch, tmp_path)
+    model, config = load_model(tmp_path, dtype, CPU)
+    _fused_against_eager(model, config, fp8=True)
+
+
+def test_fp8_cache_with_static_scales_equals_the_eager_layers_bitwise(tmp_path):
+    """A checkpoint's static K/V scales (one per layer; one of them absent on a layer:
+    that layer's rows get their own): small enough that some values saturate at 448."""
+    make_hf_model("llama", tmp_path)
+    model, config = load_model(tmp_path, torch.float32, CPU, fused_decode=False)
+    for i, layer in enumerate(model.model.layers):
+        layer.self_attn.attn.k_scale = 0.004 * (i + 1)
+        layer.self_attn.attn.v_scale = None if i == 0 else 0.0005
+    assert attach_fused_decode(model) is None
+    _fused_against_eager(model, config, fp8=True)
+
+
 def test_steps_it_does_not_take_run_eager(tmp_path):
     make_hf_model("llama", tmp_path)
     model, _ = load_model(tmp_path, torch.float32, CPU)
@@ -122,7 +158,7 @@ def test_steps_it_does_not_take_run_eager(tmp_path):
     assert not fused.takes(4, cache, metadata)
     decodes = build_metadata([1, 1], [5, 9], [[0], [1, 2]], 8, 2)
     assert fused.takes(2, cache, decodes)
-    assert not fused.takes(2, cache.to(torch.uint8), decodes)  # an FP8 cache
+    assert fused.takes(2, cache.to(torch.uint8), decodes)  # an FP8 cache
     assert not fused.takes(2, cache.double(), decodes)  # not the model's dtype
 
 

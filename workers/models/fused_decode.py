@@ -9,8 +9,8 @@ head stay in Python.
 ``attach_fused_decode(model)`` builds the stack from a loaded model and sets
 ``model.model.fused_decode``; ``LlamaModel.forward`` then sends a step through it when
 ``FusedDecode.takes`` says so (a batch of single-token decodes, a KV cache of the model's
-dtype) and every other step (prefill, chunked prefill, speculative verification, an FP8
-cache) through the eager layers. It attaches only where the stack computes exactly what
+dtype or FP8) and every other step (prefill, chunked prefill, speculative verification)
+through the eager layers. It attaches only where the stack computes exactly what
 the eager model does: a Llama, Mistral, Qwen2 or Qwen3 model on one rank and one pipeline
 stage, float32 or bfloat16, each linear layer multiplying through ``F.linear``, oneDNN's
 packed weight or the int4 CPU kernel. Elsewhere it returns the reason and the model runs
@@ -52,10 +52,10 @@ class FusedDecode:
         self, num_tokens: int, kv_cache: torch.Tensor, attn_metadata: AttentionMetadata
     ) -> bool:
         """Whether this step is one the stack computes: single-token decodes only, on a
-        CPU cache of the model's dtype (an FP8 cache is uint8)."""
+        CPU cache of the model's dtype or FP8 (``uint8``)."""
         return (
             attn_metadata.num_decodes == attn_metadata.num_seqs == num_tokens
-            and kv_cache.dtype == self.dtype
+            and kv_cache.dtype in (self.dtype, torch.uint8)
             and kv_cache.device.type == "cpu"
         )
 
@@ -171,5 +171,7 @@ def _build(model: nn.Module, module: Any) -> Any:
             None if q_norm is None else q_norm.weight.detach(),
             None if k_norm is None else k_norm.weight.detach(),
             attn.attn.layer_idx,
+            attn.attn.k_scale,  # static FP8 KV scales, read only with an FP8 cache
+            attn.attn.v_scale,
         )
     return stack
