@@ -56,7 +56,8 @@ def transfer_option(name: str) -> Any:
 @dataclass(frozen=True)
 class ModelSection:
     path: str | None = option(
-        None, "Hugging Face model directory; unset = a small random model made on first use"
+        None,
+        "Hugging Face model directory or GGUF file; unset = a small random model made on first use",
     )
     name: str | None = option(None, "Served model name; unset = the directory's name")
     dtype: Dtype = engine_option("dtype")

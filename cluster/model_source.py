@@ -1,5 +1,8 @@
 """Which model directory to serve: the configured one, or the embedded default.
 
+``model.path`` is a Hugging Face directory or a GGUF file; a GGUF file is served through
+the Hugging Face view derived from it once (``workers/models/gguf/derive.py``).
+
 With no ``model.path``, Baton serves a ``small`` random-weight Llama that it writes once
 into a cache directory (``$BATON_CACHE_DIR``, else ``~/.cache/baton``), so ``baton serve``
 works on a fresh machine without network. A file lock keeps concurrent first starts
@@ -10,23 +13,31 @@ from __future__ import annotations
 
 import fcntl
 import json
-import os
 from pathlib import Path
+
+from workers.models.gguf.derive import default_cache_dir, derive_model_dir, is_gguf_file
 
 DEFAULT_MODEL_NAME = "small-llama"
 
 
 def cache_dir() -> Path:
-    env = os.environ.get("BATON_CACHE_DIR")
-    return Path(env) if env else Path.home() / ".cache" / "baton"
+    return default_cache_dir()
 
 
 def resolve_model_dir(path: str | None) -> Path:
     """The directory to load; makes the default model on first use."""
     if path is not None:
         model_dir = Path(path).expanduser()
+        if is_gguf_file(model_dir):
+            try:
+                return derive_model_dir(model_dir, cache_dir())
+            except ValueError as exc:
+                raise ValueError(f"model.path: {exc}") from None
         if not (model_dir / "config.json").is_file():
-            raise ValueError(f"model.path: {model_dir} has no config.json")
+            raise ValueError(
+                f"model.path: {model_dir} has no config.json (a Hugging Face model "
+                "directory) and is not a .gguf file"
+            )
         return model_dir.resolve()
     model_dir = cache_dir() / "models" / DEFAULT_MODEL_NAME
     model_dir.parent.mkdir(parents=True, exist_ok=True)

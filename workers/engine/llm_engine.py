@@ -17,6 +17,7 @@ Who frees which block of a hand-off, and when: ``workers/engine/handoff.py``.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 import uuid
 from collections.abc import Callable, Sequence
@@ -45,6 +46,7 @@ from workers.engine.speculative.stats import SpecDecodeStats
 from workers.engine.step_inputs import StepInputs
 from workers.engine.step_outputs import StepOutputs
 from workers.engine.step_times import StepTimes
+from workers.models.gguf import derive_model_dir, is_gguf_file
 from workers.models.loader import load_model
 from workers.models.parallel import ParallelContext
 from workers.protocol.logprobs import TokenLogprobs
@@ -70,6 +72,8 @@ class LLMEngine:
         (``workers/replica_*.py``); ``agree_num_blocks`` agrees the KV-cache size.
         ``batches_in_flight``: at most this many batches in the pipeline at once
         (default: one per pipeline stage; 1 runs the stages one batch at a time)."""
+        if is_gguf_file(config.model):  # served through its derived Hugging Face view
+            config = dataclasses.replace(config, model=str(derive_model_dir(config.model)))
         self.config = config
         self.parallel = parallel or ParallelContext()
         check_single_rank(config, self.parallel.tp_size, self.parallel.pp_size, batches_in_flight)

@@ -1,4 +1,5 @@
-"""Build a model from a Hugging Face directory and load its safetensors weights.
+"""Build a model from a Hugging Face directory and load its safetensors weights (or the
+GGUF file a derived directory links to: ``workers/models/gguf``).
 
 Tensors are read one at a time (``safe_open``), so peak host memory is one tensor, and
 each goes through its parameter's ``weight_loader``, which checks the shape, takes this
@@ -25,6 +26,9 @@ from workers.models import quant
 from workers.models.arch_config import ArchConfig
 from workers.models.base import CausalLM
 from workers.models.fused_decode import attach_fused_decode
+from workers.models.gguf.derive import GGUF_WEIGHTS
+from workers.models.gguf.tensors import GGUFTensor
+from workers.models.gguf.tensors import iter_tensors as iter_gguf_tensors
 from workers.models.kv_scales import KV_SCALE_SUFFIXES, load_kv_scale
 from workers.models.layers import (
     measure_linear_packing,
@@ -186,6 +190,9 @@ def _expected_names(
 
 
 def _weight_files(model_dir: Path) -> list[Path]:
+    gguf_file = model_dir / GGUF_WEIGHTS
+    if gguf_file.exists():  # a GGUF file's derived directory (workers/models/gguf/derive.py)
+        return [gguf_file]
     index = model_dir / "model.safetensors.index.json"
     if index.is_file():
         weight_map: dict[str, str] = json.loads(index.read_text())["weight_map"]
@@ -223,9 +230,12 @@ class CheckpointTensor:
         return tensor
 
 
-def _iter_tensors(files: list[Path]) -> Iterator[tuple[str, CheckpointTensor]]:
+def _iter_tensors(files: list[Path]) -> Iterator[tuple[str, CheckpointTensor | GGUFTensor]]:
     """Every checkpoint tensor, lazily, with a progress bar on a terminal (loading a large
     model takes minutes; off in a worker process, whose stderr is a log)."""
+    if files[0].name == GGUF_WEIGHTS:
+        yield from _gguf_tensors(files[0])
+        return
     total = 0
     for path in files:  # headers only: cheap
         with safe_open(path, framework="pt", device="cpu") as f:
@@ -238,10 +248,22 @@ def _iter_tensors(files: list[Path]) -> Iterator[tuple[str, CheckpointTensor]]:
                     bar.update(1)
 
 
+def _gguf_tensors(path: Path) -> Iterator[tuple[str, GGUFTensor]]:
+    config = json.loads((path.parent / "config.json").read_text())
+    tensors = list(iter_gguf_tensors(path, config))
+    with tqdm(total=len(tensors), desc="loading GGUF weights", unit="tensor", disable=None) as bar:
+        for item in tensors:
+            yield item
+            bar.update(1)
+
+
 @contextlib.contextmanager
-def _open_checkpoint(files: list[Path]) -> Iterator[dict[str, CheckpointTensor]]:
+def _open_checkpoint(files: list[Path]) -> Iterator[dict[str, CheckpointTensor | GGUFTensor]]:
     """Every checkpoint tensor by name, lazily, the files open (quantized layouts need a
     layer's tensors together, wherever they sit)."""
+    if files[0].name == GGUF_WEIGHTS:
+        yield dict(_gguf_tensors(files[0]))
+        return
     with contextlib.ExitStack() as stack:
         tensors: dict[str, CheckpointTensor] = {}
         for path in files:

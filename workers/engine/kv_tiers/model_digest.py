@@ -19,7 +19,7 @@ from pathlib import Path
 
 _CHUNK = 1 << 20
 _NUM_CHUNKS = 16
-_WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth")
+_WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf")
 
 
 def model_digest(model_dir: str | Path) -> str:

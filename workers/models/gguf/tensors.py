@@ -1,0 +1,118 @@
+"""A GGUF file's tensors under Hugging Face names, dequantized to float32 on first read.
+
+llama.cpp names tensors ``blk.N.attn_q.weight``, ``token_embd.weight``, ...; the table
+below maps them onto the Hugging Face names the loader and the models use. Shapes: GGUF
+lists dimensions fastest-first (``[in, out]`` for a weight), the reverse of torch's.
+
+Llama files hold Q and K with their rows permuted: llama.cpp's converter reorders each
+head's rows from Hugging Face's "halves" RoPE layout to interleaved pairs (its
+``LlamaModel.permute``); reading them back undoes that, per head (per KV head for K).
+Qwen2/Qwen3 files are converted without it.
+
+Every block type the ``gguf`` package dequantizes is read (F32, F16, BF16, Q8_0, Q4_0,
+Q4_1, Q5_0, Q5_1, the K-quants, ...): ``gguf.quants.dequantize`` is llama.cpp's own
+reference, in numpy. A tensor is dequantized when the loader first indexes it, so peak
+memory is one float32 tensor beside the memory-mapped file.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from gguf import GGUFReader
+from gguf.quants import dequantize
+
+_GLOBAL = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+_LAYER = {
+    "attn_norm": "input_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
+    "ffn_norm": "post_attention_layernorm",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+_LAYER_NAME = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
+
+
+def hf_name(name: str) -> str:
+    """The Hugging Face name of a GGUF tensor; ValueError for one we do not know."""
+    if name in _GLOBAL:
+        return _GLOBAL[name]
+    match = _LAYER_NAME.fullmatch(name)
+    if match is None or match.group(2) not in _LAYER:
+        raise ValueError(f"GGUF tensor {name!r} is not one Baton knows how to load")
+    layer, part, kind = match.groups()
+    return f"model.layers.{layer}.{_LAYER[part]}.{kind}"
+
+
+class GGUFTensor:
+    """One tensor of the file, read on first use (what the weight loaders use of a
+    checkpoint tensor: ``shape``, ``narrow``, indexing)."""
+
+    def __init__(self, tensor: Any, unpermute_heads: int | None) -> None:
+        self._tensor = tensor
+        self._unpermute_heads = unpermute_heads
+        self.shape = torch.Size(int(d) for d in reversed(tensor.shape.tolist()))
+        self.type_name = tensor.tensor_type.name
+        self._value: torch.Tensor | None = None
+
+    def value(self) -> torch.Tensor:
+        if self._value is None:
+            array = np.asarray(dequantize(self._tensor.data, self._tensor.tensor_type))
+            array = array.astype(np.float32, copy=False)
+            if not array.flags.writeable:  # F32 data is a view of the read-only mapping
+                array = array.copy()
+            value = torch.from_numpy(array.reshape(self.shape))
+            if self._unpermute_heads is not None:
+                value = _unpermute(value, self._unpermute_heads)
+            self._value = value.contiguous()
+        return self._value
+
+    def narrow(self, dim: int, start: int, length: int) -> torch.Tensor:
+        return self.value().narrow(dim, start, length)
+
+    def __getitem__(self, key) -> torch.Tensor:
+        return self.value()[key]
+
+
+def _unpermute(weight: torch.Tensor, num_heads: int) -> torch.Tensor:
+    """Undo llama.cpp's per-head row order (pairs -> halves) on the first dimension."""
+    rows = weight.shape[0]
+    half = rows // num_heads // 2
+    return (
+        weight.reshape(num_heads, half, 2, *weight.shape[1:]).transpose(1, 2).reshape(weight.shape)
+    )
+
+
+def iter_tensors(path: str | Path, config: dict[str, Any]) -> Iterator[tuple[str, GGUFTensor]]:
+    """(Hugging Face name, tensor) for every tensor of the GGUF file at ``path``;
+    ``config`` is its derived ``config.json`` (heads, to undo Llama's Q/K order)."""
+    reader = GGUFReader(str(path))
+    is_llama = config.get("model_type") == "llama"
+    for tensor in reader.tensors:
+        name = hf_name(tensor.name)
+        heads = None
+        if is_llama and ".q_proj." in name:
+            heads = config["num_attention_heads"]
+        elif is_llama and ".k_proj." in name:
+            heads = config["num_key_value_heads"]
+        yield name, GGUFTensor(tensor, heads)
+
+
+def tensor_names(path: str | Path) -> set[str]:
+    """The file's tensor names, as llama.cpp spells them."""
+    return {tensor.name for tensor in GGUFReader(str(path)).tensors}
