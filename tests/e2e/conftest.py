@@ -83,7 +83,7 @@ def start_cluster(
             process.kill()
             raise RuntimeError("cluster did not start:\n" + "\n".join(lines[-60:]))
     address = served_on[0]
-    return ServedCluster(process, address, Path(config["model"]["path"]), lines)
+    return ServedCluster(process, address, Path(config["model"].get("path") or ""), lines)
 
 
 def stop_cluster(cluster: ServedCluster, timeout_s: float = 90.0) -> int:

@@ -30,7 +30,11 @@ from tests.e2e.test_metrics import Scrape
 from tests.e2e.test_parallel_cluster import _rank_pids
 
 STREAMS = [f"Stream {i}: {'different words ' * i}" for i in range(4)]
-MAX_TOKENS = 470  # long enough to be mid-stream when the worker is killed (prompts <= 42 tokens)
+# The tiny model's whole context (its max_position_embeddings), so a stream is still
+# decoding when the worker is killed: at ~1,300 tokens/s (the C++ decode path) 470 tokens
+# were once over before a slow-starting sibling had streamed its fifth token.
+MAX_MODEL_LEN = 1024
+MAX_TOKENS = 980  # prompts <= 42 tokens
 MIGRATIONS = "baton_router_migrations_total"
 FAILURES = "baton_kv_transfer_failures_total"
 
@@ -39,7 +43,7 @@ FAILURES = "baton_kv_transfer_failures_total"
 def stream_reference(tiny_model_dir) -> list[tuple[list[int], str]]:
     from workers import LLM, SamplingParams
 
-    llm = LLM(str(tiny_model_dir), dtype="float32", max_model_len=512)
+    llm = LLM(str(tiny_model_dir), dtype="float32", max_model_len=MAX_MODEL_LEN)
     params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
     return [(list(o.token_ids), o.text) for o in llm.generate(STREAMS, params)]
 
@@ -51,6 +55,8 @@ class Streams:
         self.tokens: list[list[int]] = [[] for _ in prompts]
         self.texts: list[list[str]] = [[] for _ in prompts]
         self.results: dict[int, object] = {}
+        # Every client sends at once: none is still connecting while another finishes.
+        self._start = threading.Barrier(len(prompts))
         self.threads = [
             threading.Thread(target=self._consume, args=(stub, i, p, disaggregation))
             for i, p in enumerate(prompts)
@@ -61,6 +67,7 @@ class Streams:
     def _consume(self, stub, i, prompt, disaggregation) -> None:
         req = request(prompt, max_tokens=MAX_TOKENS, disaggregation=disaggregation)
         req.output.return_timing = True
+        self._start.wait(30)
         try:
             for msg in stub.Generate(req, timeout=180):
                 body = msg.delta if msg.HasField("delta") else msg.final.delta
@@ -92,6 +99,7 @@ def _decode_only_config(model_dir, migration_limit: int) -> dict:
     config["prefill"]["replicas"] = 0
     config["decode"]["replicas"] = 2
     config["router"]["restart_attempts"] = 0  # nothing else moves while the test looks
+    config["model"]["max_model_len"] = MAX_MODEL_LEN
     return config
 
 
@@ -109,7 +117,7 @@ def test_a_killed_decode_worker_s_streams_continue_token_for_token(
         pids = _rank_pids(served, "WorkerActor")  # rank 0 of each replica: both decode
         assert len(pids) == 2, pids
         streams = Streams(stub, STREAMS)  # round robin: two on each worker
-        streams.wait_tokens(5)
+        streams.wait_tokens(1)  # every stream is decoding
         os.kill(pids[0], signal.SIGKILL)
         streams.join()
         after = Scrape(url)
