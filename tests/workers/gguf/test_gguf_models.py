@@ -129,3 +129,71 @@ def test_what_it_cannot_serve_is_refused_by_name(tmp_path):
     not_gguf.write_bytes(b"not a gguf file at all")
     with pytest.raises(ValueError, match="not a readable GGUF file"):
         derive_model_dir(not_gguf, tmp_path / "cache")
+
+
+@pytest.mark.parametrize("qtype", [Q.Q4_0, Q.Q4_1], ids=lambda q: q.name)
+def test_q4_blocks_are_read_as_int4_not_quantized_again(qtype, tmp_path, monkeypatch):
+    """With quantization: int4 a Q4_0 / Q4_1 file's weights are its own 4-bit values and
+    per-32 scales (never rounded a second time), and the model computes what the
+    dequantized file computes, to the int4 kernel's bfloat16 rounding."""
+    import gguf
+
+    from workers.models import load_model
+    from workers.models.gguf.tensors import iter_tensors
+    from workers.models.quant import int4
+
+    path = write_gguf(tmp_path / "q4.gguf", tiny_hf_model("llama", True), "llama", qtype)
+    view = derive_model_dir(path, tmp_path / "cache")
+    config = json.loads((view / "config.json").read_text())
+    reader = gguf.GGUFReader(str(path))
+    raw = {t.name: t for t in reader.tensors}
+    for _, tensor in iter_tensors(view / "model.gguf", config):
+        if tensor.is_q4:
+            w = tensor.int4_weight()
+            assert w.group_size == 32 and w.q.dtype == torch.uint8 and int(w.q.max()) <= 15
+            groups = w.q.view(w.q.shape[0], -1, 32).float()
+            dequantized = ((groups - w.zeros[..., None]) * w.scales[..., None]).view(w.q.shape)
+            torch.testing.assert_close(dequantized, tensor[...], rtol=1e-6, atol=1e-7)
+    # 7 linears x 2 layers, and the embedding (dequantized: not a linear layer)
+    assert sum(t.tensor_type == qtype for t in raw.values()) == 15
+
+    def no_requantizing(*args, **kwargs):
+        raise AssertionError("a Q4 weight was quantized again")
+
+    monkeypatch.setattr(int4, "quantize", no_requantizing)
+    cpu = torch.device("cpu")
+    model, arch = load_model(view, torch.float32, cpu, quantization="int4")
+    monkeypatch.undo()
+    dense, _ = load_model(view, torch.float32, cpu)
+    assert model.model.layers[0].mlp.down_proj.matmul.group_size == 32
+    from tests.workers.test_models import PagedRunner
+
+    requantized, _ = load_model(_as_plain(view, tmp_path), torch.float32, cpu, quantization="int4")
+    ids = torch.tensor(PROMPTS[2])
+    logits = []
+    for m in (model, dense, requantized):
+        runner = PagedRunner(m, arch, [len(ids)])
+        logits.append(runner.step([0], [ids], [len(ids)])[0])
+    direct, _, again = ((x - logits[1]).norm() / logits[1].norm() for x in logits)
+    # The int4 kernel computes in bfloat16 (activations, scales): about 1% off the float32
+    # logits; rounding the dequantized weights to int4 again adds far more than that.
+    assert direct < 0.02, direct
+    assert again > 3 * direct, (again, direct)
+
+
+def _as_plain(view, tmp_path):
+    """The GGUF view as a plain safetensors directory of its dequantized weights."""
+    import shutil
+
+    from safetensors.torch import save_file
+
+    from workers.models.gguf.tensors import iter_tensors
+
+    plain = tmp_path / "plain"
+    plain.mkdir()
+    for name in ("config.json", "tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(view / name, plain / name)
+    config = json.loads((view / "config.json").read_text())
+    tensors = {n: t[...].contiguous() for n, t in iter_tensors(view / "model.gguf", config)}
+    save_file(tensors, str(plain / "model.safetensors"))
+    return plain

@@ -13,6 +13,13 @@ Every block type the ``gguf`` package dequantizes is read (F32, F16, BF16, Q8_0,
 Q4_1, Q5_0, Q5_1, the K-quants, ...): ``gguf.quants.dequantize`` is llama.cpp's own
 reference, in numpy. A tensor is dequantized when the loader first indexes it, so peak
 memory is one float32 tensor beside the memory-mapped file.
+
+With ``quantization: int4`` a Q4_0 or Q4_1 weight is not dequantized and quantized again
+(the second rounding would move every weight of a Q4_1 block whose minimum is not a
+whole number of steps) but read as the 4-bit values and per-32 scales it is
+(``int4_weight``): blocks of 32 weights, ``w = d * q + m`` (Q4_1; Q4_0: ``d * (q - 8)``),
+``d`` and ``m`` half precision, then 16 bytes whose low nibbles are weights 0-15 and high
+nibbles 16-31.
 """
 
 from __future__ import annotations
@@ -24,8 +31,13 @@ from typing import Any
 
 import numpy as np
 import torch
-from gguf import GGUFReader
+from gguf import GGMLQuantizationType, GGUFReader
 from gguf.quants import dequantize
+
+from workers.models.quant.int4 import Int4Weight
+
+Q4_BLOCK = 32  # weights per Q4_0 / Q4_1 block
+_Q4_TYPES = {GGMLQuantizationType.Q4_0: 18, GGMLQuantizationType.Q4_1: 20}  # bytes per block
 
 _GLOBAL = {
     "token_embd.weight": "model.embed_tokens.weight",
@@ -81,6 +93,44 @@ class GGUFTensor:
                 value = _unpermute(value, self._unpermute_heads)
             self._value = value.contiguous()
         return self._value
+
+    @property
+    def is_q4(self) -> bool:
+        """A Q4_0 or Q4_1 tensor: ``int4_weight`` reads it as it is."""
+        return self._tensor.tensor_type in _Q4_TYPES
+
+    def int4_weight(self) -> Int4Weight:
+        """The Q4_0 / Q4_1 weight [out, in] as 4-bit values and per-32 (scale, zero point):
+        ``(q - zeros) * scales`` is ``gguf``'s dequantized value to float32 rounding."""
+        kind = self._tensor.tensor_type
+        out_features, in_features = self.shape
+        blocks = np.asarray(self._tensor.data).reshape(out_features, -1, _Q4_TYPES[kind])
+        d = blocks[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)
+        packed = blocks[..., -16:]
+        q = np.concatenate([packed & 0x0F, packed >> 4], axis=-1).reshape(out_features, in_features)
+        if kind == GGMLQuantizationType.Q4_1:
+            m = blocks[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32)
+            # w = d q + m = (q - zero) d with zero = -m / d; a block with d = 0 is all m:
+            # a tiny step keeps it so (its zero point then carries m).
+            d = np.where(d == 0, np.float32(1e-30), d)
+            zeros = -m / d
+        else:
+            zeros = np.full_like(d, 8.0)
+        weight = Int4Weight(
+            torch.from_numpy(np.ascontiguousarray(q, dtype=np.uint8)),
+            torch.from_numpy(np.ascontiguousarray(d)),
+            torch.from_numpy(np.ascontiguousarray(zeros, dtype=np.float32)),
+            Q4_BLOCK,
+        )
+        if self._unpermute_heads is None:
+            return weight
+        return Int4Weight(
+            *(
+                _unpermute(t, self._unpermute_heads).contiguous()
+                for t in (weight.q, weight.scales, weight.zeros)
+            ),
+            Q4_BLOCK,
+        )
 
     def narrow(self, dim: int, start: int, length: int) -> torch.Tensor:
         return self.value().narrow(dim, start, length)

@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from kernels.int4_linear import INT4_CPU_GROUP_SIZES
-from workers.models.quant.checkpoint import TensorSource, transform
+from workers.models.quant.checkpoint import Q4_GROUP_SIZE, TensorSource, transform
 from workers.models.quant.formats import ON_LOAD_GROUP_SIZE, QUANTIZATIONS, QuantSpec, resolve
 from workers.models.quant.linear import convert_int4_layers, finalize_int4_layers, linear_layers
 
@@ -69,7 +69,11 @@ def prepare(
     if spec.method == "int4":
         if spec.is_on_load:
             names = set(layers)
-            spec = replace(spec, group_size=on_load_group_size(layers.values()))
+            group_size = on_load_group_size(layers.values())
+            if any(getattr(t, "is_q4", False) for t in tensors.values()):
+                # GGUF Q4_0 / Q4_1 weights keep their own groups of 32 (no second rounding).
+                group_size = Q4_GROUP_SIZE
+            spec = replace(spec, group_size=group_size)
         else:
             prefixes = (n.removesuffix(".qweight") for n in tensors if n.endswith(".qweight"))
             names = {module_of(p + ".weight") for p in prefixes} & set(layers)
