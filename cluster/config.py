@@ -203,6 +203,13 @@ class RouterSection:
         None,
         "Bearer token the HTTP API's /v1 routes require (compared in constant time); unset = none",
     )
+    reserved_cpus: int = option(
+        1,
+        "CPU cores left to the router process (HTTP, gRPC, tokenizing) when Baton starts a "
+        "local Ray instance: the workers' torch threads share the others (vLLM's "
+        "VLLM_CPU_NUM_OF_RESERVED_CPU; measured in bench/RESULTS.md)",
+        ge=0,
+    )
     policy: Literal["round_robin", "least_loaded", "kv_aware"] = option(
         "kv_aware", "How a worker is chosen for a request"
     )

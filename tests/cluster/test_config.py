@@ -140,3 +140,15 @@ def test_config_docs_are_fresh():
     assert (ROOT / "docs" / "config.md").read_text() == render(), (
         "docs/config.md is stale: python -m cluster.config_docs > docs/config.md"
     )
+
+
+def test_local_ranks_share_the_cores_the_router_does_not_keep():
+    from cluster.bringup import local_rank_threads
+
+    assert ClusterConfig().router.reserved_cpus == 1
+    assert local_rank_threads(2, 1, 1) == 1  # one worker on 2 cores: one for the router
+    assert local_rank_threads(2, 0, 1) == 2  # reserved_cpus: 0 gives it both
+    assert local_rank_threads(16, 1, 2) == 7
+    assert local_rank_threads(2, 1, 4) == 1  # never fewer than one
+    with pytest.raises(ConfigError, match="reserved_cpus"):
+        parse_config({"router": {"reserved_cpus": -1}})
