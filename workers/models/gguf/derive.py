@@ -23,7 +23,7 @@ from typing import Any
 from filelock import FileLock
 
 GGUF_WEIGHTS = "model.gguf"
-_DERIVER_VERSION = "1"  # bump when what is written changes: old views are derived again
+_DERIVER_VERSION = "2"  # bump when what is written changes: old views are derived again
 
 
 def default_cache_dir() -> Path:
@@ -78,8 +78,8 @@ def _write_view(source: Path, out: Path) -> None:
     except ValueError as exc:  # the reader checks the magic and version
         raise ValueError(f"{source} is not a readable GGUF file: {exc}") from None
     meta = read_metadata(reader)
-    names = {tensor.name for tensor in reader.tensors}
-    _write_json(out / "config.json", hf_config(meta, names))
+    types = {tensor.name: tensor.tensor_type.name for tensor in reader.tensors}
+    _write_json(out / "config.json", hf_config(meta, set(types), types))
     _write_json(out / "generation_config.json", generation_config(meta))
     _write_json(out / "tokenizer_config.json", tokenizer_config(meta))
     build_tokenizer(meta).save(str(out / "tokenizer.json"))

@@ -29,8 +29,17 @@ def read_metadata(reader: Any) -> dict[str, Any]:
     return {name: field.contents() for name, field in reader.fields.items()}
 
 
-def hf_config(meta: dict[str, Any], tensor_names: set[str]) -> dict[str, Any]:
-    """``config.json`` for the model in a GGUF file; ValueError naming what is unsupported."""
+# Tensor types (gguf's GGMLQuantizationType names) kept as they are, on the INT4 path.
+Q4_TYPES = ("Q4_0", "Q4_1")
+
+
+def hf_config(
+    meta: dict[str, Any], tensor_names: set[str], tensor_types: dict[str, str] | None = None
+) -> dict[str, Any]:
+    """``config.json`` for the model in a GGUF file; ValueError naming what is unsupported.
+    ``tensor_types`` (name -> type name): with Q4_0 / Q4_1 matrices in it, the config says
+    ``quantization_config: {quant_method: gguf}``, so those load as int4, as stored
+    (``workers/models/quant/formats.py``)."""
     arch = meta.get("general.architecture")
     if arch not in ARCHITECTURES:
         raise ValueError(
@@ -84,6 +93,10 @@ def hf_config(meta: dict[str, Any], tensor_names: set[str]) -> dict[str, Any]:
     for name in ("bos_token_id", "eos_token_id"):
         if f"tokenizer.ggml.{name}" in meta:
             config[name] = int(meta[f"tokenizer.ggml.{name}"])
+    if any(
+        kind in Q4_TYPES for name, kind in (tensor_types or {}).items() if name.startswith("blk.")
+    ):
+        config["quantization_config"] = {"quant_method": "gguf", "bits": 4, "group_size": 32}
     return config
 
 

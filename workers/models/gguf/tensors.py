@@ -14,12 +14,12 @@ Q4_1, Q5_0, Q5_1, the K-quants, ...): ``gguf.quants.dequantize`` is llama.cpp's 
 reference, in numpy. A tensor is dequantized when the loader first indexes it, so peak
 memory is one float32 tensor beside the memory-mapped file.
 
-With ``quantization: int4`` a Q4_0 or Q4_1 weight is not dequantized and quantized again
-(the second rounding would move every weight of a Q4_1 block whose minimum is not a
-whole number of steps) but read as the 4-bit values and per-32 scales it is
-(``int4_weight``): blocks of 32 weights, ``w = d * q + m`` (Q4_1; Q4_0: ``d * (q - 8)``),
-``d`` and ``m`` half precision, then 16 bytes whose low nibbles are weights 0-15 and high
-nibbles 16-31.
+A Q4_0 or Q4_1 matrix is kept as it is stored, on the INT4 path (the derived config.json
+says ``quant_method: gguf``; ``workers/models/quant``), never dequantized and quantized
+again (that second rounding would move every weight of a Q4_1 block whose minimum is not
+a whole number of steps): ``int4_weight`` reads its 4-bit values and per-32 scales.
+A block is 32 weights, ``w = d * q + m`` (Q4_1; Q4_0: ``d * (q - 8)``), ``d`` and ``m``
+half precision, then 16 bytes whose low nibbles are weights 0-15 and high nibbles 16-31.
 """
 
 from __future__ import annotations

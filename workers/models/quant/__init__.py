@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from kernels.int4_linear import INT4_CPU_GROUP_SIZES
-from workers.models.quant.checkpoint import Q4_GROUP_SIZE, TensorSource, transform
+from workers.models.quant.checkpoint import TensorSource, transform
 from workers.models.quant.formats import ON_LOAD_GROUP_SIZE, QUANTIZATIONS, QuantSpec, resolve
 from workers.models.quant.linear import convert_int4_layers, finalize_int4_layers, linear_layers
 
@@ -69,11 +69,19 @@ def prepare(
     if spec.method == "int4":
         if spec.is_on_load:
             names = set(layers)
-            group_size = on_load_group_size(layers.values())
-            if any(getattr(t, "is_q4", False) for t in tensors.values()):
-                # GGUF Q4_0 / Q4_1 weights keep their own groups of 32 (no second rounding).
-                group_size = Q4_GROUP_SIZE
-            spec = replace(spec, group_size=group_size)
+            spec = replace(spec, group_size=on_load_group_size(layers.values()))
+        elif spec.layout == "gguf":
+            # The layers whose every part (q, k and v of qkv_proj) is Q4_0 / Q4_1 in the
+            # file; a layer with another type in it loads dense, dequantized.
+            kinds: dict[str, list[bool]] = {}
+            for n, t in tensors.items():
+                if is_linear_weight(n):
+                    kinds.setdefault(module_of(n), []).append(getattr(t, "is_q4", False))
+            names = {module for module, q4 in kinds.items() if all(q4)}
+            convert_int4_layers(model, names, spec.group_size)
+            return transform(
+                tensors, spec, lambda n: n.endswith(".weight") and module_of(n) in names
+            )
         else:
             prefixes = (n.removesuffix(".qweight") for n in tensors if n.endswith(".qweight"))
             names = {module_of(p + ".weight") for p in prefixes} & set(layers)

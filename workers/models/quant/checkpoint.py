@@ -25,7 +25,6 @@ from workers.models.quant import fp8, int4
 from workers.models.quant.formats import QuantSpec
 
 _INT4_PARTS = (".qweight", ".qzeros", ".scales", ".g_idx")
-Q4_GROUP_SIZE = 32  # a GGUF Q4_0 / Q4_1 block (workers/models/gguf/tensors.py)
 _FP8_SCALES = (".weight_scale", ".weight_scale_inv", ".input_scale")
 
 
@@ -59,13 +58,16 @@ def transform(
 
 
 def _int4(name, tensor, tensors, spec, is_linear_weight):
+    if spec.layout == "gguf":
+        if is_linear_weight(name) and getattr(tensor, "is_q4", False):
+            # Already 4-bit in groups of 32 (workers/models/gguf/tensors.py): as it is.
+            yield from _unpacked(name.removesuffix(".weight"), tensor.int4_weight())
+        else:
+            yield name, tensor  # other types: dequantized, the layer stays dense
+        return
     if spec.is_on_load:
         if name.endswith(".weight") and is_linear_weight(name):
             prefix = name.removesuffix(".weight")
-            if getattr(tensor, "is_q4", False) and spec.group_size == Q4_GROUP_SIZE:
-                # A GGUF Q4_0 / Q4_1 weight: already 4-bit in groups of 32, taken as it is.
-                yield from _unpacked(prefix, tensor.int4_weight())
-                return
             yield from _unpacked(
                 prefix, int4.quantize(tensor[...], spec.group_size, spec.symmetric)
             )

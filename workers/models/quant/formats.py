@@ -3,7 +3,9 @@ and the engine's ``quantization`` setting (``none`` | ``fp8`` | ``int4``), resol
 
 A quantized checkpoint is read in its own layout whatever the setting says, but a setting
 that names a different method is refused (converting between them would lose the
-checkpoint's precision silently). ``fp8`` / ``int4`` on an unquantized checkpoint quantize
+checkpoint's precision silently). A GGUF file with Q4_0 / Q4_1 weights is such a checkpoint
+(``quant_method: gguf`` in its derived config.json): those weights load as int4, groups of
+32, as they are stored. ``fp8`` / ``int4`` on an unquantized checkpoint quantize
 it on load: FP8 per 128x128 block, INT4 asymmetric in groups of 128 (round to nearest; 64
 or 32 where 128 does not divide a layer's width: ``quant.on_load_group_size``).
 """
@@ -14,7 +16,8 @@ from dataclasses import dataclass
 from typing import Any
 
 QUANTIZATIONS = ("none", "fp8", "int4")
-LAYOUTS = ("fp8-block", "fp8", "compressed-tensors", "gptq", "awq", "on-load")
+LAYOUTS = ("fp8-block", "fp8", "compressed-tensors", "gptq", "awq", "gguf", "on-load")
+GGUF_Q4_GROUP_SIZE = 32  # weights per GGUF Q4_0 / Q4_1 block
 ON_LOAD_GROUP_SIZE = 128
 ON_LOAD_FP8_BLOCK = (128, 128)
 
@@ -58,6 +61,8 @@ def resolve(quantization_config: dict[str, Any] | None, requested: str) -> Quant
 def from_checkpoint(qc: dict[str, Any]) -> QuantSpec:
     """config.json's ``quantization_config`` -> QuantSpec; ValueError if not supported."""
     method = qc.get("quant_method")
+    if method == "gguf":  # workers/models/gguf/metadata.py writes it for Q4_0 / Q4_1 files
+        return QuantSpec("int4", "gguf", group_size=GGUF_Q4_GROUP_SIZE)
     if method == "fp8":
         block = qc.get("weight_block_size")
         if block is None:
