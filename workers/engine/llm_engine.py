@@ -47,6 +47,8 @@ from workers.engine.step_inputs import StepInputs
 from workers.engine.step_outputs import StepOutputs
 from workers.engine.step_times import StepTimes
 from workers.models.gguf import derive_model_dir, is_gguf_file
+from workers.models.gguf.derive import default_cache_dir
+from workers.models.hub import is_hub_path, resolve_hub_path
 from workers.models.loader import load_model
 from workers.models.parallel import ParallelContext
 from workers.protocol.logprobs import TokenLogprobs
@@ -72,6 +74,9 @@ class LLMEngine:
         (``workers/replica_*.py``); ``agree_num_blocks`` agrees the KV-cache size.
         ``batches_in_flight``: at most this many batches in the pipeline at once
         (default: one per pipeline stage; 1 runs the stages one batch at a time)."""
+        if is_hub_path(config.model):  # hf://org/name: downloaded once
+            hub_dir = resolve_hub_path(config.model, default_cache_dir())
+            config = dataclasses.replace(config, model=str(hub_dir))
         if is_gguf_file(config.model):  # served through its derived Hugging Face view
             config = dataclasses.replace(config, model=str(derive_model_dir(config.model)))
         self.config = config
