@@ -72,27 +72,26 @@ def hf_name(name: str) -> str:
 
 
 class GGUFTensor:
-    """One tensor of the file, read on first use (what the weight loaders use of a
-    checkpoint tensor: ``shape``, ``narrow``, indexing)."""
+    """One tensor of the file, dequantized when indexed (what the weight loaders use of a
+    checkpoint tensor: ``shape``, ``narrow``, indexing). Nothing is kept: a loader holding
+    every tensor at once (the quantized path's name -> tensor map) holds the mapping only."""
 
     def __init__(self, tensor: Any, unpermute_heads: int | None) -> None:
         self._tensor = tensor
         self._unpermute_heads = unpermute_heads
         self.shape = torch.Size(int(d) for d in reversed(tensor.shape.tolist()))
         self.type_name = tensor.tensor_type.name
-        self._value: torch.Tensor | None = None
 
     def value(self) -> torch.Tensor:
-        if self._value is None:
-            array = np.asarray(dequantize(self._tensor.data, self._tensor.tensor_type))
-            array = array.astype(np.float32, copy=False)
-            if not array.flags.writeable:  # F32 data is a view of the read-only mapping
-                array = array.copy()
-            value = torch.from_numpy(array.reshape(self.shape))
-            if self._unpermute_heads is not None:
-                value = _unpermute(value, self._unpermute_heads)
-            self._value = value.contiguous()
-        return self._value
+        """The whole tensor, float32, in Hugging Face's layout (a new tensor each call)."""
+        array = np.asarray(dequantize(self._tensor.data, self._tensor.tensor_type))
+        array = array.astype(np.float32, copy=False)
+        if not array.flags.writeable:  # F32 data is a view of the read-only mapping
+            array = array.copy()
+        value = torch.from_numpy(array.reshape(self.shape))
+        if self._unpermute_heads is not None:
+            value = _unpermute(value, self._unpermute_heads)
+        return value.contiguous()
 
     @property
     def is_q4(self) -> bool:
