@@ -79,16 +79,20 @@ def text_prompts(texts: tuple[str, ...], num: int, tokenizer, seed: int) -> list
     return prompts
 
 
-def run_once(llm: LLM, prompts: list, max_tokens: int) -> dict:
-    """One batch to completion: per-request tok/s, CPU time, tokens, speculation counters."""
+def run_once(
+    llm: LLM, prompts: list, max_tokens: int, params: list[SamplingParams] | None = None
+) -> dict:
+    """One batch to completion: per-request tok/s, CPU time, tokens, speculation counters.
+    ``params``: one per prompt (default: greedy, ``max_tokens``, EOS ignored)."""
     engine = llm.engine
     engine.block_manager.evict()  # every run starts cold: no prefix-cache hits across runs
     before = engine.spec_stats
-    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    greedy = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    params = params or [greedy] * len(prompts)
     tokens: dict[str, list[int]] = defaultdict(list)
     done: dict[str, float] = {}
     start, start_cpu = time.perf_counter(), time.process_time()
-    ids = [engine.add_request(p, params) for p in prompts]
+    ids = [engine.add_request(p, sp) for p, sp in zip(prompts, params, strict=True)]
     while engine.has_unfinished_requests():
         for delta in engine.step():
             tokens[delta.request_id].extend(delta.token_ids)

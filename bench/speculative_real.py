@@ -26,11 +26,11 @@ import json
 import os
 import platform
 import statistics
-import time
 from pathlib import Path
 
 import torch
 
+from bench.speculative import run_once
 from workers import LLM, SamplingParams
 
 PARAGRAPH = (
@@ -69,35 +69,23 @@ def prompts_for(llm: LLM) -> list[str]:
 
 
 def run(llm: LLM, prompts: list[str], temperature: float, batch: int, max_tokens: int) -> dict:
-    engine = llm.engine
-    rates, tokens = [], []
-    before = engine.spec_stats
+    """Every prompt, ``batch`` at a time, cold (``bench.speculative.run_once``); request
+    ``i`` seeded with ``1000 + i``."""
+    runs = []
     for start in range(0, len(prompts), batch):
-        engine.block_manager.evict()  # cold: no prefix-cache hits across runs
         group = prompts[start : start + batch]
         params = [
             SamplingParams(max_tokens=max_tokens, temperature=temperature, ignore_eos=True,
                            seed=1000 + start + i)
             for i in range(len(group))
         ]  # fmt: skip
-        t0 = time.perf_counter()
-        ids = [engine.add_request(p, sp) for p, sp in zip(group, params, strict=True)]
-        got: dict[str, list[int]] = {i: [] for i in ids}
-        done: dict[str, float] = {}
-        while engine.has_unfinished_requests():
-            for delta in engine.step():
-                got[delta.request_id].extend(delta.token_ids)
-                if delta.finished:
-                    done[delta.request_id] = time.perf_counter() - t0
-        rates += [len(got[i]) / done[i] for i in ids]
-        tokens += [got[i] for i in ids]
-    after = engine.spec_stats
-    steps = after.num_steps - before.num_steps
-    drafted = after.num_draft_tokens - before.num_draft_tokens
-    accepted = after.num_accepted_tokens - before.num_accepted_tokens
+        runs.append(run_once(llm, group, max_tokens, params))
+    steps = sum(r["verify_steps"] for r in runs)
+    drafted = sum(r["drafted"] for r in runs)
+    accepted = sum(r["accepted"] for r in runs)
     return {
-        "tok_s_per_request": statistics.mean(rates),
-        "tokens": tokens,
+        "tok_s_per_request": statistics.mean(rate for r in runs for rate in r["rates"]),
+        "tokens": [t for r in runs for t in r["tokens"]],
         "acceptance_rate": accepted / drafted if drafted else 0.0,
         "mean_accepted_length": accepted / steps + 1 if steps else 0.0,
     }
