@@ -67,6 +67,7 @@ class ModelSection:
     dtype: Dtype = engine_option("dtype")
     max_model_len: int | None = engine_option("max_model_len")
     quantization: Quantization = engine_option("quantization")
+    deterministic: bool = engine_option("deterministic")
 
 
 @dataclass(frozen=True)

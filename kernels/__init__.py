@@ -18,7 +18,7 @@ from functools import partial
 
 import torch
 
-from kernels import cpu_extension, cpu_paged_decode
+from kernels import batch_invariant, cpu_extension, cpu_paged_decode
 from kernels.activation import silu_and_mul
 from kernels.attention_metadata import AttentionMetadata
 from kernels.kv_store import store_kv
@@ -56,6 +56,9 @@ class KernelOps:
     # The C++ CPU set (kernels/csrc): its norms, SiLU and decode attention are the ones the
     # C++ layer stack (workers/models/fused_decode.py) computes with, so the two agree bitwise.
     is_cpu_kernels: bool = False
+    # Every op gives a row bits that depend on that row alone (kernels/batch_invariant.py):
+    # attention per query token; the model's linears pad a lone row (model.deterministic).
+    is_batch_invariant: bool = False
 
 
 REFERENCE_OPS = KernelOps(
@@ -126,6 +129,35 @@ def cpu_kernel_ops() -> KernelOps:
     )
 
 
+def deterministic_kernel_ops(device: torch.device | str) -> KernelOps:
+    """The batch-invariant op set of ``model.deterministic`` (``kernels/batch_invariant.py``):
+    the C++ CPU set with every query token's attention computed by the decode kernel.
+
+    Raises ValueError naming what is missing: CPU only (the Triton kernels have no
+    batch-invariant variant yet), and the C++ module must build here.
+    """
+    if torch.device(device).type != "cpu":
+        raise ValueError(
+            f"model.deterministic: batch-invariant kernels exist for CPU only, not {device}"
+        )
+    decode = cpu_paged_decode.load()
+    module = cpu_extension.load()
+    if module is None or decode is None:
+        raise ValueError(
+            "model.deterministic needs the C++ CPU kernels (kernels/cpu_extension.py), which "
+            "did not build here (see the log; BATON_CPU_KERNELS=0 turns them off)"
+        )
+    return replace(
+        REFERENCE_OPS,
+        rms_norm=module.rms_norm,
+        fused_add_rms_norm=module.fused_add_rms_norm,
+        silu_and_mul=module.silu_and_mul,
+        paged_attention=partial(batch_invariant.per_token_attention, decode_fn=decode),
+        is_cpu_kernels=True,
+        is_batch_invariant=True,
+    )
+
+
 def get_kernel_ops(device: torch.device | str, *, use_triton: bool | None = None) -> KernelOps:
     """Return the op set for ``device``: Triton on CUDA, ``cpu_kernel_ops`` on CPU, the
     PyTorch references elsewhere.
@@ -145,6 +177,7 @@ __all__ = [
     "AttentionMetadata",
     "KernelOps",
     "cpu_kernel_ops",
+    "deterministic_kernel_ops",
     "get_kernel_ops",
     "triton_kernel_ops",
 ]

@@ -65,6 +65,11 @@ class EngineConfig:
     num_kv_blocks: int | None = setting(
         None, "KV-cache blocks per worker; unset = sized from memory", ge=1
     )
+    # Batch-invariant kernels (kernels/batch_invariant.py): a sequence's logits do not
+    # depend on its batch, chunking, cache hits or worker; CPU only, docs/engine.md.
+    deterministic: bool = setting(
+        False, "Bitwise-reproducible logits whatever batch, chunk, cache or worker computed them"
+    )
     # FP8: float8_e4m3fn values with a float32 scale per token and kv head, derived as the
     # KV is written (or a checkpoint's static k_scale/v_scale); docs/kv-cache-layout.md.
     kv_cache_dtype: KVCacheDtype = setting(

@@ -80,7 +80,9 @@ class LLMEngine:
         if is_gguf_file(config.model):  # served through its derived Hugging Face view
             config = dataclasses.replace(config, model=str(derive_model_dir(config.model)))
         self.config = config
-        self.parallel = parallel or ParallelContext()
+        self.parallel = dataclasses.replace(
+            parallel or ParallelContext(), deterministic=config.deterministic
+        )
         check_single_rank(config, self.parallel.tp_size, self.parallel.pp_size, batches_in_flight)
         check_single_rank_tiers(config, self.parallel)
         self.device = config.resolve_device()
@@ -93,6 +95,7 @@ class LLMEngine:
             device=self.device,
             parallel=self.parallel,
             quantization=config.quantization,
+            deterministic=config.deterministic,
         )
         self.tokenizer = tokenizer if tokenizer is not None else Tokenizer.from_dir(config.model)
         self.max_model_len = resolve_max_model_len(config, self.arch)

@@ -34,6 +34,7 @@ from torch import nn
 
 from kernels import cpu_extension, cpu_linear
 from kernels.attention_metadata import AttentionMetadata
+from kernels.batch_invariant import MIN_ROWS, RowPadded
 from kernels.int4_linear import Int4CpuMatmul
 
 logger = logging.getLogger(__name__)
@@ -44,9 +45,13 @@ _DTYPES = (torch.float32, torch.bfloat16)
 class FusedDecode:
     """A model's decoder layers and final norm as one C++ call per decode step."""
 
-    def __init__(self, stack: Any, dtype: torch.dtype) -> None:
+    def __init__(self, stack: Any, dtype: torch.dtype, min_rows: int = 1) -> None:
         self.stack = stack
         self.dtype = dtype
+        # Batch-invariant models (model.deterministic): a step of fewer decodes is run
+        # with the first one repeated, as RowPadded pads an eager layer's matmul (the copy
+        # writes the same K/V into the same slot and its output is dropped).
+        self.min_rows = min_rows
 
     def takes(
         self, num_tokens: int, kv_cache: torch.Tensor, attn_metadata: AttentionMetadata
@@ -68,19 +73,26 @@ class FusedDecode:
     ) -> torch.Tensor:
         """Embedded tokens [N, hidden] -> the final norm's output [N, hidden]; writes the
         step's K/V of every layer into ``kv_cache``."""
-        return self.stack.forward(
-            hidden,
-            positions,
-            kv_cache,
-            attn_metadata.slot_mapping,
-            attn_metadata.block_tables,
-            attn_metadata.seq_lens,
-        )
+        num_rows = hidden.shape[0]
+        slot_mapping = attn_metadata.slot_mapping
+        block_tables, seq_lens = attn_metadata.block_tables, attn_metadata.seq_lens
+        if num_rows < self.min_rows:
+            take = torch.zeros(self.min_rows, dtype=torch.long)  # row 0, repeated
+            hidden, positions = hidden.index_select(0, take), positions.index_select(0, take)
+            slot_mapping = slot_mapping.index_select(0, take)
+            block_tables, seq_lens = (
+                block_tables.index_select(0, take),
+                seq_lens.index_select(0, take),
+            )
+        out = self.stack.forward(hidden, positions, kv_cache, slot_mapping, block_tables, seq_lens)
+        return out[:num_rows]
 
 
 def _linear(layer: nn.Module, module: Any) -> Any:
     """The C++ ``Linear`` that multiplies as ``layer.matmul`` does; ValueError otherwise."""
     matmul, weight = layer.matmul, layer.weight.detach()
+    if isinstance(matmul, RowPadded):  # the stack pads the whole step instead (FusedDecode)
+        matmul = matmul.inner
     bias = None if layer.bias is None else layer.bias.detach()
     if isinstance(matmul, Int4CpuMatmul):
         return module.Linear("int4", weight, bias, matmul.scale_zeros, matmul.group_size)
@@ -135,8 +147,11 @@ def attach_fused_decode(model: nn.Module) -> str | None:
         except ValueError as exc:
             reason = str(exc)
         else:
+            ops = inner.layers[inner.start_layer].self_attn.attn.ops
             model.model.fused_decode = FusedDecode(
-                stack, model.model.rotary_emb.cos_sin_cache.dtype
+                stack,
+                model.model.rotary_emb.cos_sin_cache.dtype,
+                MIN_ROWS if ops.is_batch_invariant else 1,
             )
             logger.info("decode steps: the C++ layer stack (%d layers)", stack.num_layers)
             return None

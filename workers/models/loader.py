@@ -21,10 +21,11 @@ from safetensors import safe_open
 from torch import nn
 from tqdm import tqdm
 
-from kernels import KernelOps, cpu_linear, get_kernel_ops
+from kernels import KernelOps, cpu_linear, deterministic_kernel_ops, get_kernel_ops
 from workers.models import quant
 from workers.models.arch_config import ArchConfig
 from workers.models.base import CausalLM
+from workers.models.deterministic import make_batch_invariant
 from workers.models.fused_decode import attach_fused_decode
 from workers.models.gguf.derive import GGUF_WEIGHTS
 from workers.models.gguf.tensors import GGUFTensor
@@ -53,6 +54,7 @@ def load_model(
     pack_linear: bool | Literal["auto"] = "auto",
     quantization: str = "none",
     fused_decode: bool = True,
+    deterministic: bool = False,
 ) -> tuple[CausalLM, ArchConfig]:
     """Build the model for ``model_dir`` on ``device`` in ``dtype`` and load its weights.
 
@@ -64,6 +66,10 @@ def load_model(
     packed weight is an opaque oneDNN tensor, which indexing and comparisons refuse.
     Last, on CPU, decode steps get the C++ layer stack where it computes the model
     exactly (``workers/models/fused_decode.py``; ``fused_decode=False``: always eager).
+    ``deterministic``: batch-invariant kernels (``kernels/batch_invariant.py``; CPU): the
+    op set of ``deterministic_kernel_ops``, every weight packed for oneDNN where it takes
+    ``dtype`` (MKL's float32 sgemm is not row-invariant), each linear probed at load
+    (``workers/models/deterministic.py``); ValueError where this machine cannot give it.
     Raises ValueError for an unsupported architecture, a directory without weights, and
     missing, unexpected or wrongly shaped tensors (named in the message).
     """
@@ -73,7 +79,10 @@ def load_model(
     files = _weight_files(Path(model_dir))
     device = torch.device(device)
     parallel = parallel or ParallelContext()
-    ops = ops or get_kernel_ops(device)
+    if ops is None:
+        ops = deterministic_kernel_ops(device) if deterministic else get_kernel_ops(device)
+    if deterministic and pack_linear == "auto":
+        pack_linear = True  # not timed: the probe below needs oneDNN's row-invariance
     with torch.device(device), _default_dtype(dtype):
         model = model_cls(config, parallel, ops)
     with torch.no_grad():
@@ -108,6 +117,8 @@ def load_model(
             elif choice is not None:
                 logger.info("linear weights kept for F.linear (%s): measured %s",
                             dtype, choice.describe())  # fmt: skip
+        if deterministic:
+            make_batch_invariant(model, dtype)
     if fused_decode and device.type == "cpu":
         attach_fused_decode(model)
     model.eval()

@@ -31,6 +31,9 @@ class ParallelContext:
     group: dist.ProcessGroup | None = None  # the stage's TP group; None: the default group
     pp_rank: int = 0  # pipeline stage: 0 embeds the tokens, pp_size - 1 has the LM head
     pp_size: int = 1
+    # model.deterministic: all_reduce sums the ranks' parts in rank order, whatever the
+    # tensor's size (a ring all-reduce's order per element depends on how it is chunked).
+    deterministic: bool = False
 
     def __post_init__(self) -> None:
         if self.tp_size < 1 or not 0 <= self.tp_rank < self.tp_size:
@@ -41,7 +44,14 @@ class ParallelContext:
     # ---- tensor parallelism --------------------------------------------------------------
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         """Sum ``x`` over the tensor-parallel group, in place; returns ``x``."""
-        if self.tp_size > 1:
+        if self.tp_size > 1 and self.deterministic:
+            parts = [torch.empty_like(x) for _ in range(self.tp_size)]
+            dist.all_gather(parts, x.contiguous(), group=self.group)
+            total = parts[0]
+            for part in parts[1:]:
+                total += part
+            x.copy_(total)
+        elif self.tp_size > 1:
             dist.all_reduce(x, group=self.group)
         return x
 
