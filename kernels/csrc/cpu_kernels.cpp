@@ -26,7 +26,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def(py::init<const std::string&, at::Tensor, std::optional<at::Tensor>,
                     std::optional<at::Tensor>, int64_t>(),
            py::arg("kind"), py::arg("weight"), py::arg("bias"), py::arg("scale_zeros"),
-           py::arg("group_size"));
+           py::arg("group_size"))
+      .def_readwrite("min_rows", &baton::Linear::min_rows);
   py::class_<baton::DecodeStack>(m, "DecodeStack")
       .def(py::init<int64_t, int64_t, int64_t, double, double, at::Tensor, at::Tensor>(),
            py::arg("num_heads"), py::arg("num_kv_heads"), py::arg("head_dim"), py::arg("eps"),

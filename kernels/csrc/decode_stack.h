@@ -65,7 +65,16 @@ struct Linear {
     }
   }
 
+  // Batch-invariant models (model.deterministic, kernels/batch_invariant.py): fewer rows
+  // than min_rows are multiplied beside copies of the first, as RowPadded does in Python
+  // (one row alone may take a matrix-vector path that sums in another order).
   at::Tensor operator()(const at::Tensor& x) const {
+    const int64_t rows = x.size(0);
+    if (rows == 0 || rows >= min_rows) return multiply(x);
+    return multiply(x.narrow(0, 0, 1).expand({min_rows, x.size(1)}).contiguous()).narrow(0, 0, rows);
+  }
+
+  at::Tensor multiply(const at::Tensor& x) const {
     switch (kind) {
       case Kind::kDense:
         return at::linear(x, weight, bias);
@@ -103,6 +112,7 @@ struct Linear {
   std::optional<at::Tensor> bias;
   std::optional<at::Tensor> scale_zeros;
   int64_t group_size = 0;
+  int64_t min_rows = 1;
 };
 
 struct DecoderLayer {

@@ -125,15 +125,32 @@ inline float exp_shifted(float* __restrict s, int64_t n, float peak) {
   return total;
 }
 
+#if defined(__AVX512F__)
+// 16 values of a K/V row as float32: a float row as it is, a bfloat16 row widened exactly
+// (its bits are a float's top half), so both dtypes take the vector paths below.
+template <typename scalar_t>
+constexpr bool kVectorRow = std::is_same_v<scalar_t, float> || std::is_same_v<scalar_t, c10::BFloat16>;
+
+template <typename scalar_t>
+inline __m512 load16(const scalar_t* p) {
+  if constexpr (std::is_same_v<scalar_t, float>) {
+    return _mm512_loadu_ps(p);
+  } else {
+    const __m256i bits = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
+  }
+}
+#endif
+
 // Scores of one K row against the G query rows q [G, kD] (float32, AVX-512 when built
 // for it): the row is loaded once into registers and reused by every head of the group.
 template <typename scalar_t, int kD>
 inline void score_row(const float* __restrict q, const scalar_t* __restrict kr, int64_t group,
                       int64_t head_dim, float* __restrict out, int64_t out_stride) {
 #if defined(__AVX512F__)
-  if constexpr (std::is_same_v<scalar_t, float> && kD > 0 && kD % 16 == 0) {
+  if constexpr (kVectorRow<scalar_t> && kD > 0 && kD % 16 == 0) {
     __m512 k[kD / 16];
-    for (int j = 0; j < kD / 16; ++j) k[j] = _mm512_loadu_ps(kr + 16 * j);
+    for (int j = 0; j < kD / 16; ++j) k[j] = load16(kr + 16 * j);
     for (int64_t g = 0; g < group; ++g) {
       const float* qg = q + g * kD;
       __m512 acc = _mm512_mul_ps(_mm512_loadu_ps(qg), k[0]);
@@ -159,13 +176,13 @@ inline void accumulate_rows(float* __restrict a, const float* __restrict p,
                             const scalar_t* __restrict v, int64_t rows, int64_t row_stride,
                             int64_t head_dim) {
 #if defined(__AVX512F__)
-  if constexpr (std::is_same_v<scalar_t, float> && kD > 0 && kD % 16 == 0) {
+  if constexpr (kVectorRow<scalar_t> && kD > 0 && kD % 16 == 0) {
     __m512 acc[kD / 16];
     for (int j = 0; j < kD / 16; ++j) acc[j] = _mm512_loadu_ps(a + 16 * j);
     for (int64_t r = 0; r < rows; ++r) {
       const __m512 pr = _mm512_set1_ps(p[r]);
-      const float* vr = v + r * row_stride;
-      for (int j = 0; j < kD / 16; ++j) acc[j] = _mm512_fmadd_ps(pr, _mm512_loadu_ps(vr + 16 * j), acc[j]);
+      const scalar_t* vr = v + r * row_stride;
+      for (int j = 0; j < kD / 16; ++j) acc[j] = _mm512_fmadd_ps(pr, load16(vr + 16 * j), acc[j]);
     }
     for (int j = 0; j < kD / 16; ++j) _mm512_storeu_ps(a + 16 * j, acc[j]);
     return;

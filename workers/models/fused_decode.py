@@ -45,13 +45,9 @@ _DTYPES = (torch.float32, torch.bfloat16)
 class FusedDecode:
     """A model's decoder layers and final norm as one C++ call per decode step."""
 
-    def __init__(self, stack: Any, dtype: torch.dtype, min_rows: int = 1) -> None:
+    def __init__(self, stack: Any, dtype: torch.dtype) -> None:
         self.stack = stack
         self.dtype = dtype
-        # Batch-invariant models (model.deterministic): a step of fewer decodes is run
-        # with the first one repeated, as RowPadded pads an eager layer's matmul (the copy
-        # writes the same K/V into the same slot and its output is dropped).
-        self.min_rows = min_rows
 
     def takes(
         self, num_tokens: int, kv_cache: torch.Tensor, attn_metadata: AttentionMetadata
@@ -73,33 +69,34 @@ class FusedDecode:
     ) -> torch.Tensor:
         """Embedded tokens [N, hidden] -> the final norm's output [N, hidden]; writes the
         step's K/V of every layer into ``kv_cache``."""
-        num_rows = hidden.shape[0]
-        slot_mapping = attn_metadata.slot_mapping
-        block_tables, seq_lens = attn_metadata.block_tables, attn_metadata.seq_lens
-        if num_rows < self.min_rows:
-            take = torch.zeros(self.min_rows, dtype=torch.long)  # row 0, repeated
-            hidden, positions = hidden.index_select(0, take), positions.index_select(0, take)
-            slot_mapping = slot_mapping.index_select(0, take)
-            block_tables, seq_lens = (
-                block_tables.index_select(0, take),
-                seq_lens.index_select(0, take),
-            )
-        out = self.stack.forward(hidden, positions, kv_cache, slot_mapping, block_tables, seq_lens)
-        return out[:num_rows]
+        return self.stack.forward(
+            hidden,
+            positions,
+            kv_cache,
+            attn_metadata.slot_mapping,
+            attn_metadata.block_tables,
+            attn_metadata.seq_lens,
+        )
 
 
 def _linear(layer: nn.Module, module: Any) -> Any:
     """The C++ ``Linear`` that multiplies as ``layer.matmul`` does; ValueError otherwise."""
     matmul, weight = layer.matmul, layer.weight.detach()
-    if isinstance(matmul, RowPadded):  # the stack pads the whole step instead (FusedDecode)
-        matmul = matmul.inner
+    min_rows = 1
+    if isinstance(matmul, RowPadded):  # the C++ Linear pads as RowPadded does
+        matmul, min_rows = matmul.inner, MIN_ROWS
     bias = None if layer.bias is None else layer.bias.detach()
     if isinstance(matmul, Int4CpuMatmul):
-        return module.Linear("int4", weight, bias, matmul.scale_zeros, matmul.group_size)
-    if matmul is cpu_linear.linear:
-        return module.Linear("onednn", weight, bias, None, 0)
-    if matmul is F.linear and not weight.is_mkldnn:
-        return module.Linear("dense", weight, bias, None, 0)
+        linear = module.Linear("int4", weight, bias, matmul.scale_zeros, matmul.group_size)
+    elif matmul is cpu_linear.linear:
+        linear = module.Linear("onednn", weight, bias, None, 0)
+    elif matmul is F.linear and not weight.is_mkldnn:
+        linear = module.Linear("dense", weight, bias, None, 0)
+    else:
+        linear = None
+    if linear is not None:
+        linear.min_rows = min_rows
+        return linear
     raise ValueError(f"a linear layer multiplies through {matmul!r}, which the stack lacks")
 
 
@@ -147,11 +144,8 @@ def attach_fused_decode(model: nn.Module) -> str | None:
         except ValueError as exc:
             reason = str(exc)
         else:
-            ops = inner.layers[inner.start_layer].self_attn.attn.ops
             model.model.fused_decode = FusedDecode(
-                stack,
-                model.model.rotary_emb.cos_sin_cache.dtype,
-                MIN_ROWS if ops.is_batch_invariant else 1,
+                stack, model.model.rotary_emb.cos_sin_cache.dtype
             )
             logger.info("decode steps: the C++ layer stack (%d layers)", stack.num_layers)
             return None
