@@ -101,11 +101,15 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=96)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--json", type=Path)
+    parser.add_argument(
+        "--deterministic", action="store_true", help="model.deterministic (batch-invariant)"
+    )
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     gguf = args.gguf or _smollm2_gguf()
     common = dict(dtype="float32", enable_prefix_caching=True, max_model_len=1024,
-                  max_num_seqs=max(8, args.batch), detokenize=False)  # fmt: skip
+                  max_num_seqs=max(8, args.batch), detokenize=False,
+                  deterministic=args.deterministic)  # fmt: skip
     engines = {"off": LLM(gguf, **common), "ngram": LLM(gguf, speculative_method="ngram", **common)}
     prompts = prompts_for(engines["off"])
     results: dict = {}
@@ -135,8 +139,8 @@ def main() -> None:
     if args.json:
         args.json.write_text(json.dumps({
             "command": "python -m bench.speculative_real " + " ".join(
-                f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items()
-                if v is not None and k != "json"),
+                f"--{k.replace('_', '-')}" + ("" if v is True else f" {v}")
+                for k, v in vars(args).items() if v not in (None, False) and k != "json"),
             "machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPUs",
             "loadavg_1min_before_each_run": load,
             "results": results,
