@@ -129,16 +129,35 @@ def cpu_kernel_ops() -> KernelOps:
     )
 
 
-def deterministic_kernel_ops(device: torch.device | str) -> KernelOps:
-    """The batch-invariant op set of ``model.deterministic`` (``kernels/batch_invariant.py``):
-    the C++ CPU set with every query token's attention computed by the decode kernel.
+def deterministic_kernel_ops(
+    device: torch.device | str, *, use_triton: bool | None = None
+) -> KernelOps:
+    """The batch-invariant op set of ``model.deterministic``: every query token's attention
+    computed as a decode over its own context. On CPU the C++ set with its decode kernel
+    (``kernels/batch_invariant.py``); on CUDA (or ``use_triton``, the interpreter in
+    tests) the Triton set with the fixed-split decode kernel
+    (``kernels/triton_batch_invariant.py``; the model's linears get that module's
+    ``linear``: ``workers/models/deterministic.py``).
 
-    Raises ValueError naming what is missing: CPU only (the Triton kernels have no
-    batch-invariant variant yet), and the C++ module must build here.
+    Raises ValueError naming what is missing: the C++ module must build on CPU, and other
+    devices have no batch-invariant kernels.
     """
-    if torch.device(device).type != "cpu":
+    kind = torch.device(device).type
+    if use_triton is None:
+        use_triton = kind == "cuda"
+    if use_triton:
+        from kernels import triton_batch_invariant
+
+        return replace(
+            triton_kernel_ops(),
+            paged_attention=partial(
+                batch_invariant.per_token_attention, decode_fn=triton_batch_invariant.decode_fn
+            ),
+            is_batch_invariant=True,
+        )
+    if kind != "cpu":
         raise ValueError(
-            f"model.deterministic: batch-invariant kernels exist for CPU only, not {device}"
+            f"model.deterministic: batch-invariant kernels exist for CPU and CUDA, not {device}"
         )
     decode = cpu_paged_decode.load()
     module = cpu_extension.load()

@@ -82,7 +82,7 @@ def invariance_failures(
     offsets of ``_PROBE_ROWS``/``_PROBE_OFFSETS``); returns the (rows, offset) pairs whose
     rows did not come out bitwise as in the whole batch (empty: invariant here)."""
     gen = torch.Generator().manual_seed(0)
-    x = torch.randn(_PROBE_TOTAL, in_features, generator=gen).to(dtype)
+    x = torch.randn(_PROBE_TOTAL, in_features, generator=gen).to(dtype).to(weight.device)
     with torch.inference_mode():
         whole = matmul(x, weight, bias)
         failures = []

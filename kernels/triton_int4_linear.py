@@ -93,13 +93,17 @@ class TritonInt4Matmul:
     zeros: torch.Tensor  # float32 [num_groups, N]
     group_size: int
     in_features: int
+    # model.deterministic: one tile height whatever the number of rows, so a row's sums
+    # never depend on how many rows share its launch (kernels/triton_batch_invariant.py).
+    block_m: int | None = None
 
     def __call__(
         self, x: torch.Tensor, qweight: torch.Tensor, bias: torch.Tensor | None = None
     ) -> torch.Tensor:
         return int4_linear(
-            x, qweight, self.scales, self.zeros, self.group_size, self.in_features, bias
-        )
+            x, qweight, self.scales, self.zeros, self.group_size, self.in_features, bias,
+            block_m=self.block_m,
+        )  # fmt: skip
 
 
 def pack(
@@ -121,8 +125,11 @@ def int4_linear(
     group_size: int,
     in_features: int,
     bias: torch.Tensor | None = None,
+    *,
+    block_m: int | None = None,
 ) -> torch.Tensor:
-    """``x`` [..., K] times the int4 weight [N, K] (+ ``bias``) -> [..., N] in x's dtype."""
+    """``x`` [..., K] times the int4 weight [N, K] (+ ``bias``) -> [..., N] in x's dtype.
+    ``block_m``: rows per tile (default: by the number of rows)."""
     k = in_features
     n = qweight.shape[1]
     groups = -(-k // group_size)
@@ -146,7 +153,8 @@ def int4_linear(
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
     if m == 0 or n == 0:
         return out.reshape(*lead, n)
-    block_m = 16 if m <= 16 else 32 if m <= 32 else 64
+    if block_m is None:
+        block_m = 16 if m <= 16 else 32 if m <= 32 else 64
     block_n, block_k = 64, 64
     grid = (triton.cdiv(m, block_m), triton.cdiv(n, block_n))
     _int4_linear_kernel[grid](

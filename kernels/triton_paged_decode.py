@@ -185,6 +185,46 @@ def _decode_reduce_kernel(
     tl.store(o_ptrs, out.to(out_ptr.dtype.element_ty), mask=dims < HEAD_DIM)
 
 
+@triton.jit
+def _decode_reduce_ordered_kernel(
+    partial_out_ptr,
+    partial_lse_ptr,
+    seq_lens_ptr,
+    out_ptr,
+    tokens_per_split,
+    stride_po_seq,
+    stride_po_head,
+    stride_po_split,
+    stride_pl_seq,
+    stride_pl_head,
+    stride_o_seq,
+    stride_o_head,
+    HEAD_DIM: tl.constexpr,
+    HEAD_DIM_PAD: tl.constexpr,
+):
+    """``_decode_reduce_kernel`` for batch-invariant runs: it combines only this sequence's
+    own splits (``ceil(seq_len / tokens_per_split)``), one after another in order, so the
+    result depends on the sequence alone, not on the batch's longest."""
+    seq = tl.program_id(0)
+    head = tl.program_id(1)
+    dims = tl.arange(0, HEAD_DIM_PAD)
+    num_splits = tl.maximum(tl.cdiv(tl.load(seq_lens_ptr + seq), tokens_per_split), 1)
+    pl_ptr = partial_lse_ptr + seq * stride_pl_seq + head * stride_pl_head
+    peak = tl.load(pl_ptr)
+    for split in range(1, num_splits):
+        peak = tl.maximum(peak, tl.load(pl_ptr + split))
+    total = tl.zeros([1], tl.float32)
+    out = tl.zeros([HEAD_DIM_PAD], tl.float32)
+    po_ptr = partial_out_ptr + seq * stride_po_seq + head * stride_po_head + dims
+    for split in range(0, num_splits):
+        weight = tl.exp2(tl.load(pl_ptr + split) - peak)
+        total += weight
+        out += weight * tl.load(po_ptr + split * stride_po_split, mask=dims < HEAD_DIM, other=0.0)
+    out = out / total
+    o_ptrs = out_ptr + seq.to(tl.int64) * stride_o_seq + head * stride_o_head + dims
+    tl.store(o_ptrs, out.to(out_ptr.dtype.element_ty), mask=dims < HEAD_DIM)
+
+
 @functools.cache
 def _num_sms(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
@@ -271,6 +311,7 @@ def paged_decode_attention(
     out: torch.Tensor | None = None,
     num_splits: int | None = None,
     block_n: int | None = None,
+    split_tokens: int | None = None,
 ) -> torch.Tensor:
     """Attend each sequence's one query token to its paged context; returns ``out``.
 
@@ -278,6 +319,10 @@ def paged_decode_attention(
     ``max_seq_len`` (a host int, no device sync) bounds ``seq_lens`` and sizes the splits;
     ``num_splits`` (default: chosen from the GPU's size) and ``block_n`` (tokens per tile)
     are tuning knobs that tests use to force the split and multi-tile paths.
+    ``split_tokens`` (a multiple of the tile, batch-invariant runs): cut every context at
+    multiples of it, always through the partial outputs, and combine each sequence's own
+    splits in order, so a sequence's result does not depend on the batch (``num_splits``
+    is then ignored).
     """
     if out is None:
         out = torch.empty_like(query)
@@ -298,8 +343,12 @@ def paged_decode_attention(
         )
     # Equal ranges, each a whole number of tiles; trailing empty ranges are dropped.
     tokens_per_split = triton.cdiv(triton.cdiv(max(max_seq_len, 1), num_splits), block_n) * block_n
+    if split_tokens is not None:
+        if split_tokens % block_n:
+            raise ValueError(f"split_tokens {split_tokens} is not a multiple of {block_n}")
+        tokens_per_split = split_tokens
     num_splits = triton.cdiv(max(max_seq_len, 1), tokens_per_split)
-    is_split = num_splits > 1
+    is_split = num_splits > 1 or split_tokens is not None
     if is_split:
         partial_out = torch.empty(
             num_seqs, num_heads, num_splits, head_dim_pad, dtype=torch.float32, device=query.device
@@ -345,7 +394,25 @@ def paged_decode_attention(
         num_warps=num_warps,
         num_stages=2,
     )
-    if is_split:
+    if split_tokens is not None:
+        _decode_reduce_ordered_kernel[(num_seqs, num_heads)](
+            partial_out,
+            partial_lse,
+            seq_lens,
+            out,
+            tokens_per_split,
+            partial_out.stride(0),
+            partial_out.stride(1),
+            partial_out.stride(2),
+            partial_lse.stride(0),
+            partial_lse.stride(1),
+            out.stride(0),
+            out.stride(1),
+            HEAD_DIM=head_dim,
+            HEAD_DIM_PAD=head_dim_pad,
+            num_warps=4,
+        )
+    elif is_split:
         _decode_reduce_kernel[(num_seqs, num_heads)](
             partial_out,
             partial_lse,

@@ -70,3 +70,39 @@ def bf16_dots_in_interpreter() -> Iterator[None]:
         yield
     finally:
         InterpreterBuilder.create_dot = original
+
+
+@contextlib.contextmanager
+def position_independent_dots_in_interpreter() -> Iterator[None]:
+    """Test-only shim for the batch-invariant kernels: Triton's interpreter computes
+    ``tl.dot`` with numpy's ``matmul`` (BLAS), whose rounding for a row depends on where
+    the row sits in the tile; a GPU's MMA computes every element of a tile alike. Inside
+    this block each element is accumulated along K in order, the same for every position
+    (bfloat16 operands widened exactly first), so a test sees what the *kernel* makes a
+    row depend on: its tiles, loops and masks. Compiled runs are left alone."""
+    if not IS_INTERPRETED:
+        yield
+        return
+    import numpy as np
+    import triton.language as tl
+    from triton.runtime.interpreter import InterpreterBuilder, TensorHandle
+
+    original = InterpreterBuilder.create_dot
+
+    def create_dot(self, a, b, d, input_precision, max_num_imprecise_acc):
+        if a.dtype.scalar == tl.bfloat16:
+            a = self.cast_impl(a, tl.float32)
+        if b.dtype.scalar == tl.bfloat16:
+            b = self.cast_impl(b, tl.float32)
+        acc_dtype = d.data.dtype
+        lhs, rhs = a.data.astype(acc_dtype), b.data.astype(acc_dtype)
+        out = np.zeros(d.data.shape, dtype=acc_dtype)
+        for k in range(lhs.shape[-1]):
+            out += lhs[..., :, k : k + 1] * rhs[..., k : k + 1, :]
+        return TensorHandle(out + d.data, d.dtype.scalar)
+
+    InterpreterBuilder.create_dot = create_dot
+    try:
+        yield
+    finally:
+        InterpreterBuilder.create_dot = original

@@ -82,7 +82,9 @@ def load_model(
     if ops is None:
         ops = deterministic_kernel_ops(device) if deterministic else get_kernel_ops(device)
     if deterministic and pack_linear == "auto":
-        pack_linear = True  # not timed: the probe below needs oneDNN's row-invariance
+        # Not timed: the probe below needs oneDNN's row-invariance; the Triton kernels
+        # read plain weights.
+        pack_linear = not ops.is_triton
     with torch.device(device), _default_dtype(dtype):
         model = model_cls(config, parallel, ops)
     with torch.no_grad():
@@ -118,7 +120,7 @@ def load_model(
                 logger.info("linear weights kept for F.linear (%s): measured %s",
                             dtype, choice.describe())  # fmt: skip
         if deterministic:
-            make_batch_invariant(model, dtype)
+            make_batch_invariant(model, dtype, use_triton=ops.is_triton)
     if fused_decode and device.type == "cpu":
         attach_fused_decode(model)
     model.eval()
