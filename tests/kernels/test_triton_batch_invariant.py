@@ -63,6 +63,23 @@ def test_linear_matches_f_linear_and_its_rows_do_not_depend_on_the_batch(
         assert invariance_failures(linear, weight, in_features, dtype, b) == []
 
 
+def test_int4_linear_with_a_fixed_tile_height_does_not_depend_on_the_batch():
+    import dataclasses
+
+    from kernels import triton_batch_invariant, triton_int4_linear
+
+    gen = torch.Generator().manual_seed(4)
+    q = torch.randint(0, 16, (96, 128), generator=gen, dtype=torch.uint8)
+    scales = torch.rand(96, 4, generator=gen) * 0.02
+    zeros = torch.full((96, 4), 8.0)
+    packed, matmul = triton_int4_linear.pack(q.to(DEVICE), scales.to(DEVICE), zeros.to(DEVICE), 32)
+    # The fixed tile height matters on a GPU (the MMA layout follows it); in the
+    # interpreter this checks the kernel's K loop and masks keep a row to itself.
+    fixed = dataclasses.replace(matmul, block_m=triton_batch_invariant.BLOCK_M)
+    with position_independent_dots_in_interpreter():
+        assert invariance_failures(fixed, packed, 128, torch.float32) == []
+
+
 def _case(seq_len, other_len, dtype, seed):
     gen = torch.Generator().manual_seed(seed)
     block_size, num_kv_heads, num_heads, head_dim = 16, 2, 4, 32
