@@ -42,7 +42,7 @@ from pathlib import Path
 
 import grpc
 
-from bench.chaos_report import figures_table, scrape, summarize
+from bench.chaos_report import diagnose_wrong, figures_table, scrape, summarize
 from bench.chaos_traffic import (
     SteadyLoad,
     build_workload,
@@ -63,8 +63,10 @@ MAX_QUEUED = 48
 
 def cluster_config(model_dir: Path, args: argparse.Namespace) -> dict:
     pool = {"max_num_seqs": 16, "max_num_batched_tokens": 512}
+    model = {"path": str(model_dir), "name": "chaos", "max_model_len": 512}
+    model.update(dtype=args.dtype, deterministic=args.deterministic)
     return {
-        "model": {"path": str(model_dir), "name": "chaos", "max_model_len": 512},
+        "model": model,
         "prefill": {"replicas": args.prefill, **pool},
         "decode": {"replicas": args.decode, **pool},
         "kv_cache": {"block_size": 16, "num_blocks": 512},
@@ -163,6 +165,7 @@ class Campaign:
         self.probe_s: list[float] = []  # single calls sent while the queue was full
         self.overload_admitted: list[int] = []
         self.fuzz: dict | None = None  # bench.fuzz's result, when it ran
+        self.wrong: list[dict] = []  # every WRONG answer, diagnosed (bench/chaos_report.py)
 
     def kill_one(self) -> None:
         pids = processes(self.cluster.process.pid, WORKER_PROCESS)
@@ -277,7 +280,17 @@ def main() -> int:
     parser.add_argument("--hostile-every", type=float, default=20.0, help="seconds; 0 = never")
     parser.add_argument("--overload-every", type=float, default=180.0, help="seconds; 0 = never")
     parser.add_argument("--faults", default=DEFAULT_FAULTS, help="BATON_KV_FAULTS ('' = none)")
-    parser.add_argument("--num-prompts", type=int, default=24)
+    # Thousands of distinct prompts, so that hand-offs, recomputes and migrations really
+    # happen (24 made nearly every request a prefix-cache hit with an empty hand-off).
+    parser.add_argument("--num-prompts", type=int, default=2000)
+    parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
+    parser.add_argument(
+        "--deterministic",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="model.deterministic: every answer must equal the reference bitwise "
+        "(--no-deterministic: a mismatch is reported with its margin and path)",
+    )
     parser.add_argument(
         "--direction",
         default="auto",
@@ -304,7 +317,8 @@ def main() -> int:
         make_model(model_dir, "llama", "tiny", seed=0)
     vocab_size = json.loads((model_dir / "config.json").read_text())["vocab_size"]
     print(f"references of {args.num_prompts} prompts (LLM API, same weights)...", flush=True)
-    cases = build_workload(str(model_dir), args.num_prompts, vocab_size, args.seed)
+    engine_args = {"dtype": args.dtype, "deterministic": args.deterministic}
+    cases = build_workload(str(model_dir), args.num_prompts, vocab_size, args.seed, engine_args)
 
     with tempfile.TemporaryDirectory(prefix="baton-chaos-") as tmp:
         env = {"BATON_KV_FAULTS": args.faults} if args.faults else {}
@@ -339,6 +353,7 @@ def main() -> int:
             rc = cluster.stop() if cluster.process.poll() is None else cluster.process.returncode
     if args.cluster_log:
         args.cluster_log.write_text("\n".join(cluster.lines) + "\n")
+    campaign.wrong = diagnose_wrong(str(model_dir), engine_args, load.outcomes.wrong)
     report = summarize(args, campaign, load, settled, after, samples, survived, rc, cluster)
     text = json.dumps(report, indent=2)
     if args.json:

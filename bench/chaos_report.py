@@ -91,6 +91,45 @@ def machine() -> str:
     return f"{cpu}, {os.cpu_count()} cores, {platform.system()} (shared with other sessions)"
 
 
+def diagnose_wrong(model_dir: str, engine_args: dict, wrong: list[dict]) -> list[dict]:
+    """Each WRONG answer as JSON, with where it left the reference and by how much: at the
+    first differing token, the reference's logprobs (raw logits, top 20) of the expected
+    and the returned token and their margin (a near-tie is a few hundredths; a defect
+    shows as a token the model never ranks high), recomputed by ``LLM`` alone with the
+    cluster's dtype and mode. Over HTTP only the text is known: no margin."""
+    from workers import LLM, SamplingParams
+
+    llm = None
+    out = []
+    for w in wrong:
+        case = w.get("case")
+        entry = {k: v for k, v in w.items() if k != "case"}
+        if case is not None:
+            entry.update(prompt_len=len(case.prompt), temperature=case.temperature, seed=case.seed)
+            expected, got = w["expected"], w["got"]
+            i = next(
+                (j for j, (a, b) in enumerate(zip(expected, got, strict=False)) if a != b), None
+            )
+            entry["first_difference"] = i if i is not None else min(len(expected), len(got))
+            if i is not None:
+                llm = llm or LLM(model_dir, max_model_len=512, **engine_args)
+                params = SamplingParams(max_tokens=1, temperature=0.0, logprobs=20)
+                (ref,) = llm.generate([[*case.prompt, *expected[:i]]], params)
+                top = dict(
+                    zip(ref.logprobs[0].top_token_ids, ref.logprobs[0].top_logprobs, strict=True)
+                )
+                ranked = sorted(top, key=top.get, reverse=True)
+                entry["reference_logprobs"] = {
+                    "expected": top.get(expected[i]),
+                    "got": top.get(got[i]),  # None: not in the reference's top 20
+                    "got_rank": ranked.index(got[i]) + 1 if got[i] in top else "> 20",
+                }
+                if top.get(expected[i]) is not None and top.get(got[i]) is not None:
+                    entry["margin"] = top[expected[i]] - top[got[i]]
+        out.append(entry)
+    return out
+
+
 def summarize(args, campaign, load, settled, after, samples, survived, rc, cluster) -> dict:
     outcomes = load.outcomes.by_outcome()
     restarts = sum(settled.get("restarts", {}).values())
@@ -123,10 +162,21 @@ def summarize(args, campaign, load, settled, after, samples, survived, rc, clust
             },
             "by_frontend": {f"{f}:{o}": n for (f, o), n in sorted(load.outcomes.counts.items())},
             "error_examples": load.outcomes.errors,
-            "wrong_examples": load.outcomes.wrong[:5],
+            "wrong": campaign.wrong,  # every one (up to 200), diagnosed
             "latency_p50_s": percentile(load.latencies, 0.5),
             "latency_p99_s": percentile(load.latencies, 0.99),
         },
+        "model": {
+            "dtype": args.dtype,
+            "deterministic": args.deterministic,
+            "distinct_prompts": args.num_prompts,
+        },
+        # What the workload made the cluster do (each a path a wrong answer could come from).
+        "handoffs": metric_sum(samples, "baton_kv_transfer_seconds_count"),
+        "prefix_cache_hit_tokens": metric_sum(samples, "baton_prefix_cache_hit_tokens_total"),
+        "prefix_cache_queried_tokens": metric_sum(
+            samples, "baton_prefix_cache_queried_tokens_total"
+        ),
         "migrations": metric_sum(samples, "baton_router_migrations_total"),
         "migrations_by_cause": by_label(samples, "baton_router_migrations_total", "cause"),
         "workers_killed": len(campaign.kills),
@@ -196,6 +246,18 @@ def figures_table(report: dict) -> str:
         ("completed, equal to the reference", req["completed_equal"]),
         ("completed with WRONG output (goal 0)", req["completed_wrong"]),
         ("failed, by code", errors),
+        (
+            "model, distinct prompts",
+            f"{report['model']['dtype']}, deterministic "
+            f"{'on' if report['model']['deterministic'] else 'off'}, "
+            f"{report['model']['distinct_prompts']} prompts",
+        ),
+        ("KV hand-offs received (decode)", int(report["handoffs"])),
+        (
+            "prefix-cache hits, tokens (of queried)",
+            f"{int(report['prefix_cache_hit_tokens'])} "
+            f"(of {int(report['prefix_cache_queried_tokens'])})",
+        ),
         ("migrated (router)", int(report["migrations"])),
         ("worker processes killed (SIGKILL)", report["workers_killed"]),
         (

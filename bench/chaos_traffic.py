@@ -55,8 +55,11 @@ class Case:
     text: str
 
 
-def build_workload(model_dir: str, num_prompts: int, vocab_size: int, seed: int) -> list[Case]:
-    """Random prompts (half greedy, half seeded sampling) and the LLM API's answers."""
+def build_workload(
+    model_dir: str, num_prompts: int, vocab_size: int, seed: int, engine_args: dict
+) -> list[Case]:
+    """Random prompts (half greedy, half seeded sampling) and the LLM API's answers, each
+    computed alone; ``engine_args``: the cluster's ``dtype`` and ``deterministic``."""
     from workers import LLM, SamplingParams
 
     rng = random.Random(seed)
@@ -65,7 +68,7 @@ def build_workload(model_dir: str, num_prompts: int, vocab_size: int, seed: int)
         prompt = tuple(rng.randrange(3, vocab_size) for _ in range(rng.randint(8, 120)))
         sampled = i % 2 == 1
         specs.append((prompt, rng.randint(4, 24), 0.8 if sampled else 0.0, i if sampled else None))
-    llm = LLM(model_dir, max_model_len=512)
+    llm = LLM(model_dir, max_model_len=512, **engine_args)
     cases = []
     for prompt, max_tokens, temperature, req_seed in specs:
         params = SamplingParams(
@@ -90,7 +93,7 @@ class Outcomes:
     def add(self, frontend: str, outcome: str, detail: dict | None = None, message: str = ""):
         with self._lock:
             self.counts[(frontend, outcome)] += 1
-            if outcome == "WRONG" and len(self.wrong) < 20:
+            if outcome == "WRONG" and len(self.wrong) < 200:  # each diagnosed at the end
                 self.wrong.append({"frontend": frontend, **(detail or {})})
             if outcome.startswith("error:") and message:
                 self.errors.setdefault(outcome, message[:300])
@@ -116,17 +119,29 @@ def grpc_case(stub, case: Case, timeout_s: float = REQUEST_TIMEOUT_S) -> tuple[s
         seed=case.seed,
         ignore_eos=True,
     )
+    req.output.return_timing = True  # a WRONG answer's path: which workers, how much KV moved
     tokens: list[int] = []
+    timing = None
     try:
         for resp in stub.Generate(req, timeout=timeout_s):
             kind = resp.WhichOneof("kind")
             delta = resp.delta if kind == "delta" else resp.final.delta
             tokens.extend(delta.token_ids)
+            if kind == "final":
+                timing = resp.final.timing
     except grpc.RpcError as exc:
         return f"error:{exc.code().name}", {}, exc.details() or ""
     if tuple(tokens) == case.token_ids:
         return "equal", {}, ""
-    return "WRONG", {"expected": list(case.token_ids), "got": tokens}, ""
+    detail = {"case": case, "expected": list(case.token_ids), "got": tokens}
+    if timing is not None:
+        detail["path"] = {
+            "prefill_worker": timing.prefill_worker or "(local)",
+            "decode_worker": timing.decode_worker,
+            "kv_transfer_bytes": timing.kv_transfer_bytes,
+            "kv_transfer_seconds": round(timing.kv_transfer_seconds, 4),
+        }
+    return "WRONG", detail, ""
 
 
 def http_post(base: str, path: str, body: bytes, timeout_s: float = REQUEST_TIMEOUT_S):
