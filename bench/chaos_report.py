@@ -92,40 +92,57 @@ def machine() -> str:
 
 
 def diagnose_wrong(model_dir: str, engine_args: dict, wrong: list[dict]) -> list[dict]:
-    """Each WRONG answer as JSON, with where it left the reference and by how much: at the
-    first differing token, the reference's logprobs (raw logits, top 20) of the expected
-    and the returned token and their margin (a near-tie is a few hundredths; a defect
-    shows as a token the model never ranks high), recomputed by ``LLM`` alone with the
-    cluster's dtype and mode. Over HTTP only the text is known: no margin."""
-    from workers import LLM, SamplingParams
+    """Each WRONG answer as JSON, with where it left the reference and by how much, from
+    the reference model's logits after ``prompt + expected[:i]`` (``i``: the first
+    differing token; transformers' float32 forward of the same weights, whose own
+    rounding is far below the margins that matter here):
 
-    llm = None
+    - greedy: ``logit_margin``, the expected token's logit minus the returned one's (a
+      flip by rounding needs a margin of a few ulps; a defect shows as a large one);
+    - sampled: each token's probability under the request's temperature and the
+      ``mass_between`` them in the vocabulary's order, which inverse-CDF sampling walks: a
+      seeded draw lands on a neighbour by a rounding of the CDF only if that mass is ~0
+      (``tokens_between`` is then 0); a defect shows as a token far away.
+
+    Over HTTP only the text is known: no diagnosis. ``engine_args``: recorded, the
+    reference being the cluster's dtype and mode."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = None
     out = []
     for w in wrong:
         case = w.get("case")
         entry = {k: v for k, v in w.items() if k != "case"}
-        if case is not None:
-            entry.update(prompt_len=len(case.prompt), temperature=case.temperature, seed=case.seed)
-            expected, got = w["expected"], w["got"]
-            i = next(
-                (j for j, (a, b) in enumerate(zip(expected, got, strict=False)) if a != b), None
+        if case is None:
+            out.append(entry)
+            continue
+        entry.update(prompt_len=len(case.prompt), temperature=case.temperature, seed=case.seed)
+        expected, got = w["expected"], w["got"]
+        i = next((j for j, (a, b) in enumerate(zip(expected, got, strict=False)) if a != b), None)
+        entry["first_difference"] = i if i is not None else min(len(expected), len(got))
+        if i is None:
+            out.append(entry)
+            continue
+        if model is None:
+            model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+        with torch.inference_mode():
+            ids = torch.tensor([[*case.prompt, *expected[:i]]])
+            logits = model(ids).logits[0, -1].double()
+        e, g = expected[i], got[i]
+        diag = {"expected_token": e, "returned_token": g, "reference": engine_args}
+        if case.temperature == 0:
+            diag["logit_margin"] = float(logits[e] - logits[g])
+        else:
+            probs = torch.softmax(logits / case.temperature, dim=-1)
+            lo, hi = min(e, g), max(e, g)
+            diag.update(
+                p_expected=float(probs[e]),
+                p_returned=float(probs[g]),
+                tokens_between=hi - lo - 1,
+                mass_between=float(probs[lo + 1 : hi].sum()),
             )
-            entry["first_difference"] = i if i is not None else min(len(expected), len(got))
-            if i is not None:
-                llm = llm or LLM(model_dir, max_model_len=512, **engine_args)
-                params = SamplingParams(max_tokens=1, temperature=0.0, logprobs=20)
-                (ref,) = llm.generate([[*case.prompt, *expected[:i]]], params)
-                top = dict(
-                    zip(ref.logprobs[0].top_token_ids, ref.logprobs[0].top_logprobs, strict=True)
-                )
-                ranked = sorted(top, key=top.get, reverse=True)
-                entry["reference_logprobs"] = {
-                    "expected": top.get(expected[i]),
-                    "got": top.get(got[i]),  # None: not in the reference's top 20
-                    "got_rank": ranked.index(got[i]) + 1 if got[i] in top else "> 20",
-                }
-                if top.get(expected[i]) is not None and top.get(got[i]) is not None:
-                    entry["margin"] = top[expected[i]] - top[got[i]]
+        entry["diagnosis"] = diag
         out.append(entry)
     return out
 

@@ -46,10 +46,10 @@ def rounding_tolerance(dtype: torch.dtype, num_roundings: int = 2) -> dict[str, 
 
 
 @contextlib.contextmanager
-def bf16_dots_in_interpreter() -> Iterator[None]:
-    """Test-only shim: Triton's interpreter (3.7.1, 3.9.0) multiplies bfloat16 ``tl.dot``
-    operands as their raw uint16 bits. Inside this block it widens them to float32 first
-    (exact), as the GPU's bf16 MMA does; compiled runs are left alone."""
+def _interpreter_dot(dot) -> Iterator[None]:
+    """Within the block, the interpreter's ``tl.dot`` is ``dot(builder, a, b, d, original)``
+    with bfloat16 operands widened to float32 first (exact, as the GPU's bf16 MMA takes
+    them: the interpreter (3.7.1, 3.9.0) would multiply their raw uint16 bits)."""
     if not IS_INTERPRETED:
         yield
         return
@@ -63,7 +63,8 @@ def bf16_dots_in_interpreter() -> Iterator[None]:
             a = self.cast_impl(a, tl.float32)
         if b.dtype.scalar == tl.bfloat16:
             b = self.cast_impl(b, tl.float32)
-        return original(self, a, b, d, input_precision, max_num_imprecise_acc)
+        return dot(self, a, b, d, lambda: original(self, a, b, d, input_precision,
+                                                   max_num_imprecise_acc))  # fmt: skip
 
     InterpreterBuilder.create_dot = create_dot
     try:
@@ -72,28 +73,24 @@ def bf16_dots_in_interpreter() -> Iterator[None]:
         InterpreterBuilder.create_dot = original
 
 
-@contextlib.contextmanager
-def position_independent_dots_in_interpreter() -> Iterator[None]:
+def bf16_dots_in_interpreter() -> contextlib.AbstractContextManager[None]:
+    """Test-only shim: bfloat16 ``tl.dot`` operands widened to float32 in the interpreter
+    (see ``_interpreter_dot``); compiled runs are left alone."""
+    return _interpreter_dot(lambda builder, a, b, d, original: original())
+
+
+def position_independent_dots_in_interpreter() -> contextlib.AbstractContextManager[None]:
     """Test-only shim for the batch-invariant kernels: Triton's interpreter computes
     ``tl.dot`` with numpy's ``matmul`` (BLAS), whose rounding for a row depends on where
     the row sits in the tile; a GPU's MMA computes every element of a tile alike. Inside
     this block each element is accumulated along K in order, the same for every position
     (bfloat16 operands widened exactly first), so a test sees what the *kernel* makes a
     row depend on: its tiles, loops and masks. Compiled runs are left alone."""
-    if not IS_INTERPRETED:
-        yield
-        return
-    import numpy as np
-    import triton.language as tl
-    from triton.runtime.interpreter import InterpreterBuilder, TensorHandle
 
-    original = InterpreterBuilder.create_dot
+    def ordered(builder, a, b, d, original):
+        import numpy as np
+        from triton.runtime.interpreter import TensorHandle
 
-    def create_dot(self, a, b, d, input_precision, max_num_imprecise_acc):
-        if a.dtype.scalar == tl.bfloat16:
-            a = self.cast_impl(a, tl.float32)
-        if b.dtype.scalar == tl.bfloat16:
-            b = self.cast_impl(b, tl.float32)
         acc_dtype = d.data.dtype
         lhs, rhs = a.data.astype(acc_dtype), b.data.astype(acc_dtype)
         out = np.zeros(d.data.shape, dtype=acc_dtype)
@@ -101,8 +98,4 @@ def position_independent_dots_in_interpreter() -> Iterator[None]:
             out += lhs[..., :, k : k + 1] * rhs[..., k : k + 1, :]
         return TensorHandle(out + d.data, d.dtype.scalar)
 
-    InterpreterBuilder.create_dot = create_dot
-    try:
-        yield
-    finally:
-        InterpreterBuilder.create_dot = original
+    return _interpreter_dot(ordered)
