@@ -25,6 +25,8 @@ def compile_only(arch: int, hidden: int) -> None:
     from triton.compiler import ASTSource
 
     from kernels import triton_activation as act
+    from kernels import triton_batch_invariant as bi
+    from kernels import triton_decode_reduce as red
     from kernels import triton_int4_linear as int4
     from kernels import triton_kv_store as kv
     from kernels import triton_paged_decode as dec
@@ -102,8 +104,11 @@ def compile_only(arch: int, hidden: int) -> None:
             print(f"| decode | {dtype} | {config} | {result} |")
         constants = dict(HEAD_DIM=128, HEAD_DIM_PAD=128, SPLITS_PAD=16)
         print(
-            f"| decode reduce | {dtype} | 16 splits | {usage(dec._decode_reduce_kernel, dtype, constants, 4, 1)} |"
+            f"| decode reduce | {dtype} | 16 splits | {usage(red.decode_reduce_kernel, dtype, constants, 4, 1)} |"
         )
+        constants = dict(HEAD_DIM=128, HEAD_DIM_PAD=128)
+        ordered = usage(red.decode_reduce_ordered_kernel, dtype, constants, 4, 1)
+        print(f"| decode reduce, in order (deterministic) | {dtype} | per sequence | {ordered} |")
         for head_dim, is_fp8 in itertools.product((64, 128, 256), fp8_rows):
             bm, bn, warps, stages = pre.launch_config(torch_dtype, head_dim, is_cuda=True)
             constants = dict(GROUP=4, HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim, BLOCK_SIZE=16)
@@ -139,3 +144,8 @@ def compile_only(arch: int, hidden: int) -> None:
             config = f"group 128 {block_m}x64x64"
             result = usage(int4._int4_linear_kernel, dtype, constants, 4, 1)
             print(f"| int4_linear | {dtype} | {config} | {result} |")
+        constants = dict(HAS_BIAS=False, DOT_PRECISION=precision, BLOCK_M=bi.BLOCK_M)
+        constants |= dict(BLOCK_N=bi.BLOCK_N, BLOCK_K=bi.BLOCK_K)
+        config = f"{bi.BLOCK_M}x{bi.BLOCK_N}x{bi.BLOCK_K} (deterministic)"
+        result = usage(bi._linear_kernel, dtype, constants, 4, 2)
+        print(f"| batch-invariant linear | {dtype} | {config} | {result} |")

@@ -23,8 +23,8 @@ query's dtype, the same as the reference.
 
 Flash-decoding: with few sequences and long contexts the context is cut into
 ``num_splits`` equal ranges processed in parallel; each writes an unnormalised partial
-output and its log-sum-exp (base 2) to float32 scratch, and ``_decode_reduce_kernel``
-combines them. With one split the kernel writes the normalised output directly.
+output and its log-sum-exp (base 2) to float32 scratch, and ``decode_reduce_kernel``
+(``kernels/triton_decode_reduce.py``) combines them. With one split the kernel writes the normalised output directly.
 """
 
 from __future__ import annotations
@@ -35,6 +35,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.triton_decode_reduce import decode_reduce_kernel, decode_reduce_ordered_kernel
 from kernels.triton_fp8_kv import check_cache, load_kv_tile
 
 LOG2_E = 1.4426950408889634
@@ -139,90 +140,6 @@ def _paged_decode_kernel(
     else:
         o_ptrs = out_ptr + seq.to(tl.int64) * stride_o_seq + heads[:, None] * stride_o_head
         tl.store(o_ptrs + dims[None, :], acc.to(out_ptr.dtype.element_ty), mask=q_mask)
-
-
-@triton.jit
-def _decode_reduce_kernel(
-    partial_out_ptr,
-    partial_lse_ptr,
-    out_ptr,
-    num_splits,
-    stride_po_seq,
-    stride_po_head,
-    stride_po_split,
-    stride_pl_seq,
-    stride_pl_head,
-    stride_o_seq,
-    stride_o_head,
-    HEAD_DIM: tl.constexpr,
-    HEAD_DIM_PAD: tl.constexpr,
-    SPLITS_PAD: tl.constexpr,
-):
-    seq = tl.program_id(0)
-    head = tl.program_id(1)
-    splits = tl.arange(0, SPLITS_PAD)
-    dims = tl.arange(0, HEAD_DIM_PAD)
-    split_mask = splits < num_splits
-    lse = tl.load(
-        partial_lse_ptr + seq * stride_pl_seq + head * stride_pl_head + splits,
-        mask=split_mask,
-        other=float("-inf"),
-    )
-    # Split 0 always holds position 0, so the maximum is finite.
-    weights = tl.exp2(lse - tl.max(lse, 0))
-    weights = weights / tl.sum(weights, 0)
-    po_ptrs = (
-        partial_out_ptr
-        + seq * stride_po_seq
-        + head * stride_po_head
-        + splits[:, None] * stride_po_split
-        + dims[None, :]
-    )
-    mask = split_mask[:, None] & (dims[None, :] < HEAD_DIM)
-    partial = tl.load(po_ptrs, mask=mask, other=0.0)  # [SPLITS_PAD, HEAD_DIM_PAD]
-    out = tl.sum(partial * weights[:, None], 0)
-    o_ptrs = out_ptr + seq.to(tl.int64) * stride_o_seq + head * stride_o_head + dims
-    tl.store(o_ptrs, out.to(out_ptr.dtype.element_ty), mask=dims < HEAD_DIM)
-
-
-@triton.jit
-def _decode_reduce_ordered_kernel(
-    partial_out_ptr,
-    partial_lse_ptr,
-    seq_lens_ptr,
-    out_ptr,
-    tokens_per_split,
-    stride_po_seq,
-    stride_po_head,
-    stride_po_split,
-    stride_pl_seq,
-    stride_pl_head,
-    stride_o_seq,
-    stride_o_head,
-    HEAD_DIM: tl.constexpr,
-    HEAD_DIM_PAD: tl.constexpr,
-):
-    """``_decode_reduce_kernel`` for batch-invariant runs: it combines only this sequence's
-    own splits (``ceil(seq_len / tokens_per_split)``), one after another in order, so the
-    result depends on the sequence alone, not on the batch's longest."""
-    seq = tl.program_id(0)
-    head = tl.program_id(1)
-    dims = tl.arange(0, HEAD_DIM_PAD)
-    num_splits = tl.maximum(tl.cdiv(tl.load(seq_lens_ptr + seq), tokens_per_split), 1)
-    pl_ptr = partial_lse_ptr + seq * stride_pl_seq + head * stride_pl_head
-    peak = tl.load(pl_ptr)
-    for split in range(1, num_splits):
-        peak = tl.maximum(peak, tl.load(pl_ptr + split))
-    total = tl.zeros([1], tl.float32)
-    out = tl.zeros([HEAD_DIM_PAD], tl.float32)
-    po_ptr = partial_out_ptr + seq * stride_po_seq + head * stride_po_head + dims
-    for split in range(0, num_splits):
-        weight = tl.exp2(tl.load(pl_ptr + split) - peak)
-        total += weight
-        out += weight * tl.load(po_ptr + split * stride_po_split, mask=dims < HEAD_DIM, other=0.0)
-    out = out / total
-    o_ptrs = out_ptr + seq.to(tl.int64) * stride_o_seq + head * stride_o_head + dims
-    tl.store(o_ptrs, out.to(out_ptr.dtype.element_ty), mask=dims < HEAD_DIM)
 
 
 @functools.cache
@@ -395,7 +312,7 @@ def paged_decode_attention(
         num_stages=2,
     )
     if split_tokens is not None:
-        _decode_reduce_ordered_kernel[(num_seqs, num_heads)](
+        decode_reduce_ordered_kernel[(num_seqs, num_heads)](
             partial_out,
             partial_lse,
             seq_lens,
@@ -413,7 +330,7 @@ def paged_decode_attention(
             num_warps=4,
         )
     elif is_split:
-        _decode_reduce_kernel[(num_seqs, num_heads)](
+        decode_reduce_kernel[(num_seqs, num_heads)](
             partial_out,
             partial_lse,
             out,
