@@ -119,12 +119,17 @@ def cpu_kernel_ops() -> KernelOps:
     )  # fmt: skip
     if cpp_s >= reference_s:
         return REFERENCE_OPS
+    return _cpp_ops(module, partial(paged_attention, decode_fn=decode))
+
+
+def _cpp_ops(module, attention: Callable) -> KernelOps:
+    """The references with the C++ module's norms and SiLU and ``attention``."""
     return replace(
         REFERENCE_OPS,
         rms_norm=module.rms_norm,
         fused_add_rms_norm=module.fused_add_rms_norm,
         silu_and_mul=module.silu_and_mul,
-        paged_attention=partial(paged_attention, decode_fn=decode),
+        paged_attention=attention,
         is_cpu_kernels=True,
     )
 
@@ -166,15 +171,8 @@ def deterministic_kernel_ops(
             "model.deterministic needs the C++ CPU kernels (kernels/cpu_extension.py), which "
             "did not build here (see the log; BATON_CPU_KERNELS=0 turns them off)"
         )
-    return replace(
-        REFERENCE_OPS,
-        rms_norm=module.rms_norm,
-        fused_add_rms_norm=module.fused_add_rms_norm,
-        silu_and_mul=module.silu_and_mul,
-        paged_attention=partial(batch_invariant.per_token_attention, decode_fn=decode),
-        is_cpu_kernels=True,
-        is_batch_invariant=True,
-    )
+    attention = partial(batch_invariant.per_token_attention, decode_fn=decode)
+    return replace(_cpp_ops(module, attention), is_batch_invariant=True)
 
 
 def get_kernel_ops(device: torch.device | str, *, use_triton: bool | None = None) -> KernelOps:

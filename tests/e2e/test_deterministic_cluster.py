@@ -17,7 +17,6 @@ import os
 import random
 import signal
 import threading
-import time
 
 import grpc
 import nixl  # noqa: F401  (required by the served cluster: a broken install fails, not skips)
@@ -114,6 +113,7 @@ def _kill_a_decode_worker_mid_stream(served, stub, want) -> None:
     cpu_before = {pid: _cpu_ticks(pid) for pid in pids}
     results: dict[int, object] = {}
     started = [0] * len(want)
+    progress = threading.Condition()  # notified on every streamed message and every end
     barrier = threading.Barrier(len(want))
 
     def client(i: int) -> None:
@@ -126,20 +126,24 @@ def _kill_a_decode_worker_mid_stream(served, stub, want) -> None:
             for msg in stub.Generate(req, timeout=180):
                 body = msg.delta if msg.HasField("delta") else msg.final.delta
                 tokens.extend(body.token_ids)
-                started[i] = len(tokens)
+                with progress:
+                    started[i] = len(tokens)
+                    progress.notify_all()
                 for lp in body.logprobs:
                     lps.append((lp.logprob, tuple((t.token_id, t.logprob) for t in lp.top)))
-            results[i] = (tokens, lps)
+            result: object = (tokens, lps)
         except grpc.RpcError as exc:
-            results[i] = exc
+            result = exc
+        with progress:
+            results[i] = result
+            progress.notify_all()
 
     threads = [threading.Thread(target=client, args=(i,)) for i in range(len(want))]
     for t in threads:
         t.start()
-    deadline = time.monotonic() + 60
-    while min(started) < 2:  # every stream is decoding
-        assert time.monotonic() < deadline and not results, (started, results)
-        time.sleep(0.01)
+    with progress:  # until every stream is decoding (none may end first)
+        progress.wait_for(lambda: min(started) >= 2 or results, timeout=60)
+        assert min(started) >= 2 and not results, (started, results)
     busiest = max(pids, key=lambda pid: _cpu_ticks(pid) - cpu_before[pid])
     os.kill(busiest, signal.SIGKILL)
     for t in threads:
