@@ -52,13 +52,14 @@ def test_a_second_tier_on_a_directory_in_use_is_refused(model_dir, tmp_path, mon
 
 
 def hold(directory: Path) -> subprocess.Popen:
-    """Another process that takes the directory's lock and keeps it until killed."""
+    """Another process that takes the directory's lock and keeps it until killed (it keeps
+    a reference: a collected DirLock releases, like any FileLock)."""
     holder = subprocess.Popen(
         [
             sys.executable,
             "-c",
             "import time; from workers.engine.kv_tiers.dir_lock import DirLock; "
-            f"DirLock.acquire({str(directory)!r}); print('held', flush=True); time.sleep(600)",
+            f"lock = DirLock.acquire({str(directory)!r}); print('held', flush=True); time.sleep(600)",
         ],
         stdout=subprocess.PIPE,
         text=True,
