@@ -24,7 +24,6 @@ with sessions of its own (seed + repeat); each figure is the median over repeats
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import platform
 import subprocess
@@ -123,7 +122,7 @@ def supported(mode: str) -> bool:
     """Whether this tree's ``kv_cache`` section has the keys ``mode`` needs."""
     from cluster.config import KVCacheSection
 
-    names = {f.name for f in dataclasses.fields(KVCacheSection)}
+    names = set(KVCacheSection.model_fields)
     needed = {"off": set(), "host": {"host_tier_gib"}, "disk": {"disk_tier_path"}}
     return all(needed[part] <= names for part in mode.split("+"))
 

@@ -25,6 +25,7 @@ import ray
 from ray._private import ray_constants
 
 from cluster.config import ClusterConfig, PoolSection, engine_config, transfer_config
+from cluster.config_schema import replaced
 from cluster.metrics_exporter import NodeExporters, replica_nodes
 from cluster.model_source import resolve_draft_model_dir, resolve_model_dir, served_name
 from cluster.parallel_check import check_pool_parallel
@@ -152,8 +153,8 @@ def bring_up(config: ClusterConfig) -> Cluster:
     speculative = config.decode.speculative
     if speculative.draft_model is not None:  # checked here, like model.path: on this machine
         draft_dir = resolve_draft_model_dir(speculative.draft_model, arch.vocab_size)
-        speculative = replace(speculative, draft_model=str(draft_dir))
-        config = replace(config, decode=replace(config.decode, speculative=speculative))
+        speculative = replaced(speculative, draft_model=str(draft_dir))
+        config = replaced(config, decode=replaced(config.decode, speculative=speculative))
     pools = (("prefill", config.prefill), ("decode", config.decode))
     num_ranks = sum(p.replicas * p.tensor_parallel * p.pipeline_parallel for _, p in pools)
     started = connect_ray(num_ranks)

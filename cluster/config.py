@@ -1,8 +1,9 @@
-"""The cluster config: YAML in, frozen dataclasses out, validated once.
+"""The cluster config: YAML in, frozen pydantic models out, validated once.
 
 Every field has a default and a one-line doc; unknown keys and bad values are refused at
-load time with the key path in the message (``router.port: must be <= 65535, got 70000``).
-``json_schema()`` renders the same definitions for the Helm chart's values schema.
+load time with the key path in the message (``router.port: must be <= 65535, got 70000``;
+the wording is ``cluster/config_schema.py``'s, not pydantic's). :func:`config_json_schema`
+renders the same definitions for the Helm chart's values schema.
 
 Engine settings are declared once, in ``workers/engine/config.py``: a section's field made
 with :func:`engine_option` takes its default, doc and bounds from that ``EngineConfig``
@@ -14,13 +15,24 @@ The KV hand-off's settings likewise come from ``kvtransfer.KVTransferConfig``
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
 import yaml
+from pydantic import model_validator
 
-from cluster.config_schema import ConfigError, json_schema, load_section, option, section
+from cluster.config_router import RouterSection
+from cluster.config_schema import (
+    ConfigError,
+    ConfigSection,
+    declared_name,
+    declared_option,
+    json_schema,
+    load_section,
+    option,
+    section,
+    subsection,
+)
 from cluster.config_tiers import check_disk_tier_path, check_tiers_single_rank
 from kvtransfer import KVTransferConfig
 from workers.engine.config import (
@@ -35,26 +47,19 @@ _ENGINE_FIELDS = {f.name: f for f in dataclasses.fields(EngineConfig)}
 _TRANSFER_FIELDS = {f.name: f for f in dataclasses.fields(KVTransferConfig)}
 
 
-def _declared_option(declared: dataclasses.Field, tag: str, name: str) -> Any:
-    # The metadata tag ("engine" / "transfer") names the declaration the field sets.
-    meta = {**declared.metadata, tag: name}
-    return dataclasses.field(default=declared.default, metadata=meta)
-
-
 def engine_option(name: str) -> Any:
     """A config field that sets the engine setting ``name``, with its default, doc and
     bounds (the field's own name is its YAML key, which may differ from ``name``)."""
-    return _declared_option(_ENGINE_FIELDS[name], "engine", name)
+    return declared_option(_ENGINE_FIELDS[name], "engine", name)
 
 
 def transfer_option(name: str) -> Any:
     """A config field that sets ``KVTransferConfig.name``, with its default, doc and
     bounds (the field's own name is its YAML key, which may differ from ``name``)."""
-    return _declared_option(_TRANSFER_FIELDS[name], "transfer", name)
+    return declared_option(_TRANSFER_FIELDS[name], "transfer", name)
 
 
-@dataclass(frozen=True)
-class ModelSection:
+class ModelSection(ConfigSection):
     path: str | None = option(
         None,
         "Hugging Face model directory, GGUF file, or hf://org/name[@revision] (downloaded "
@@ -70,8 +75,7 @@ class ModelSection:
     deterministic: bool = engine_option("deterministic")
 
 
-@dataclass(frozen=True)
-class PoolSection:
+class PoolSection(ConfigSection):
     replicas: int = option(1, "Worker replicas in this pool", ge=0)
     tensor_parallel: int = option(
         1, "Tensor-parallel ranks per pipeline stage (one process each, on one node)", ge=1
@@ -94,8 +98,7 @@ class PoolSection:
     )
 
 
-@dataclass(frozen=True)
-class SpeculativeSection:
+class SpeculativeSection(ConfigSection):
     """Speculative decoding on the decode pool's workers (docs/engine.md). Prefill workers
     sample one token per request, so there is nothing for them to speculate on."""
 
@@ -108,7 +111,8 @@ class SpeculativeSection:
     ngram_min: int = engine_option("speculative_ngram_min")
     max_batch_size: int = engine_option("speculative_max_batch_size")
 
-    def __post_init__(self) -> None:
+    @model_validator(mode="after")
+    def _check_method(self) -> SpeculativeSection:
         # EngineConfig refuses the same, in its own field names and only once a worker is
         # being built: say it at load time, in the YAML's keys.
         if self.method == "draft" and self.draft_model is None:
@@ -121,6 +125,7 @@ class SpeculativeSection:
             raise ValueError(
                 f"ngram_min ({self.ngram_min}) must be <= ngram_max ({self.ngram_max})"
             )
+        return self
 
     def summary(self) -> str:
         """What ``baton status`` shows: ``ngram, 4 tokens`` / ``draft NAME, 4 tokens``;
@@ -131,15 +136,13 @@ class SpeculativeSection:
         return f"{what}, {self.num_tokens} tokens"
 
 
-@dataclass(frozen=True)
 class DecodePoolSection(PoolSection):
     speculative: SpeculativeSection = section(
         SpeculativeSection, "Speculative decoding on the decode workers (docs/engine.md)"
     )
 
 
-@dataclass(frozen=True)
-class KVCacheSection:
+class KVCacheSection(ConfigSection):
     block_size: int = engine_option("block_size")
     gpu_memory_fraction: float = engine_option("gpu_memory_fraction")
     num_blocks: int | None = engine_option("num_kv_blocks")
@@ -153,7 +156,8 @@ class KVCacheSection:
     disk_tier_gib: float = engine_option("kv_disk_tier_gib")
     peer_sharing: bool = engine_option("kv_peer_sharing")
 
-    def __post_init__(self) -> None:
+    @model_validator(mode="after")
+    def _check_tiers(self) -> KVCacheSection:
         if self.has_tier and not self.enable_prefix_caching:
             # The engine would turn the tiers off (with a log line): say so here instead.
             raise ValueError(
@@ -163,7 +167,9 @@ class KVCacheSection:
         if self.disk_tier_path is not None:
             # Absolute: the workers (Ray actors) do not run in this process's directory.
             root = check_disk_tier_path(self.disk_tier_path)
+            # Frozen: set once, here, before anyone holds the section.
             object.__setattr__(self, "disk_tier_path", str(root))
+        return self
 
     @property
     def has_tier(self) -> bool:
@@ -171,8 +177,7 @@ class KVCacheSection:
         return self.host_tier_gib > 0 or self.disk_tier_path is not None or self.peer_sharing
 
 
-@dataclass(frozen=True)
-class KVTransferSection:
+class KVTransferSection(ConfigSection):
     # The choices are narrowed here for the YAML edge and the schema; KVTransferConfig
     # checks the same ones for callers that build it directly.
     backend: Literal["nixl", "local"] = transfer_option("backend")
@@ -181,7 +186,8 @@ class KVTransferSection:
     timeout_seconds: float = transfer_option("transfer_timeout_s")
     on_failure: Literal["recompute", "fail"] = transfer_option("on_failure")
 
-    def __post_init__(self) -> None:
+    @model_validator(mode="after")
+    def _check_timeout(self) -> KVTransferSection:
         # KVTransferConfig refuses this too, but in its own field names and only once a
         # worker is being built: say it at load time, in the YAML's keys.
         if self.timeout_seconds >= self.lease_seconds:
@@ -189,113 +195,10 @@ class KVTransferSection:
                 f"timeout_seconds ({self.timeout_seconds}) must be below lease_seconds "
                 f"({self.lease_seconds}): a transfer may not outlive the lease"
             )
+        return self
 
 
-@dataclass(frozen=True)
-class RouterSection:
-    host: str = option("127.0.0.1", "gRPC and HTTP listen address (loopback unless configured)")
-    port: int = option(50051, "gRPC listen port; 0 = any free port", ge=0, le=65535)
-    http_port: int = option(
-        8000,
-        "OpenAI-compatible HTTP API port (/v1/completions, /v1/chat/completions); 0 = no HTTP",
-        ge=0,
-        le=65535,
-    )
-    api_key: str | None = option(
-        None,
-        "Bearer token the HTTP API's /v1 routes require (compared in constant time); unset = none",
-    )
-    reserved_cpus: int = option(
-        1,
-        "CPU cores left to the router process (HTTP, gRPC, tokenizing) when Baton starts a "
-        "local Ray instance: the workers' torch threads share the others (vLLM's "
-        "VLLM_CPU_NUM_OF_RESERVED_CPU; measured in bench/RESULTS.md)",
-        ge=0,
-    )
-    policy: Literal["round_robin", "least_loaded", "kv_aware"] = option(
-        "kv_aware", "How a worker is chosen for a request"
-    )
-    disaggregation: Literal["always", "never", "auto"] = option(
-        "auto", "auto = prefill on the decode worker when short, cached or prefill is saturated"
-    )
-    auto_local_prefill_tokens: int = option(
-        256, "auto: prefill locally when at most this many prompt tokens are uncached", ge=0
-    )
-    auto_saturated_queue: int = option(
-        8, "auto: also prefill locally when every prefill worker has this many waiting", ge=1
-    )
-    kv_overlap_weight: float = option(
-        2.0,
-        "kv_aware: cost of a prompt block to compute against a KV block in use (cost = this "
-        "x prefill blocks + decode blocks; Dynamo's overlap_score_weight; measured in "
-        "bench/RESULTS.md)",
-        ge=0.0,
-    )
-    kv_balance_abs_requests: int = option(
-        4,
-        "kv_aware: load wins over cache hits when the most loaded worker has more than this "
-        "many requests over the least loaded ...",
-        ge=0,
-    )
-    kv_balance_rel: float = option(
-        1.5, "... and more than this times the least loaded's (SGLang's balance test)", ge=1.0
-    )
-    kv_host_tier_weight: float = option(
-        0.1,
-        "kv_aware: cost of a prompt block onboarded from a worker's host-memory tier (G2), "
-        "as a share of computing it (docs/kv-tiers.md)",
-        ge=0.0,
-    )
-    kv_disk_tier_weight: float = option(
-        0.5,
-        "kv_aware: cost of a prompt block onboarded from a worker's disk tier (G3), as a "
-        "share of computing it",
-        ge=0.0,
-    )
-    kv_receive_weight: float = option(
-        0.1,
-        "kv_aware: cost of a prompt block a decode worker fed by a prefill worker lacks and "
-        "must receive, as a share of computing it (the blocks it holds are not received)",
-        ge=0.0,
-    )
-    # Peer pull (G4, kv_cache.peer_sharing; router/peer_prefix.py): the router's decisions.
-    peer_min_blocks: int = option(
-        4,
-        "kv_cache.peer_sharing: pull a prompt's prefix from another worker only when it holds "
-        "at least this many blocks more of it than the worker that computes the prompt",
-        ge=1,
-    )
-    peer_export_timeout_seconds: float = option(
-        5.0,
-        "kv_cache.peer_sharing: how long the request waits for the other worker to lease "
-        "the prefix; past it, the prefix is recomputed",
-        gt=0.0,
-    )
-    max_queued_requests: int = option(
-        1024, "Requests admitted but not finished; beyond: RESOURCE_EXHAUSTED", ge=1
-    )
-    migration_limit: int = option(
-        3,
-        "Times a request may move to another worker when its worker dies mid-request "
-        "(its stream continues there); 0 = fail such requests with UNAVAILABLE",
-        ge=0,
-    )
-    drain_grace_seconds: float = option(
-        30.0, "On SIGTERM, how long in-flight requests may take to finish", ge=0.0
-    )
-    restart_attempts: int = option(
-        4, "Attempts to restart a dead worker's replica; 0 = leave it out of routing", ge=0
-    )
-    restart_backoff_seconds: float = option(
-        1.0, "Wait before the second restart attempt; doubles after each failure", gt=0.0
-    )
-    restart_max_backoff_seconds: float = option(
-        30.0, "Longest wait between restart attempts", gt=0.0
-    )
-
-
-@dataclass(frozen=True)
-class MetricsSection:
+class MetricsSection(ConfigSection):
     enabled: bool = option(True, "Serve Prometheus metrics (/metrics) on every node")
     host: str = option(
         "127.0.0.1", "Metrics listen address on each node (loopback unless configured)"
@@ -305,8 +208,7 @@ class MetricsSection:
     )
 
 
-@dataclass(frozen=True)
-class ClusterConfig:
+class ClusterConfig(ConfigSection):
     model: ModelSection = section(ModelSection, "The model to serve")
     prefill: PoolSection = section(PoolSection, "The prefill worker pool")
     decode: DecodePoolSection = section(
@@ -319,7 +221,9 @@ class ClusterConfig:
     router: RouterSection = section(RouterSection, "The gRPC and HTTP front ends and routing")
     metrics: MetricsSection = section(MetricsSection, "Prometheus scrape endpoints")
 
-    def __post_init__(self) -> None:
+    @model_validator(mode="after")
+    def _check_sections(self) -> ClusterConfig:
+        # Checks across sections, worded with their full key paths.
         if self.decode.replicas < 1:
             raise ValueError(f"decode.replicas: must be >= 1, got {self.decode.replicas}")
         if self.prefill.replicas < 1 and self.router.disaggregation != "never":
@@ -345,6 +249,7 @@ class ClusterConfig:
                 f"router.restart_max_backoff_seconds ({router.restart_max_backoff_seconds}) "
                 f"is below router.restart_backoff_seconds ({router.restart_backoff_seconds})"
             )
+        return self
 
 
 # The embedded default (`baton serve` with no CONFIG: a small model on CPU, one prefill and
@@ -360,12 +265,12 @@ def engine_config(config: ClusterConfig, pool: PoolSection, **per_worker: Any) -
     KV-cache sections, of the pool and of its sub-sections (``decode.speculative``), then
     ``per_worker`` (``model``, the resolved ``device``, ...) over them."""
     values: dict[str, Any] = {}
-    subsections = [getattr(pool, f.name) for f in dataclasses.fields(pool)]
-    subsections = [sub for sub in subsections if dataclasses.is_dataclass(sub)]
+    fields = type(pool).model_fields
+    subsections = [getattr(pool, key) for key, f in fields.items() if subsection(f)]
     for sec in (config.model, config.kv_cache, pool, *subsections):
-        for f in dataclasses.fields(sec):
-            if "engine" in f.metadata:
-                values[f.metadata["engine"]] = getattr(sec, f.name)
+        for key, f in type(sec).model_fields.items():
+            if (name := declared_name(f, "engine")) is not None:
+                values[name] = getattr(sec, key)
     # The config accepts a token budget below max_num_seqs and raises it to that (every
     # running request needs a token each step), where the engine refuses one.
     values["max_num_batched_tokens"] = max(values["max_num_batched_tokens"], values["max_num_seqs"])
@@ -376,9 +281,8 @@ def transfer_config(config: ClusterConfig) -> KVTransferConfig:
     """The KV hand-off settings of every worker: each ``transfer_option`` of the
     ``kv_transfer`` section, the rest at ``KVTransferConfig``'s defaults."""
     sec = config.kv_transfer
-    return KVTransferConfig(
-        **{f.metadata["transfer"]: getattr(sec, f.name) for f in dataclasses.fields(sec)}
-    )
+    names = {key: declared_name(f, "transfer") for key, f in type(sec).model_fields.items()}
+    return KVTransferConfig(**{name: getattr(sec, key) for key, name in names.items() if name})
 
 
 def parse_config(data: Any) -> ClusterConfig:

@@ -8,14 +8,14 @@ tests/cluster/test_config.py fails when docs/config.md is stale.
 
 from __future__ import annotations
 
-import dataclasses
 import typing
 
 from cluster.config import EMBEDDED_DEFAULT, ClusterConfig
+from cluster.config_schema import ConfigSection, bounds, subsection
 
 HEADER = """# Cluster config reference
 
-Generated from `cluster/config.py` (the engine settings' defaults, docs and bounds from
+Generated from the pydantic models of `cluster/config.py` and `cluster/config_router.py` (the engine settings' defaults, docs and bounds from
 `workers/engine/config.py`, the KV hand-off's from `kvtransfer/backend.py`) by `python -m cluster.config_docs > docs/config.md`; a test
 fails when this file is stale. Every key is optional. Unknown keys and bad values are
 refused at load time with the key path in the message. Example: `configs/example.yaml`.
@@ -32,38 +32,33 @@ def _type_name(tp: typing.Any) -> str:
     return tp.__name__
 
 
-def _bounds(meta: typing.Mapping[str, typing.Any]) -> str:
-    signs = {"ge": ">=", "gt": ">", "le": "<=", "lt": "<"}
-    return ", ".join(f"{signs[k]} {meta[k]}" for k in signs if meta.get(k) is not None)
-
-
-def _rows(prefix: str, cls: type) -> list[str]:
+def _rows(prefix: str, cls: type[ConfigSection]) -> list[str]:
     """One table row per key of section ``cls``; a nested section's keys follow its own
     (``decode.speculative.method``)."""
     rows = []
-    hints = typing.get_type_hints(cls)
-    for f in dataclasses.fields(cls):
-        key = f"{prefix}.{f.name}"
-        if dataclasses.is_dataclass(hints[f.name]):
-            rows += _rows(key, hints[f.name])
+    signs = {"ge": ">=", "gt": ">", "le": "<=", "lt": "<"}
+    for name, f in cls.model_fields.items():
+        key = f"{prefix}.{name}"
+        if (nested := subsection(f)) is not None:
+            rows += _rows(key, nested)
             continue
-        kind = _type_name(hints[f.name])
-        bounds = _bounds(f.metadata)
-        if bounds:
-            kind += f" ({bounds})"
+        kind = _type_name(f.annotation)
+        limits = ", ".join(f"{signs[k]} {v}" for k, v in bounds(f).items())
+        if limits:
+            kind += f" ({limits})"
         default = "unset" if f.default is None else f"`{f.default}`"
-        rows.append(f"| `{key}` | {kind} | {default} | {f.metadata['doc']} |")
+        rows.append(f"| `{key}` | {kind} | {default} | {f.description} |")
     return rows
 
 
 def _embedded_default_line() -> str:
     """Where the embedded default (no CONFIG) differs from the defaults below."""
     changed = []
-    for top in dataclasses.fields(ClusterConfig):
-        ours, plain = getattr(EMBEDDED_DEFAULT, top.name), getattr(ClusterConfig(), top.name)
-        for f in dataclasses.fields(ours):
-            if getattr(ours, f.name) != getattr(plain, f.name):
-                changed.append(f"`{top.name}.{f.name}: {getattr(ours, f.name)}`")
+    for top in ClusterConfig.model_fields:
+        ours, plain = getattr(EMBEDDED_DEFAULT, top), getattr(ClusterConfig(), top)
+        for name in type(ours).model_fields:
+            if getattr(ours, name) != getattr(plain, name):
+                changed.append(f"`{top}.{name}: {getattr(ours, name)}`")
     return (
         "The embedded default (`baton serve` with no CONFIG) is every default below, "
         f"except {', '.join(changed)} (why: `EMBEDDED_DEFAULT` in `cluster/config.py`).\n"
@@ -72,11 +67,12 @@ def _embedded_default_line() -> str:
 
 def render() -> str:
     lines = [HEADER, _embedded_default_line()]
-    hints = typing.get_type_hints(ClusterConfig)
-    for top in dataclasses.fields(ClusterConfig):
-        lines += [f"## `{top.name}` — {top.metadata['doc']}", ""]
+    for name, top in ClusterConfig.model_fields.items():
+        section = subsection(top)
+        assert section is not None, name
+        lines += [f"## `{name}` — {top.description}", ""]
         lines += ["| key | type | default | meaning |", "|---|---|---|---|"]
-        lines += _rows(top.name, hints[top.name])
+        lines += _rows(name, section)
         lines.append("")
     return "\n".join(lines)
 

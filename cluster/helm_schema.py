@@ -1,7 +1,8 @@
 """The Helm chart's values schema embeds the cluster config's schema under ``config``.
 
 One source of truth: ``helm/baton/values.schema.json`` is written by hand except for its
-``config`` property, which this module generates from ``cluster/config.py``:
+``config`` property, which this module generates from ``cluster/config.py`` (pydantic's
+schema of the models, made self-contained by ``cluster.config_schema.json_schema``):
 
     python -m cluster.helm_schema [helm/baton/values.schema.json]
 

@@ -14,7 +14,6 @@ shut down, so nothing is left running.
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import logging
 import os
 import signal
@@ -22,6 +21,7 @@ import sys
 from collections.abc import Callable
 
 from cluster.config import ClusterConfig
+from cluster.config_schema import replaced
 
 logger = logging.getLogger(__name__)
 
@@ -205,7 +205,7 @@ def with_api_key(config: ClusterConfig, api_key: str | None = None) -> ClusterCo
     api_key = api_key or os.environ.get("BATON_API_KEY")
     if not api_key:
         return config
-    return dataclasses.replace(config, router=dataclasses.replace(config.router, api_key=api_key))
+    return replaced(config, router=replaced(config.router, api_key=api_key))
 
 
 def main(argv: list[str] | None = None) -> int:

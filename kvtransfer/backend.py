@@ -23,8 +23,8 @@ ON_FAILURE = ("recompute", "fail")
 
 def _setting(default: Any, doc: str, *, gt: float | None = None) -> Any:
     """A hand-off setting the cluster YAML exposes: its default and its one-line doc and
-    bound, in the metadata keys of ``cluster.config_schema.option`` (kvtransfer/ may not
-    import cluster/), so the YAML edge checks and documents it from here."""
+    bound, in metadata keyed by the arguments of ``cluster.config_schema.option``
+    (kvtransfer/ may not import cluster/), so the YAML edge checks and documents it from here."""
     meta = {"doc": doc, "ge": None, "le": None, "gt": gt, "lt": None}
     return dataclasses.field(default=default, metadata=meta)
 

@@ -9,9 +9,12 @@ packages pyproject.toml ships (setuptools ``packages.find``).
 
 from __future__ import annotations
 
+import ast
 import importlib
+import importlib.metadata
 import pkgutil
 import re
+import sys
 from pathlib import Path
 
 import pytest
@@ -58,3 +61,45 @@ def test_module_imports(name: str) -> None:
         if extra and name.startswith(owner):
             pytest.skip(f"{name} belongs to the '{extra}' extra, not installed ({missing})")
         raise
+
+
+def _normalized(name: str) -> str:
+    return re.sub(r"[-_.]+", "-", name).lower()
+
+
+def imported_top_level_names() -> dict[str, str]:
+    """Third-party top-level import names of the shipped packages (lazy imports included),
+    each with one file that imports it."""
+    found: dict[str, str] = {}
+    for package in PACKAGES:
+        for path in sorted((ROOT / package).rglob("*.py")):
+            for node in ast.walk(ast.parse(path.read_text(), str(path))):
+                if isinstance(node, ast.Import):
+                    names = [alias.name for alias in node.names]
+                elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                    names = [node.module]
+                else:
+                    continue
+                for name in names:
+                    top = name.split(".")[0]
+                    if top not in sys.stdlib_module_names and top not in PACKAGES:
+                        found.setdefault(top, str(path.relative_to(ROOT)))
+    return found
+
+
+def test_every_imported_package_is_declared() -> None:
+    """Each third-party package a shipped module imports is a requirement of the installed
+    project (its dependencies or one of its extras), not something that happens to arrive
+    through another package."""
+    declared = {
+        _normalized(re.match(r"[A-Za-z0-9_.-]+", req).group(0))  # type: ignore[union-attr]
+        for req in importlib.metadata.requires("baton") or ()
+    }
+    dists = importlib.metadata.packages_distributions()
+    undeclared = []
+    for top, where in sorted(imported_top_level_names().items()):
+        # A namespace package (google.*) maps to several distributions: one must be ours.
+        candidates = {_normalized(d) for d in dists.get(top, ())}
+        if not candidates & declared:
+            undeclared.append(f"{top} ({where}; distributions: {sorted(candidates) or '?'})")
+    assert not undeclared, f"imported but not declared in pyproject.toml: {undeclared}"

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 from pathlib import Path
 
 import pytest
@@ -14,7 +13,7 @@ from cluster.config import (
     load_config,
     parse_config,
 )
-from cluster.config_schema import ConfigError
+from cluster.config_schema import ConfigError, replaced
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -31,7 +30,7 @@ def test_empty_config_is_the_defaults_and_no_config_the_embedded_default():
     assert ClusterConfig().router.host == "127.0.0.1"
     # The embedded default adds only what it can afford: a modest host KV tier.
     embedded = load_config(None)
-    assert embedded == dataclasses.replace(ClusterConfig(), kv_cache=embedded.kv_cache)
+    assert embedded == replaced(ClusterConfig(), kv_cache=embedded.kv_cache)
     assert embedded.kv_cache == KVCacheSection(host_tier_gib=embedded.kv_cache.host_tier_gib)
     assert 0 < embedded.kv_cache.host_tier_gib <= 1.0
 

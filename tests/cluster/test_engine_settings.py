@@ -7,6 +7,7 @@ import dataclasses
 import typing
 
 import pytest
+from pydantic.fields import FieldInfo
 
 from cluster.config import (
     ClusterConfig,
@@ -17,7 +18,7 @@ from cluster.config import (
     engine_config,
     parse_config,
 )
-from cluster.config_schema import ConfigError
+from cluster.config_schema import ConfigError, bounds, declared_name, subsection
 from workers.engine.config import EngineConfig
 from workers.serving.worker_spec import WorkerSpec
 
@@ -37,24 +38,25 @@ SECTIONS = {
 ENGINE = {f.name: f for f in dataclasses.fields(EngineConfig)}
 
 
-def config_fields() -> dict[str, tuple[str, dataclasses.Field]]:
+def config_fields() -> dict[str, tuple[str, FieldInfo]]:
     """engine setting -> (its YAML key, the section field that sets it)."""
-    found: dict[str, tuple[str, dataclasses.Field]] = {}
+    found: dict[str, tuple[str, FieldInfo]] = {}
     for top, cls in SECTIONS.items():
-        for f in dataclasses.fields(cls):
-            if "engine" in f.metadata:
-                assert f.metadata["engine"] not in found, f"{f.name} set in two places"
-                found[f.metadata["engine"]] = (f"{top}.{f.name}", f)
+        for key, f in cls.model_fields.items():
+            if (name := declared_name(f, "engine")) is not None:
+                assert name not in found, f"{key} set in two places"
+                found[name] = (f"{top}.{key}", f)
     return found
 
 
 def test_every_engine_setting_is_in_the_cluster_config_or_said_why_not():
     assert set(config_fields()) == set(ENGINE) - set(NOT_IN_CLUSTER_CONFIG)
     # No other section sets an engine setting.
-    for top in dataclasses.fields(ClusterConfig):
-        if top.name not in (*SECTIONS, "decode"):
-            cls = typing.get_type_hints(ClusterConfig)[top.name]
-            assert not any("engine" in f.metadata for f in dataclasses.fields(cls)), top.name
+    for name, top in ClusterConfig.model_fields.items():
+        if name not in (*SECTIONS, "decode"):
+            cls = subsection(top)
+            assert cls is not None, name
+            assert not any(declared_name(f, "engine") for f in cls.model_fields.values()), name
 
 
 @pytest.mark.parametrize("name", sorted(set(ENGINE) - set(NOT_IN_CLUSTER_CONFIG)))
@@ -62,10 +64,12 @@ def test_the_config_field_has_the_engines_default_doc_bounds_and_type(name):
     key, field = config_fields()[name]
     setting = ENGINE[name]
     assert field.default == setting.default, key
-    assert {k: v for k, v in field.metadata.items() if k != "engine"} == dict(setting.metadata)
+    assert set(setting.metadata) <= {"doc", "ge", "le", "gt", "lt"}, name
+    assert field.description == setting.metadata["doc"], key
+    declared = {k: v for k, v in setting.metadata.items() if k != "doc" and v is not None}
+    assert bounds(field) == declared, key
     assert setting.metadata["doc"], name
-    section = SECTIONS[key.rsplit(".", 1)[0]]
-    config_type = typing.get_type_hints(section)[field.name]
+    config_type = field.annotation
     engine_type = typing.get_type_hints(EngineConfig)[name]
     if name == "device":  # narrowed at the cluster edge: Ray assigns each rank its GPU
         assert engine_type is str and typing.get_args(config_type) == ("auto", "cpu", "cuda")
@@ -149,7 +153,7 @@ def _violations() -> list[tuple[str, str, object]]:
     """(engine setting, its YAML key, a value beyond one of its declared bounds)."""
     cases = []
     for name, (key, field) in sorted(config_fields().items()):
-        meta = field.metadata
+        meta = bounds(field)
         for bound, beyond in (("ge", -1), ("gt", 0), ("le", 1)):
             if meta.get(bound) is not None:
                 cases.append((name, key, meta[bound] + beyond))

@@ -7,6 +7,7 @@ import dataclasses
 import pytest
 
 from cluster.config import PoolSection
+from cluster.config_schema import replaced
 from cluster.parallel_check import check_pool_parallel
 from tests.workers.test_models_config import LLAMA31_V4
 from workers.models.arch_config import ArchConfig
@@ -47,7 +48,7 @@ def test_pipeline_stages_pass_up_to_one_per_layer_and_one_node_per_stage(tp, pp,
     # Where a bound is reached (every node's GPUs used, or a stage per layer), one more stage
     # is refused: the pass above is the check's decision, not a check that never refuses.
     if node_gpus or pp == ARCH.num_hidden_layers:
-        one_more = dataclasses.replace(pool, pipeline_parallel=pp + 1)
+        one_more = replaced(pool, pipeline_parallel=pp + 1)
         with pytest.raises(ValueError, match="pipeline_parallel"):
             check_pool_parallel("decode", one_more, ARCH, device, node_gpus)
 

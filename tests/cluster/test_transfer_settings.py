@@ -7,9 +7,10 @@ import dataclasses
 import typing
 
 import pytest
+from pydantic.fields import FieldInfo
 
 from cluster.config import ClusterConfig, KVTransferSection, parse_config, transfer_config
-from cluster.config_schema import ConfigError
+from cluster.config_schema import ConfigError, bounds, declared_name
 from kvtransfer import KVTransferConfig
 from workers.engine.config import EngineConfig
 from workers.serving.worker_spec import WorkerSpec
@@ -25,11 +26,12 @@ INTERNAL = {
 }
 
 
-def section_fields() -> dict[str, dataclasses.Field]:
+def section_fields() -> dict[str, FieldInfo]:
     """KVTransferConfig field -> the ``kv_transfer`` section field that sets it."""
-    found: dict[str, dataclasses.Field] = {}
-    for f in dataclasses.fields(KVTransferSection):
-        name = f.metadata["transfer"]  # every field of the section sets one
+    found: dict[str, FieldInfo] = {}
+    for f in KVTransferSection.model_fields.values():
+        name = declared_name(f, "transfer")  # every field of the section sets one
+        assert name is not None
         assert name not in found, f"{name} set by two keys"
         found[name] = f
     return found
@@ -45,7 +47,11 @@ def test_every_exposed_setting_is_set_by_exactly_one_yaml_key():
 def test_the_yaml_key_has_the_declared_default_doc_and_bounds(name):
     field, declared = section_fields()[name], TRANSFER[name]
     assert field.default == declared.default
-    assert {k: v for k, v in field.metadata.items() if k != "transfer"} == dict(declared.metadata)
+    assert set(declared.metadata) <= {"doc", "ge", "le", "gt", "lt"}, name
+    assert field.description == declared.metadata["doc"]
+    assert bounds(field) == {
+        k: v for k, v in declared.metadata.items() if k != "doc" and v is not None
+    }
     assert declared.metadata["doc"]
 
 

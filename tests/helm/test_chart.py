@@ -7,7 +7,6 @@ Needs the helm binary (the dev extra installs it: helm-binary); skipped without 
 from __future__ import annotations
 
 import json
-from dataclasses import fields
 
 import pytest
 import yaml
@@ -199,7 +198,7 @@ def test_the_charts_fallbacks_are_the_configs_defaults():
     assert pod["terminationGracePeriodSeconds"] == RouterSection().drain_grace_seconds + 30
     groups = objects[("RayCluster", NAME)]["spec"]["workerGroupSpecs"]
     assert [g["replicas"] for g in groups] == [PoolSection().replicas] * 2
-    assert {f.name for f in fields(ClusterConfig)} >= set(config)
+    assert set(ClusterConfig.model_fields) >= set(config)
 
 
 def test_http_port_0_opens_no_http_port():

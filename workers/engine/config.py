@@ -36,8 +36,9 @@ def setting(
 ) -> Any:
     """An engine setting: its default, its one-line doc and its numeric bounds.
 
-    The metadata keys are those of ``cluster.config_schema.option``, so the YAML edge
-    checks the same bounds and renders the same doc (workers/ may not import cluster/).
+    The metadata keys are the arguments of ``cluster.config_schema.option``, which the
+    YAML edge's field is built with, so it checks the same bounds and renders the same doc
+    (workers/ may not import cluster/).
     """
     meta = {"doc": doc, "ge": ge, "le": le, "gt": gt, "lt": None}
     return dataclasses.field(default=default, metadata=meta)

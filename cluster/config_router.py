@@ -1,0 +1,111 @@
+"""The cluster config's ``router`` section: the front ends, the routing policy and its
+weights, admission and recovery. Its own module because it is the one section with no
+engine settings and most of the keys (``cluster/config.py`` holds the rest)."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from cluster.config_schema import ConfigSection, option
+
+
+class RouterSection(ConfigSection):
+    host: str = option("127.0.0.1", "gRPC and HTTP listen address (loopback unless configured)")
+    port: int = option(50051, "gRPC listen port; 0 = any free port", ge=0, le=65535)
+    http_port: int = option(
+        8000,
+        "OpenAI-compatible HTTP API port (/v1/completions, /v1/chat/completions); 0 = no HTTP",
+        ge=0,
+        le=65535,
+    )
+    api_key: str | None = option(
+        None,
+        "Bearer token the HTTP API's /v1 routes require (compared in constant time); unset = none",
+    )
+    reserved_cpus: int = option(
+        1,
+        "CPU cores left to the router process (HTTP, gRPC, tokenizing) when Baton starts a "
+        "local Ray instance: the workers' torch threads share the others (vLLM's "
+        "VLLM_CPU_NUM_OF_RESERVED_CPU; measured in bench/RESULTS.md)",
+        ge=0,
+    )
+    policy: Literal["round_robin", "least_loaded", "kv_aware"] = option(
+        "kv_aware", "How a worker is chosen for a request"
+    )
+    disaggregation: Literal["always", "never", "auto"] = option(
+        "auto", "auto = prefill on the decode worker when short, cached or prefill is saturated"
+    )
+    auto_local_prefill_tokens: int = option(
+        256, "auto: prefill locally when at most this many prompt tokens are uncached", ge=0
+    )
+    auto_saturated_queue: int = option(
+        8, "auto: also prefill locally when every prefill worker has this many waiting", ge=1
+    )
+    kv_overlap_weight: float = option(
+        2.0,
+        "kv_aware: cost of a prompt block to compute against a KV block in use (cost = this "
+        "x prefill blocks + decode blocks; Dynamo's overlap_score_weight; measured in "
+        "bench/RESULTS.md)",
+        ge=0.0,
+    )
+    kv_balance_abs_requests: int = option(
+        4,
+        "kv_aware: load wins over cache hits when the most loaded worker has more than this "
+        "many requests over the least loaded ...",
+        ge=0,
+    )
+    kv_balance_rel: float = option(
+        1.5, "... and more than this times the least loaded's (SGLang's balance test)", ge=1.0
+    )
+    kv_host_tier_weight: float = option(
+        0.1,
+        "kv_aware: cost of a prompt block onboarded from a worker's host-memory tier (G2), "
+        "as a share of computing it (docs/kv-tiers.md)",
+        ge=0.0,
+    )
+    kv_disk_tier_weight: float = option(
+        0.5,
+        "kv_aware: cost of a prompt block onboarded from a worker's disk tier (G3), as a "
+        "share of computing it",
+        ge=0.0,
+    )
+    kv_receive_weight: float = option(
+        0.1,
+        "kv_aware: cost of a prompt block a decode worker fed by a prefill worker lacks and "
+        "must receive, as a share of computing it (the blocks it holds are not received)",
+        ge=0.0,
+    )
+    # Peer pull (G4, kv_cache.peer_sharing; router/peer_prefix.py): the router's decisions.
+    peer_min_blocks: int = option(
+        4,
+        "kv_cache.peer_sharing: pull a prompt's prefix from another worker only when it holds "
+        "at least this many blocks more of it than the worker that computes the prompt",
+        ge=1,
+    )
+    peer_export_timeout_seconds: float = option(
+        5.0,
+        "kv_cache.peer_sharing: how long the request waits for the other worker to lease "
+        "the prefix; past it, the prefix is recomputed",
+        gt=0.0,
+    )
+    max_queued_requests: int = option(
+        1024, "Requests admitted but not finished; beyond: RESOURCE_EXHAUSTED", ge=1
+    )
+    migration_limit: int = option(
+        3,
+        "Times a request may move to another worker when its worker dies mid-request "
+        "(its stream continues there); 0 = fail such requests with UNAVAILABLE",
+        ge=0,
+    )
+    drain_grace_seconds: float = option(
+        30.0, "On SIGTERM, how long in-flight requests may take to finish", ge=0.0
+    )
+    restart_attempts: int = option(
+        4, "Attempts to restart a dead worker's replica; 0 = leave it out of routing", ge=0
+    )
+    restart_backoff_seconds: float = option(
+        1.0, "Wait before the second restart attempt; doubles after each failure", gt=0.0
+    )
+    restart_max_backoff_seconds: float = option(
+        30.0, "Longest wait between restart attempts", gt=0.0
+    )
