@@ -25,7 +25,7 @@ transport copies).
 from __future__ import annotations
 
 import hashlib
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 
 from kvtransfer.errors import LayoutMismatchError
 
@@ -100,6 +100,10 @@ class KVLayout:
 
     ``block_stride`` is the distance in bytes between block ``i`` and ``i + 1``;
     a block's ``block_bytes`` are contiguous from ``base_addr + i * block_stride``.
+
+    A dataclass (``dataclasses.replace`` derives layouts): inside a
+    :class:`~kvtransfer.messages.HandshakeMetadata` msgspec encodes it as a map of its
+    fields and decodes it typed, through ``__post_init__`` (its checks).
     """
 
     model_id: str
@@ -208,13 +212,6 @@ class KVLayout:
         """Hex digest of the fields peers must agree on (not addresses, slices or device)."""
         text = "|".join(f"{name}={getattr(self, name)}" for name in COMPAT_FIELDS)
         return hashlib.blake2b(text.encode(), digest_size=8).hexdigest()
-
-    def to_msg(self) -> dict:
-        return asdict(self)
-
-    @classmethod
-    def from_msg(cls, msg: dict) -> KVLayout:
-        return cls(**msg)
 
     @classmethod
     def from_tensor(

@@ -8,21 +8,25 @@
 - :class:`CompletionNotice` and :class:`PushRequest`: the data-plane control messages,
   sent as transport notifications between the two agents.
 
-Every message encodes as ``[kind, version, fields...]``; decoding checks both and the
-field types, so a malformed or foreign message raises ``ValueError`` instead of
+The messages are frozen msgspec structs (change one with ``msgspec.structs.replace``).
+Every message encodes as ``[kind, version, [fields...]]``: the struct's fields in order
+(msgspec ``array_like``; the :class:`KVLayout`, a dataclass, as a map of its fields).
+Decoding is typed (msgspec): it checks the kind, the version, the field count and every
+field's type and runs the ``__post_init__`` checks (the layout's too), so a malformed,
+stale or foreign message raises ``ValueError`` naming the message class instead of
 producing half-filled objects.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields, replace
-from typing import ClassVar
+import numbers
+from typing import Any, ClassVar, Literal
 
-import msgpack
+import msgspec
 
 from kvtransfer.layout import KVLayout
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2  # 2: msgspec structs, ``[kind, version, [fields...]]``
 
 
 def agent_name_for(worker_id: str, incarnation: str) -> str:
@@ -30,8 +34,11 @@ def agent_name_for(worker_id: str, incarnation: str) -> str:
     return f"{worker_id}#{incarnation}"
 
 
-@dataclass(frozen=True)
-class HandshakeMetadata:
+class _Message(msgspec.Struct, frozen=True, array_like=True, forbid_unknown_fields=True):
+    """The hand-off's structs: immutable, encoded as arrays of exactly their fields, in order."""
+
+
+class HandshakeMetadata(_Message):
     worker_id: str
     incarnation: str
     agent_metadata: bytes  # the transport's own connection info (NIXL agent metadata)
@@ -43,8 +50,7 @@ class HandshakeMetadata:
         return agent_name_for(self.worker_id, self.incarnation)
 
 
-@dataclass(frozen=True)
-class KVHandle:
+class KVHandle(_Message):
     """One prefill rank's KV of one request, held under a lease until notice or expiry."""
 
     agent_name: str  # the owner's agent (incarnation included)
@@ -79,11 +85,10 @@ class KVHandle:
                 f"blocks {self.first_block}..{end - 1}"
             )
         ids = self.block_ids[first_block - self.first_block : end_block - self.first_block]
-        return replace(self, block_ids=ids, first_block=first_block)
+        return msgspec.structs.replace(self, block_ids=ids, first_block=first_block)
 
 
-@dataclass(frozen=True)
-class CompletionNotice:
+class CompletionNotice(_Message):
     """The end of one side's part in one lease's transfer.
 
     Pull: reader → owner ("done" rides on the READ itself, so it arrives after the
@@ -107,8 +112,7 @@ class CompletionNotice:
             raise ValueError(f"unknown notice status {self.status!r}")
 
 
-@dataclass(frozen=True)
-class PushRequest:
+class PushRequest(_Message):
     """Reader → owner (push direction): write lease ``lease_id`` into my ``block_ids``."""
 
     lease_id: int
@@ -124,62 +128,70 @@ class PushRequest:
             raise ValueError(f"first_block must be >= 0, got {self.first_block}")
 
 
-_SCALARS = {"str": str, "bytes": bytes, "int": int, "float": (int, float)}
+def _enc_hook(obj: Any) -> Any:
+    """numpy scalars (and other number types) where a plain int or float belongs."""
+    if isinstance(obj, numbers.Integral):
+        return int(obj)
+    if isinstance(obj, numbers.Real):
+        return float(obj)
+    raise NotImplementedError(f"cannot encode {type(obj).__name__}")
+
+
+class _Head(msgspec.Struct, array_like=True):
+    """Any message's kind and version, read leniently to pick its class or say why not."""
+
+    kind: Any = None
+    version: Any = None
+
+
 _TYPES = {cls.kind: cls for cls in (HandshakeMetadata, KVHandle, CompletionNotice, PushRequest)}
+_ENCODER = msgspec.msgpack.Encoder(enc_hook=_enc_hook)
+# One per class, typed ``[kind, version, fields]``: the kind and version are literals, so
+# anything else fails in msgspec (and :func:`_refusal` says why).
+_DECODERS = {
+    cls: msgspec.msgpack.Decoder(tuple[Literal[kind], Literal[PROTOCOL_VERSION], cls])
+    for kind, cls in _TYPES.items()
+}
+_HEAD = msgspec.msgpack.Decoder(_Head)
 
 
 def encode(msg: HandshakeMetadata | KVHandle | CompletionNotice | PushRequest) -> bytes:
-    values = []
-    for f in fields(msg):
-        value = getattr(msg, f.name)
-        values.append(value.to_msg() if isinstance(value, KVLayout) else value)
-    return msgpack.packb([msg.kind, PROTOCOL_VERSION, *values], use_bin_type=True)
+    return _ENCODER.encode((msg.kind, PROTOCOL_VERSION, msg))
 
 
 def decode(data: bytes):
-    """Inverse of :func:`encode`; raises ``ValueError`` on anything malformed."""
+    """Inverse of :func:`encode`, whatever the message; raises ``ValueError`` on anything
+    malformed."""
     try:
-        items = msgpack.unpackb(data, raw=False, use_list=True, strict_map_key=True)
-    except Exception as exc:
-        raise ValueError(f"not a kvtransfer message: {exc}") from exc
-    if not isinstance(items, list) or len(items) < 2 or items[0] not in _TYPES:
-        raise ValueError("not a kvtransfer message")
-    if items[1] != PROTOCOL_VERSION:
-        raise ValueError(f"protocol version {items[1]} != {PROTOCOL_VERSION}")
-    cls = _TYPES[items[0]]
-    cls_fields = fields(cls)
-    values = items[2:]
-    if len(values) != len(cls_fields):
-        raise ValueError(f"{cls.__name__}: expected {len(cls_fields)} fields, got {len(values)}")
-    kwargs = {}
-    for f, value in zip(cls_fields, values, strict=True):
-        if f.name == "layout":
-            if not isinstance(value, dict):
-                raise ValueError("layout must be a map")
-            try:
-                value = KVLayout.from_msg(value)
-            except TypeError as exc:
-                raise ValueError(f"bad layout: {exc}") from exc
-        elif f.name == "block_ids":
-            if not isinstance(value, list) or not all(isinstance(b, int) for b in value):
-                raise ValueError("block_ids must be a list of ints")
-            value = tuple(value)
-        elif f.type in _SCALARS and (
-            not isinstance(value, _SCALARS[f.type]) or isinstance(value, bool)
-        ):
-            raise ValueError(
-                f"{cls.__name__}.{f.name}: expected {f.type}, got {type(value).__name__}"
-            )
-        kwargs[f.name] = value
-    try:
-        return cls(**kwargs)
-    except TypeError as exc:
-        raise ValueError(f"{cls.__name__}: {exc}") from exc
+        kind = _HEAD.decode(data).kind
+    except msgspec.DecodeError as exc:
+        raise ValueError(f"not a kvtransfer message: {exc}") from None
+    if not isinstance(kind, str) or kind not in _TYPES:
+        raise ValueError(f"not a kvtransfer message (kind {kind!r})")
+    return decode_as(data, _TYPES[kind])
 
 
 def decode_as(data: bytes, cls):
-    """Decode and check the message is a ``cls``."""
-    msg = decode(data)
-    if not isinstance(msg, cls):
-        raise ValueError(f"expected {cls.__name__}, got {type(msg).__name__}")
-    return msg
+    """Decode and check the message is a ``cls``; raises ``ValueError`` otherwise."""
+    decoder = _DECODERS.get(cls)
+    if decoder is None:
+        raise TypeError(f"{cls.__name__} is not a kvtransfer message")
+    try:
+        return decoder.decode(data)[2]
+    except msgspec.DecodeError as exc:  # ValidationError included; both are ValueErrors
+        raise ValueError(_refusal(data, cls, exc)) from None
+
+
+def _refusal(data: bytes, cls: Any, exc: Exception) -> str:
+    """Why ``data`` is not a ``cls`` of this version: foreign, stale or malformed."""
+    name = cls.__name__
+    try:
+        head = _HEAD.decode(data)
+    except msgspec.DecodeError:
+        return f"{name}: not a kvtransfer message: {exc}"
+    if head.kind != cls.kind:
+        other = _TYPES.get(head.kind) if isinstance(head.kind, str) else None
+        return f"expected {name}, got {other.__name__ if other else f'kind {head.kind!r}'}"
+    if head.version != PROTOCOL_VERSION:
+        return f"{name}: protocol version {head.version} != {PROTOCOL_VERSION}"
+    return f"malformed {name}: {exc}"

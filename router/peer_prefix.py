@@ -29,7 +29,9 @@ import asyncio
 import logging
 import uuid
 from collections.abc import Awaitable, Callable, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
+
+from msgspec.structs import replace
 
 from router.metrics import PEER_EXPORTS
 from router.policy import WorkerState, cached_prefix_blocks

@@ -26,8 +26,9 @@ import logging
 import time
 import uuid
 from collections.abc import AsyncIterator, Sequence
-from dataclasses import replace
 from functools import partial
+
+from msgspec.structs import replace
 
 from router.config import RouterConfig
 from router.errors import ErrorCode, RouterError

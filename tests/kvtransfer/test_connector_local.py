@@ -12,6 +12,7 @@ import random
 import threading
 import time
 
+import msgspec
 import pytest
 import torch
 
@@ -156,7 +157,7 @@ def test_lease_expiry_frees_and_a_stale_handle_is_refused(fabric):
     clock.now = 30.5
     prefill.conn.sync()
     assert prefill.released == [("a", "expired")] and prefill.in_use == {}
-    stale = dataclasses.replace(handle, issued_unix=time.time() - 29)
+    stale = msgspec.structs.replace(handle, issued_unix=time.time() - 29)
     with pytest.raises(LeaseExpiredError):
         decode.conn.receive([stale], [0, 1, 2]).result(timeout=5)
     assert torch.count_nonzero(decode.cache) == 0

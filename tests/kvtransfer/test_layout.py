@@ -11,6 +11,7 @@ import torch
 from kvtransfer.errors import LayoutMismatchError
 from kvtransfer.layout import check_compatible, kv_head_range
 from kvtransfer.messages import (
+    PROTOCOL_VERSION,
     CompletionNotice,
     HandshakeMetadata,
     KVHandle,
@@ -90,17 +91,35 @@ def test_messages_round_trip_and_reject_garbage():
         assert decode(data) == msg
         assert b"pickle" not in data and not data.startswith(b"\x80")  # msgpack, not pickle
     assert decode_as(encode(msgs[0]), HandshakeMetadata).agent_name == "prefill-0#123-abc"
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="expected PushRequest, got KVHandle"):
         decode_as(encode(msgs[1]), PushRequest)
     with pytest.raises(ValueError):
         decode(b"\x80\x04garbage")
-    with pytest.raises(ValueError):
-        decode(msgpack.packb(["notice", 1, "p", 7]))  # missing fields
-    with pytest.raises(ValueError):
-        decode(msgpack.packb(["notice", 99, "p", 7, "r", "done", "", ""]))  # version
-    with pytest.raises(ValueError):
-        decode(msgpack.packb(["notice", 1, "p", 7, "r", "exploded", "", ""]))  # status
-    with pytest.raises(ValueError):
-        decode(msgpack.packb(["push", 1, 7, "r", [1, "x"], 1.0]))  # block ids
-    with pytest.raises(ValueError):
-        decode(msgpack.packb(["push", 1, "seven", "r", [1], 1.0]))  # field type
+    v = PROTOCOL_VERSION
+    with pytest.raises(ValueError, match="malformed CompletionNotice"):
+        decode(msgpack.packb(["notice", v, ["p", 7]]))  # missing fields
+    with pytest.raises(ValueError, match="CompletionNotice: protocol version 99"):
+        decode(msgpack.packb(["notice", 99, ["p", 7, "r", "done", "", ""]]))  # version
+    with pytest.raises(ValueError, match="unknown notice status"):
+        decode(msgpack.packb(["notice", v, ["p", 7, "r", "exploded", "", ""]]))  # status
+    with pytest.raises(ValueError, match="malformed PushRequest"):
+        decode(msgpack.packb(["push", v, [7, "r", [1, "x"], 1.0]]))  # block ids
+    with pytest.raises(ValueError, match="malformed PushRequest"):
+        decode(msgpack.packb(["push", v, ["seven", "r", [1], 1.0]]))  # field type
+    with pytest.raises(ValueError, match="not a kvtransfer message"):
+        decode(msgpack.packb(["shove", v, [7, "r", [1], 1.0]]))  # foreign kind
+
+
+def test_message_scalars_are_type_checked():
+    """A value of the wrong type, even one the old codec let through, is refused."""
+    handle = KVHandle("p#1", "req-1", 7, (3, 1, 4), "f00d", 40, 17, 30.0, 1.5e9)
+    fields = msgpack.unpackb(encode(handle))[2]
+    for index, wrong in ((2, "7"), (2, True), (4, 5), (7, "30"), (9, 0.5)):
+        bad = [*fields]
+        bad[index] = wrong
+        with pytest.raises(ValueError, match=r"malformed KVHandle: Expected `(int|str|float)`"):
+            decode_as(msgpack.packb(["handle", PROTOCOL_VERSION, bad]), KVHandle)
+    assert decode_as(msgpack.packb(["handle", PROTOCOL_VERSION, fields]), KVHandle) == handle
+    # A stale peer's message (the version before msgspec: flat) is refused as such.
+    with pytest.raises(ValueError, match=r"KVHandle: protocol version 1 != "):
+        decode(msgpack.packb(["handle", 1, *fields]))

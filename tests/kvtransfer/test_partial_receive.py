@@ -8,8 +8,7 @@ decode cache is written, only their bytes count, and the lease ends as for a who
 
 from __future__ import annotations
 
-import dataclasses
-
+import msgspec
 import pytest
 import torch
 
@@ -73,7 +72,7 @@ def test_a_handle_reads_from_a_block_it_holds_only():
     with pytest.raises(ValueError, match=r"cannot read blocks 1\.\.3"):
         handle.from_block(1, 4)
     with pytest.raises(ValueError, match="first_block must be >= 0"):
-        dataclasses.replace(handle, first_block=-1)
+        msgspec.structs.replace(handle, first_block=-1)
     with pytest.raises(ValueError, match="first_block must be >= 0"):
         PushRequest(1, "a", (1,), 5.0, first_block=-1)
 
@@ -84,7 +83,7 @@ def test_a_push_request_for_more_blocks_than_remain_fails_and_ends_the_lease(fab
     decode = Side(fabric, "decode", empty_cache(full, 0, 1, 8), direction="push")
     connect(prefill, decode)
     handle = prefill.offer("a", [1, 2, 3])
-    wrong = dataclasses.replace(handle, first_block=1)  # claims 3 blocks from 1 on
+    wrong = msgspec.structs.replace(handle, first_block=1)  # claims 3 blocks from 1 on
     with pytest.raises(Exception, match="3 destination blocks for 2 source blocks"):
         decode.conn.receive([wrong], [0, 1, 2]).result(timeout=5)
     assert wait_until(lambda: prefill.released == [("a", "failed")])

@@ -317,7 +317,7 @@ def test_refusals(model_dir):
         bad = req("hi")
         bad.sampling.top_p = 7.0
         slow = asyncio.ensure_future(
-            collect(router, req(LONG_PREFIX, max_tokens=100, request_id="slow"))
+            collect(router, req(LONG_PREFIX, max_tokens=200, request_id="slow"))
         )
         await asyncio.sleep(0.05)
         for request in (bad, req("hi")):

@@ -3,10 +3,10 @@ kept from the workers' numbered stored / removed events (router/workers.py)."""
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 from types import SimpleNamespace
 
+import msgspec
 import pytest
 
 from router.policy import KVWeights, RouteRequest, WorkerState, cached_prefix_blocks, pick, route
@@ -140,7 +140,7 @@ def test_a_restarted_workers_snapshot_replaces_the_dead_ones_tiers():
 def test_the_status_shows_each_workers_tiers_from_its_last_report():
     view = WorkerView(Client())
     host = TierStatus("host", 3, 3 * 64, 16, 16 * 64, 5, 2, 0, 320, 0.01, 640, 0.02, 1, 0)
-    view.update(dataclasses.replace(report(1, snapshot=True), kv_tiers=(host,)))
+    view.update(msgspec.structs.replace(report(1, snapshot=True), kv_tiers=(host,)))
     config = SimpleNamespace(
         model_name="tiny", kv_transfer_backend="local", policy="kv_aware",
         disaggregation="auto", speculative="",

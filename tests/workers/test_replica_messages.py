@@ -7,6 +7,7 @@ import json
 from pathlib import Path
 
 import msgpack
+import msgspec
 import numpy as np
 import pytest
 import torch.multiprocessing as mp
@@ -15,6 +16,7 @@ from workers.engine.step_inputs import StepInputs
 from workers.parallel.rank_link import COMMAND_INLINE_BYTES, REPLY_INLINE_BYTES
 from workers.parallel.replica import free_port, join_replica, leave_replica
 from workers.parallel.replica_messages import (
+    REPLICA_WIRE_VERSION,
     Offered,
     OfferOp,
     RankCommand,
@@ -81,14 +83,18 @@ def test_a_reply_round_trips():
     assert decode_reply(encode_reply(reply)) == reply
 
 
+V = REPLICA_WIRE_VERSION
+
+
 @pytest.mark.parametrize(
     "data, error",
     [
         (b"\xc1", "undecodable"),
-        (msgpack.packb(["reply", 2, 0, [], [], []]), "not a cmd"),
-        (msgpack.packb(["cmd", 99, 0, None, [], [], [], [], False]), "version 99"),
+        (msgpack.packb(["reply", V, [0, [], [], []]]), "not a cmd"),
+        (msgpack.packb(["cmd", 99, [0, None, [], [], [], [], False]]), "version 99"),
+        (msgpack.packb(["cmd", 2, 0, None, [], [], [], [], False]), "version 2"),  # stale
         (
-            msgpack.packb(["cmd", 2, 0, None, [["a", [1], 2]], [], [], [], False]),
+            msgpack.packb(["cmd", V, [0, None, [["a", [1], 2]], [], [], [], False]]),
             "malformed",
         ),
     ],
@@ -98,11 +104,37 @@ def test_anything_but_a_command_is_refused(data, error):
         decode_command(data)
 
 
+def test_scalars_of_the_wrong_type_are_refused():
+    """The typed decoding refuses what the old codec converted (int("7")) or let through."""
+    fields = msgpack.unpackb(
+        encode_command(RankCommand(seq=3, offers=(OfferOp("a", (1,), 4, 5),)))
+    )[2]
+    for path, wrong in (((0,), "3"), ((0,), 3.0), ((2, 0, 2), "4"), ((6,), 1)):
+        bad = msgpack.unpackb(msgpack.packb(fields))
+        *outer, last = path
+        target = bad
+        for i in outer:
+            target = target[i]
+        target[last] = wrong
+        with pytest.raises(ValueError, match=r"RankCommand: malformed cmd message: Expected"):
+            decode_command(msgpack.packb(["cmd", V, bad]))
+    reply = msgpack.unpackb(encode_reply(RankReply(rank=1, received=(Received("e", "", 0.5, 9),))))
+    reply[2][3][0][3] = "9"  # num_bytes
+    with pytest.raises(ValueError, match=r"RankReply: malformed reply message: Expected `int`"):
+        decode_reply(msgpack.packb(reply))
+
+
 def test_step_inputs_whose_lengths_disagree_are_refused():
     msg = _inputs().to_msg()
-    msg[6] = [0, 1, 3]  # query_start_loc no longer ends at num_tokens
+    # query_start_loc no longer ends at num_tokens
+    msg = msgspec.structs.replace(msg, query_start_loc=(0, 1, 3))
     with pytest.raises(ValueError, match="disagree"):
         StepInputs.from_msg(msg)
+    data = encode_command(RankCommand(seq=1, step=_inputs()))
+    fields = msgpack.unpackb(data)[2]
+    fields[1][6] = [0, 1, 3]
+    with pytest.raises(ValueError, match=r"RankCommand: malformed cmd message: .*disagree"):
+        decode_command(msgpack.packb(["cmd", V, fields]))
 
 
 # ---- the link, between two real processes ------------------------------------------------

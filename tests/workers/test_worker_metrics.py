@@ -4,9 +4,9 @@ KV tiers' counters, per tier."""
 
 from __future__ import annotations
 
-import dataclasses
 from functools import partial
 
+import msgspec
 from prometheus_client import REGISTRY
 
 from workers.protocol.wire import TierStatus, WorkerReport
@@ -82,9 +82,11 @@ def _tier_value(name: str, instance: str, tier: str) -> float | None:
 def test_each_tier_has_its_series_gauges_set_and_counters_adding_what_is_new():
     metrics = WorkerMetrics("decode", "tiny", "decode-tier-a")
     report = _report(0, 0, 0)
-    metrics.report(dataclasses.replace(report, kv_tiers=(_tier("host", 10, 4, 0.25),)))
+    metrics.report(msgspec.structs.replace(report, kv_tiers=(_tier("host", 10, 4, 0.25),)))
     metrics.report(
-        dataclasses.replace(report, kv_tiers=(_tier("host", 6, 9, 1.0), _tier("disk", 30, 2, 3.0)))
+        msgspec.structs.replace(
+            report, kv_tiers=(_tier("host", 6, 9, 1.0), _tier("disk", 30, 2, 3.0))
+        )
     )
     value = partial(_tier_value, instance="decode-tier-a")
     assert value("baton_kv_tier_blocks", tier="host") == 6  # a gauge: the latest

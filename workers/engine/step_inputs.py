@@ -1,21 +1,45 @@
-"""One forward pass's inputs as plain host arrays, and their msgpack form.
+"""One forward pass's inputs as plain host arrays, and their wire form.
 
 The model runner builds :class:`StepInputs` from the scheduler's output; a
 tensor-parallel replica's rank 0 sends them, typed, to the other ranks, which run the
 same forward pass on their shards without a scheduler of their own
 (``workers/parallel/replica_messages.py``). Everything the attention metadata needs derives
 from these fields, so the ranks cannot disagree about it.
+
+On the wire a step is a :class:`StepMsg` (a msgspec struct, encoded as a positional
+array): the arrays as their raw bytes, the rest as typed ints.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+import msgspec
 import numpy as np
+
+
+class StepMsg(msgspec.Struct, frozen=True, array_like=True, forbid_unknown_fields=True):
+    """:class:`StepInputs` on the wire (``to_msg`` / ``from_msg``)."""
+
+    # The arrays' bytes, native order. bytearray, not bytes: decoded, they are the arrays'
+    # writable buffers, copied once out of the message (torch wraps no read-only buffer).
+    input_ids: bytearray  # int64
+    positions: bytearray  # int64
+    slot_mapping: bytearray  # int64
+    block_tables: bytearray  # int32, [num_seqs, max_blocks] row-major
+    table_shape: tuple[int, int]
+    seq_lens: tuple[int, ...]
+    query_start_loc: tuple[int, ...]
+    num_decodes: int
+    sample_indices: tuple[int, ...]
+    block_copies: tuple[tuple[int, int], ...]
 
 
 @dataclass(frozen=True)
 class StepInputs:
+    """A dataclass of numpy arrays (built every step by the model runner); its wire form
+    is a :class:`StepMsg`."""
+
     input_ids: np.ndarray  # [num_tokens] int64, the flat batch (decodes first)
     positions: np.ndarray  # [num_tokens] int64
     slot_mapping: np.ndarray  # [num_tokens] int64: block_id * block_size + offset
@@ -35,45 +59,39 @@ class StepInputs:
         qsl = self.query_start_loc
         return tuple(qsl[i + 1] - qsl[i] for i in range(len(qsl) - 1))
 
-    def to_msg(self) -> list:
+    def to_msg(self) -> StepMsg:
         table = self.block_tables
-        return [
-            self.input_ids.astype(np.int64, copy=False).tobytes(),
-            self.positions.astype(np.int64, copy=False).tobytes(),
-            self.slot_mapping.astype(np.int64, copy=False).tobytes(),
-            table.astype(np.int32, copy=False).tobytes(),
-            list(table.shape),
-            list(self.seq_lens),
-            list(self.query_start_loc),
+        return StepMsg(
+            bytearray(self.input_ids.astype(np.int64, copy=False)),
+            bytearray(self.positions.astype(np.int64, copy=False)),
+            bytearray(self.slot_mapping.astype(np.int64, copy=False)),
+            bytearray(table.astype(np.int32, copy=False)),
+            (table.shape[0], table.shape[1]),
+            self.seq_lens,
+            self.query_start_loc,
             self.num_decodes,
-            list(self.sample_indices),
-            [list(pair) for pair in self.block_copies],
-        ]
+            self.sample_indices,
+            self.block_copies,
+        )
 
     @classmethod
-    def from_msg(cls, msg: list) -> StepInputs:
+    def from_msg(cls, msg: StepMsg) -> StepInputs:
         """Raises ValueError when the fields do not describe one consistent batch."""
-        if not isinstance(msg, list) or len(msg) != 10:
-            raise ValueError("step inputs: expected a list of 10 fields")
-        ids, pos, slots, table, shape, seq_lens, qsl, num_decodes, samples, copies = msg
-
-        def array(data: bytes, dtype) -> np.ndarray:
-            # Writable (a copy): torch refuses to wrap read-only buffers without a warning.
-            return np.frombuffer(bytearray(data), dtype=dtype)
-
-        input_ids = array(ids, np.int64)
+        input_ids = np.frombuffer(msg.input_ids, dtype=np.int64)
         num_tokens = input_ids.shape[0]
-        num_seqs, max_blocks = shape
+        num_seqs, max_blocks = msg.table_shape
         inputs = cls(
             input_ids=input_ids,
-            positions=array(pos, np.int64),
-            slot_mapping=array(slots, np.int64),
-            block_tables=array(table, np.int32).reshape(num_seqs, max_blocks),
-            seq_lens=tuple(seq_lens),
-            query_start_loc=tuple(qsl),
-            num_decodes=int(num_decodes),
-            sample_indices=tuple(samples),
-            block_copies=tuple((int(s), int(d)) for s, d in copies),
+            positions=np.frombuffer(msg.positions, dtype=np.int64),
+            slot_mapping=np.frombuffer(msg.slot_mapping, dtype=np.int64),
+            block_tables=np.frombuffer(msg.block_tables, dtype=np.int32).reshape(
+                num_seqs, max_blocks
+            ),
+            seq_lens=msg.seq_lens,
+            query_start_loc=msg.query_start_loc,
+            num_decodes=msg.num_decodes,
+            sample_indices=msg.sample_indices,
+            block_copies=msg.block_copies,
         )
         if (
             inputs.positions.shape[0] != num_tokens

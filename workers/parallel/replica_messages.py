@@ -5,23 +5,32 @@ their shards of the weights and the KV cache and do what a :class:`RankCommand` 
 in order: end transfers (``aborts``, ``declines``), offer held blocks (``offers``),
 start receives (``receives``), run a forward pass (``step``). The other ranks send their
 news back on their own, as it happens, in :class:`RankReply` messages: handles of their
-offers, leases that ended, receives that completed (``workers/parallel/rank_link.py``). msgpack,
-checked on decode; no pickle, no method names.
+offers, leases that ended, receives that completed (``workers/parallel/rank_link.py``).
+
+The messages are frozen msgspec structs. Each encodes as ``[kind, version, [fields...]]``
+(msgpack; the struct's fields in order, a command's step as a
+:class:`~workers.engine.step_inputs.StepMsg`) and decodes typed: the kind, the version
+and every field's type are checked, so anything else raises ``ValueError`` naming the
+message class. No pickle, no method names.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import numbers
+from typing import Any, ClassVar, Literal
 
-import msgpack
+import msgspec
 
-from workers.engine.step_inputs import StepInputs
+from workers.engine.step_inputs import StepInputs, StepMsg
 
-REPLICA_WIRE_VERSION = 2
+REPLICA_WIRE_VERSION = 3  # 3: msgspec structs, ``[kind, version, [fields...]]``
 
 
-@dataclass(frozen=True)
-class OfferOp:
+class _Message(msgspec.Struct, frozen=True, array_like=True, forbid_unknown_fields=True):
+    """The replica's structs: immutable, encoded as arrays of exactly their fields, in order."""
+
+
+class OfferOp(_Message):
     """Prefill: put this rank's copy of a held request's blocks under a lease."""
 
     request_id: str
@@ -30,8 +39,7 @@ class OfferOp:
     first_token_id: int
 
 
-@dataclass(frozen=True)
-class ReceiveOp:
+class ReceiveOp(_Message):
     """Decode: pull this rank's heads of the request's KV into ``block_ids``."""
 
     request_id: str
@@ -39,116 +47,114 @@ class ReceiveOp:
     block_ids: tuple[int, ...]
 
 
-@dataclass(frozen=True)
-class RankCommand:
+class RankCommand(_Message):
     seq: int  # rank 0 numbers its commands; a rank that sees a gap stops
-    step: StepInputs | None = None
+    step: StepInputs | None = None  # travels as a StepMsg (see _CommandMsg)
     offers: tuple[OfferOp, ...] = ()
     receives: tuple[ReceiveOp, ...] = ()
     aborts: tuple[str, ...] = ()  # decode: stop these receives
     declines: tuple[tuple[bytes, ...], ...] = ()  # decode: nothing will be read from these
     stop: bool = False
+    kind: ClassVar[str] = "cmd"
 
 
-@dataclass(frozen=True)
-class Offered:
+class _CommandMsg(_Message):
+    """A :class:`RankCommand` on the wire: the same fields, the step as its StepMsg."""
+
+    seq: int
+    step: StepMsg | None
+    offers: tuple[OfferOp, ...]
+    receives: tuple[ReceiveOp, ...]
+    aborts: tuple[str, ...]
+    declines: tuple[tuple[bytes, ...], ...]
+    stop: bool
+
+
+class Offered(_Message):
     request_id: str
     handle: bytes  # empty when the offer failed
     error: str = ""
 
 
-@dataclass(frozen=True)
-class Received:
+class Received(_Message):
     request_id: str
     error: str = ""  # empty: the rank's part arrived
     seconds: float = 0.0
     num_bytes: int = 0
 
 
-@dataclass(frozen=True)
-class RankReply:
+class RankReply(_Message):
     rank: int
     offered: tuple[Offered, ...] = ()  # offers this rank made (handle or error)
     released: tuple[str, ...] = ()  # request ids whose lease on this rank ended
     received: tuple[Received, ...] = ()  # receives on this rank that completed
+    kind: ClassVar[str] = "reply"
+
+
+def _enc_hook(obj: Any) -> Any:
+    """numpy scalars (and other number types) where a plain int or float belongs."""
+    if isinstance(obj, numbers.Integral):
+        return int(obj)
+    if isinstance(obj, numbers.Real):
+        return float(obj)
+    raise NotImplementedError(f"cannot encode {type(obj).__name__}")
+
+
+class _Head(msgspec.Struct, array_like=True):
+    """Any message's kind and version, read leniently to say why a decode failed."""
+
+    kind: Any = None
+    version: Any = None
+
+
+_ENCODER = msgspec.msgpack.Encoder(enc_hook=_enc_hook)
+_COMMAND = msgspec.msgpack.Decoder(
+    tuple[Literal["cmd"], Literal[REPLICA_WIRE_VERSION], _CommandMsg]
+)
+_REPLY = msgspec.msgpack.Decoder(tuple[Literal["reply"], Literal[REPLICA_WIRE_VERSION], RankReply])
+_HEAD = msgspec.msgpack.Decoder(_Head)
 
 
 def encode_command(cmd: RankCommand) -> bytes:
-    return msgpack.packb(
-        [
-            "cmd",
-            REPLICA_WIRE_VERSION,
-            cmd.seq,
-            cmd.step.to_msg() if cmd.step is not None else None,
-            [[o.request_id, list(o.block_ids), o.num_tokens, o.first_token_id] for o in cmd.offers],
-            [[r.request_id, list(r.handles), list(r.block_ids)] for r in cmd.receives],
-            list(cmd.aborts),
-            [list(handles) for handles in cmd.declines],
-            cmd.stop,
-        ],
-        use_bin_type=True,
-    )
+    step = cmd.step.to_msg() if cmd.step is not None else None
+    # The fields of a _CommandMsg, as a tuple (the same array, without building the struct).
+    fields = (cmd.seq, step, cmd.offers, cmd.receives, cmd.aborts, cmd.declines, cmd.stop)
+    return _ENCODER.encode(("cmd", REPLICA_WIRE_VERSION, fields))
 
 
 def decode_command(data: bytes) -> RankCommand:
     """Raises ValueError for anything but a command of this version."""
-    msg = _unpack(data, "cmd", 9)
-    _, _, seq, step, offers, receives, aborts, declines, stop = msg
     try:
-        return RankCommand(
-            seq=int(seq),
-            step=StepInputs.from_msg(step) if step is not None else None,
-            offers=tuple(
-                OfferOp(str(rid), tuple(int(b) for b in blocks), int(n), int(tok))
-                for rid, blocks, n, tok in offers
-            ),
-            receives=tuple(
-                ReceiveOp(str(rid), tuple(bytes(h) for h in hs), tuple(int(b) for b in blocks))
-                for rid, hs, blocks in receives
-            ),
-            aborts=tuple(str(rid) for rid in aborts),
-            declines=tuple(tuple(bytes(h) for h in hs) for hs in declines),
-            stop=bool(stop),
-        )
-    except (TypeError, ValueError) as exc:
-        raise ValueError(f"malformed rank command: {exc}") from None
+        msg = _COMMAND.decode(data)[2]
+        step = StepInputs.from_msg(msg.step) if msg.step is not None else None
+    except ValueError as exc:  # msgspec's errors included
+        raise ValueError(_refusal(data, RankCommand, exc)) from None
+    return RankCommand(msg.seq, step, msg.offers, msg.receives, msg.aborts, msg.declines, msg.stop)
 
 
 def encode_reply(reply: RankReply) -> bytes:
-    return msgpack.packb(
-        [
-            "reply",
-            REPLICA_WIRE_VERSION,
-            reply.rank,
-            [[o.request_id, o.handle, o.error] for o in reply.offered],
-            list(reply.released),
-            [[r.request_id, r.error, r.seconds, r.num_bytes] for r in reply.received],
-        ],
-        use_bin_type=True,
-    )
+    return _ENCODER.encode(("reply", REPLICA_WIRE_VERSION, reply))
 
 
 def decode_reply(data: bytes) -> RankReply:
-    msg = _unpack(data, "reply", 6)
-    _, _, rank, offered, released, received = msg
+    """Raises ValueError for anything but a reply of this version."""
     try:
-        return RankReply(
-            rank=int(rank),
-            offered=tuple(Offered(str(r), bytes(h), str(e)) for r, h, e in offered),
-            released=tuple(str(r) for r in released),
-            received=tuple(Received(str(r), str(e), float(s), int(n)) for r, e, s, n in received),
-        )
-    except (TypeError, ValueError) as exc:
-        raise ValueError(f"malformed rank reply: {exc}") from None
+        return _REPLY.decode(data)[2]
+    except msgspec.DecodeError as exc:  # ValidationError included; both are ValueErrors
+        raise ValueError(_refusal(data, RankReply, exc)) from None
 
 
-def _unpack(data: bytes, kind: str, num_fields: int) -> list:
+def _refusal(data: bytes, cls: Any, exc: Exception) -> str:
+    """Why ``data`` is not a ``cls`` of this version: foreign, stale or malformed."""
+    name, kind = cls.__name__, cls.kind
     try:
-        msg = msgpack.unpackb(data, raw=False)
-    except Exception as exc:
-        raise ValueError(f"undecodable {kind} message: {exc}") from None
-    if not isinstance(msg, list) or len(msg) != num_fields or msg[0] != kind:
-        raise ValueError(f"not a {kind} message")
-    if msg[1] != REPLICA_WIRE_VERSION:
-        raise ValueError(f"{kind} message version {msg[1]}, expected {REPLICA_WIRE_VERSION}")
-    return msg
+        head = _HEAD.decode(data)
+    except msgspec.ValidationError:  # msgpack, but not an array
+        return f"{name}: not a {kind} message"
+    except msgspec.DecodeError:
+        return f"{name}: undecodable {kind} message: {exc}"
+    if head.kind != kind:
+        return f"{name}: not a {kind} message (kind {head.kind!r})"
+    if head.version != REPLICA_WIRE_VERSION:
+        return f"{name}: {kind} message version {head.version}, expected {REPLICA_WIRE_VERSION}"
+    return f"{name}: malformed {kind} message: {exc}"

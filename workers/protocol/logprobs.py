@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import msgspec
 
 
-@dataclass(frozen=True)
-class TokenLogprobs:
-    """Logprobs (from the raw logits) of one sampled token and of the row's top tokens."""
+class TokenLogprobs(msgspec.Struct, frozen=True, array_like=True, forbid_unknown_fields=True):
+    """Logprobs (from the raw logits) of one sampled token and of the row's top tokens.
+
+    A msgspec struct: it travels inside a :class:`~workers.protocol.wire.TokenEvent` as a
+    positional array ``[token_id, logprob, rank, top_token_ids, top_logprobs]``."""
 
     token_id: int
     logprob: float

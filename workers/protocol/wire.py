@@ -8,29 +8,36 @@
   step in an :class:`OutputBatch` together with the worker's :class:`WorkerReport`, and
   pushed over the worker's event channel (``workers/serving/channel.py``), not one call per token.
 
-Every message encodes as ``[kind, version, fields...]``; decoding checks the kind, the
-version and the field count, so a foreign or stale message raises ``ValueError``.
+The messages are frozen msgspec structs (change one with ``msgspec.structs.replace``).
+Every message encodes as ``[kind, version, [fields...]]``: the struct's fields in order
+(msgspec ``array_like``; nested messages likewise, :class:`SamplingParams` as a map of
+its fields). Decoding is typed (msgspec): it checks the kind, the version, the field
+count and every field's type and runs the ``__post_init__`` checks, so a foreign, stale
+or malformed message raises ``ValueError`` naming the message class.
 """
 
 from __future__ import annotations
 
-import dataclasses
-from dataclasses import dataclass
-from typing import Any, ClassVar, TypeVar
+import numbers
+from typing import Any, ClassVar, Literal, TypeVar
 
-import msgpack
+import msgspec
 
 from workers.protocol.logprobs import TokenLogprobs
 from workers.protocol.sampling_params import SamplingParams
 
-# 4: WorkerReport carries the speculative-decoding counters; 5: the KV tiers' events and stats
-WIRE_VERSION = 5
+# 4: WorkerReport carries the speculative-decoding counters; 5: the KV tiers' events and
+# stats; 6: msgspec structs, ``[kind, version, [fields...]]`` and typed fields.
+WIRE_VERSION = 6
 MODES = ("full", "prefill", "decode")
 T = TypeVar("T")
 
 
-@dataclass(frozen=True)
-class WorkItem:
+class _Message(msgspec.Struct, frozen=True, array_like=True, forbid_unknown_fields=True):
+    """The wire's structs: immutable, encoded as arrays of exactly their fields, in order."""
+
+
+class WorkItem(_Message):
     request_id: str
     prompt_token_ids: tuple[int, ...]
     params: SamplingParams
@@ -51,8 +58,7 @@ class WorkItem:
             raise ValueError("decode work resumes after first_token_id, not output_token_ids")
 
 
-@dataclass(frozen=True)
-class TokenEvent:
+class TokenEvent(_Message):
     """New output of one request since its previous event (possibly its end)."""
 
     request_id: str
@@ -73,8 +79,7 @@ class TokenEvent:
     kind: ClassVar[str] = "event"
 
 
-@dataclass(frozen=True)
-class KVEvents:
+class KVEvents(_Message):
     """Block hashes one KV tier below the pool started (``stored``) and stopped
     (``removed``) holding since the previous report that carried events; in a snapshot
     report, ``stored`` is everything the tier holds (Dynamo-style KV events)."""
@@ -85,8 +90,7 @@ class KVEvents:
     kind: ClassVar[str] = "kv_events"
 
 
-@dataclass(frozen=True)
-class TierStatus:
+class TierStatus(_Message):
     """One KV tier below a worker's pool: what it holds now and its counters since the
     worker started (the engine's ``TierStats``, plus the capacity in bytes)."""
 
@@ -107,8 +111,7 @@ class TierStatus:
     kind: ClassVar[str] = "tier"
 
 
-@dataclass(frozen=True)
-class WorkerReport:
+class WorkerReport(_Message):
     """A worker's state as the router's policy sees it."""
 
     name: str
@@ -141,8 +144,7 @@ class WorkerReport:
     kind: ClassVar[str] = "report"
 
 
-@dataclass(frozen=True)
-class WorkerInfo:
+class WorkerInfo(_Message):
     """What a worker resolved at start-up (the router checks the pools agree)."""
 
     name: str
@@ -156,8 +158,7 @@ class WorkerInfo:
     kind: ClassVar[str] = "info"
 
 
-@dataclass(frozen=True)
-class OutputBatch:
+class OutputBatch(_Message):
     events: tuple[TokenEvent, ...]
     report: WorkerReport
     kind: ClassVar[str] = "batch"
@@ -166,82 +167,59 @@ class OutputBatch:
 # ---- encoding ---------------------------------------------------------------------------
 
 
-def _logprobs_out(lps: tuple[TokenLogprobs, ...] | None) -> list | None:
-    if lps is None:
-        return None
-    return [
-        [t.token_id, t.logprob, t.rank, list(t.top_token_ids), list(t.top_logprobs)] for t in lps
-    ]
+def _enc_hook(obj: Any) -> Any:
+    """numpy scalars (and other number types) where a plain int or float belongs."""
+    if isinstance(obj, numbers.Integral):
+        return int(obj)
+    if isinstance(obj, numbers.Real):
+        return float(obj)
+    raise NotImplementedError(f"cannot encode {type(obj).__name__}")
 
 
-def _logprobs_in(raw: list | None) -> tuple[TokenLogprobs, ...] | None:
-    if raw is None:
-        return None
-    return tuple(
-        TokenLogprobs(int(a), float(b), int(c), tuple(d), tuple(e)) for a, b, c, d, e in raw
-    )
+class _Head(msgspec.Struct, array_like=True):
+    """Any message's kind and version, read leniently to say why a decode failed."""
+
+    kind: Any = None
+    version: Any = None
 
 
-# Fields that hold a tuple of messages, by name: each element travels as its field list.
-_NESTED: dict[str, type] = {"events": TokenEvent, "kv_events": KVEvents, "kv_tiers": TierStatus}
-
-
-def _fields(msg: Any) -> list:
-    out = []
-    for f in dataclasses.fields(msg):
-        value = getattr(msg, f.name)
-        if isinstance(value, SamplingParams):
-            value = dataclasses.asdict(value)
-        elif f.name == "logprobs":
-            value = _logprobs_out(value)
-        elif f.name in _NESTED:
-            value = [_fields(e) for e in value]
-        elif f.name == "report":
-            value = _fields(value)
-        elif isinstance(value, tuple):
-            value = list(value)
-        out.append(value)
-    return out
+_MESSAGES = (WorkItem, TokenEvent, WorkerReport, WorkerInfo, OutputBatch)
+_ENCODER = msgspec.msgpack.Encoder(enc_hook=_enc_hook)
+# One per class, typed ``[kind, version, fields]``: the kind and version are literals, so
+# anything else fails in msgspec (and :func:`_refusal` says why).
+_DECODERS = {
+    cls: msgspec.msgpack.Decoder(tuple[Literal[cls.kind], Literal[WIRE_VERSION], cls])
+    for cls in _MESSAGES
+}
+_HEAD = msgspec.msgpack.Decoder(_Head)
 
 
 def encode(msg: WorkItem | TokenEvent | WorkerReport | WorkerInfo | OutputBatch) -> bytes:
-    return msgpack.packb([msg.kind, WIRE_VERSION, *_fields(msg)], use_bin_type=True)
-
-
-def _build(cls: type[T], values: list) -> T:
-    names = [f.name for f in dataclasses.fields(cls)]  # type: ignore[arg-type]
-    if len(values) != len(names):
-        raise ValueError(f"{cls.__name__}: expected {len(names)} fields, got {len(values)}")
-    kwargs: dict[str, Any] = {}
-    for name, value in zip(names, values, strict=True):
-        if name == "params":
-            value = SamplingParams(**value)
-        elif name == "logprobs":
-            value = _logprobs_in(value)
-        elif name in _NESTED:
-            if not isinstance(value, list):
-                raise ValueError(f"{cls.__name__}.{name}: expected a list")
-            value = tuple(_build(_NESTED[name], e) for e in value)
-        elif name == "report":
-            value = _build(WorkerReport, value)
-        elif isinstance(value, list):
-            value = tuple(value)
-        kwargs[name] = value
-    return cls(**kwargs)
+    return _ENCODER.encode((msg.kind, WIRE_VERSION, msg))
 
 
 def decode_as(data: bytes, cls: type[T]) -> T:
     """Decode ``data`` as message class ``cls``; ValueError when it is anything else."""
+    decoder = _DECODERS.get(cls)
+    if decoder is None:
+        raise TypeError(f"{cls.__name__} is not a wire message")
     try:
-        raw = msgpack.unpackb(data, raw=False, strict_map_key=False)
-    except Exception as exc:  # msgpack raises several unrelated types
-        raise ValueError(f"malformed {cls.__name__}: {exc}") from None
-    kind: str = cls.kind  # type: ignore[attr-defined]
-    if not isinstance(raw, list) or len(raw) < 2 or raw[0] != kind:
-        raise ValueError(f"not a {cls.__name__} message")
-    if raw[1] != WIRE_VERSION:
-        raise ValueError(f"{cls.__name__}: wire version {raw[1]}, expected {WIRE_VERSION}")
+        return decoder.decode(data)[2]
+    except msgspec.DecodeError as exc:  # ValidationError included; both are ValueErrors
+        raise ValueError(_refusal(data, cls, exc)) from None
+
+
+def _refusal(data: bytes, cls: Any, exc: Exception) -> str:
+    """Why ``data`` is not a ``cls`` of this version: foreign, stale or malformed."""
+    name = cls.__name__
     try:
-        return _build(cls, raw[2:])
-    except TypeError as exc:
-        raise ValueError(f"malformed {cls.__name__}: {exc}") from None
+        head = _HEAD.decode(data)
+    except msgspec.ValidationError:  # msgpack, but not an array
+        return f"not a {name} message"
+    except msgspec.DecodeError:
+        return f"malformed {name}: {exc}"
+    if head.kind != cls.kind:
+        return f"not a {name} message"
+    if head.version != WIRE_VERSION:
+        return f"{name}: wire version {head.version}, expected {WIRE_VERSION}"
+    return f"malformed {name}: {exc}"
