@@ -40,7 +40,8 @@ step() {  # step NAME LIMIT_S COMMAND...: run it under its limit, log it, record
 }
 
 setup() {
-  if [ -d .whl ] && ls .whl/*.whl > /dev/null 2>&1; then
+  # The wheels are the GPU image's (cp312); a dry run uses this machine's environment.
+  if [ "$DRY_RUN" != 1 ] && [ -d .whl ] && ls .whl/*.whl > /dev/null 2>&1; then
     "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
       --target /tmp/site .whl/*.whl || return 1
   fi
@@ -53,6 +54,7 @@ import triton
 print("triton", triton.__version__)
 PYEOF
 }
+export DRY_RUN
 export -f setup  # timeout runs commands, not functions: `bash -c setup`
 
 if [ "$DRY_RUN" = 1 ]; then

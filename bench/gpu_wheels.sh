@@ -14,7 +14,7 @@ PY="${1:-.venv/bin/python}"
 grep -qx '/.whl/' .git/info/exclude 2>/dev/null || echo '/.whl/' >> .git/info/exclude
 mkdir -p .whl
 NAMES="gguf pydantic pydantic_core annotated-types typing-inspection fastapi starlette uvicorn
-httptools grpcio-health-checking grpcio-reflection protobuf"
+httptools grpcio-health-checking grpcio-reflection protobuf msgspec filelock"
 pins=()
 for name in $NAMES; do
   pin=$("$PY" -m pip freeze 2>/dev/null | grep -i -E "^${name//[-_]/[-_]}==" || true)
