@@ -220,11 +220,22 @@ def bring_up(config: ClusterConfig) -> Cluster:
                 backoff_s=config.router.restart_backoff_seconds,
                 max_backoff_s=config.router.restart_max_backoff_seconds,
             ),
+            tracing=_tracing(config),
         )
     except BaseException:
         cluster.shutdown()
         raise
     return cluster
+
+
+def _tracing(config: ClusterConfig):
+    """The router's tracer (router/tracing.py) when ``tracing.enabled``; else None."""
+    settings = config.tracing.resolved()
+    if settings is None:
+        return None
+    from router.tracing import Tracing
+
+    return Tracing(settings)
 
 
 def router_config(config: ClusterConfig, name: str, info: WorkerInfo) -> RouterConfig:

@@ -34,6 +34,7 @@ from cluster.config_schema import (
     subsection,
 )
 from cluster.config_tiers import check_disk_tier_path, check_tiers_single_rank
+from cluster.config_tracing import TracingSection
 from kvtransfer import KVTransferConfig
 from workers.engine.config import (
     Dtype,
@@ -220,6 +221,9 @@ class ClusterConfig(ConfigSection):
     kv_transfer: KVTransferSection = section(KVTransferSection, "KV hand-off prefill -> decode")
     router: RouterSection = section(RouterSection, "The gRPC and HTTP front ends and routing")
     metrics: MetricsSection = section(MetricsSection, "Prometheus scrape endpoints")
+    tracing: TracingSection = section(
+        TracingSection, "OpenTelemetry traces, one per request across router and workers"
+    )
 
     @model_validator(mode="after")
     def _check_sections(self) -> ClusterConfig:

@@ -23,3 +23,6 @@ class RouterError(Exception):
         super().__init__(message)
         self.code = code
         self.message = message
+        # The request's trace (32 hex digits) when tracing is on, for error bodies and
+        # logs: the one place to look for what happened to it (router/tracing.py).
+        self.trace_id = ""

@@ -21,6 +21,7 @@ from router.errors import ErrorCode, RouterError
 from router.events import GenerateEvent
 from router.migration import WorkerLost, died
 from router.stream import RequestStream
+from router.tracing import NO_TRACE, RequestTrace
 from router.workers import WorkerView, abort_on, decline
 from workers.protocol.wire import TokenEvent, WorkItem
 
@@ -32,8 +33,9 @@ SETTLE_TIMEOUT_S = 10.0  # how long an ended request waits for its worker's last
 class Pending:
     """A request in flight: its event queue and who currently owns it."""
 
-    def __init__(self, stream: RequestStream):
+    def __init__(self, stream: RequestStream, trace: RequestTrace = NO_TRACE):  # type: ignore[assignment]
         self.stream = stream
+        self.trace = trace  # router/tracing.py; NO_TRACE when tracing is off
         self.events: asyncio.Queue[tuple[str, TokenEvent | None]] = asyncio.Queue()
         self.owner: WorkerView | None = None  # the worker whose final event ends it there
         self.decode: WorkerView | None = None
@@ -106,6 +108,8 @@ class Pending:
                     yield stream.abort_event(), None
                     return
                 continue
+            if event.spans:  # the worker's part of the trace (its last event there)
+                self.trace.worker_spans(event.spans)
             if source != worker.name:
                 continue  # a late event from the previous owner
             if event.token_ids:
@@ -162,6 +166,8 @@ class Pending:
                     source, event = await asyncio.wait_for(self.events.get(), left)
                 except asyncio.TimeoutError:
                     continue
+                if event is not None and event.spans:
+                    self.trace.worker_spans(event.spans)
                 if source != owner.name or event is None or not event.finished:
                     continue
                 owner.end(request_id)

@@ -195,6 +195,17 @@ def _cost(worker: WorkerState, req: RouteRequest, prefills: bool) -> float:
     return req.weights.overlap_weight * prefill_blocks + worker.kv_blocks_used
 
 
+def scores(
+    policy: Policy, workers: Sequence[WorkerState], req: RouteRequest, *, prefills: bool = True
+) -> list[str]:
+    """What :func:`pick` compared, per healthy worker, as ``name=score`` (for a trace):
+    kv_aware's cost in blocks, else the load (requests). Lower wins."""
+    healthy = [w for w in workers if w.healthy]
+    if policy == "kv_aware" and healthy and not _out_of_balance(healthy, req):
+        return [f"{w.name}={_cost(w, req, prefills):.2f}" for w in healthy]
+    return [f"{w.name}={w.load}" for w in healthy]
+
+
 def route(
     req: RouteRequest,
     prefill_pool: Sequence[WorkerState],

@@ -66,3 +66,7 @@ class GenerateRequest:
     stopping: StoppingOptions = field(default_factory=StoppingOptions)
     output: OutputOptions = field(default_factory=OutputOptions)
     disaggregation: Disaggregation | None = None  # None: the router's configured policy
+    # W3C trace context of the caller (HTTP headers, gRPC metadata); empty: none. With
+    # tracing on, the request's trace continues the caller's (router/tracing.py).
+    traceparent: str = ""
+    tracestate: str = ""

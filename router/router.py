@@ -37,13 +37,14 @@ from router.metrics import MIGRATIONS
 from router.migration import WorkerLost, check_limit, no_worker_left, reroute
 from router.peer_prefix import PeerExports
 from router.pending import SETTLE_TIMEOUT_S, Pending
-from router.policy import NoHealthyWorker, RouteDecision, RouteRequest, route
+from router.policy import RouteDecision
 from router.recovery import Recovery, Restarter, RestartPolicy
 from router.requests import GenerateRequest
+from router.routing import Routing
 from router.stream import RequestStream
+from router.tracing import NO_TRACE, RequestTrace, Tracing
 from router.validation import InvalidRequest, ValidRequest, prompt_token_ids, validate
 from router.workers import Expected, WorkerClient, WorkerView, decline
-from workers.protocol.block_hashes import hash_prompt_blocks
 from workers.protocol.wire import OutputBatch, WorkItem
 from workers.text.tokenizer import Tokenizer
 
@@ -61,9 +62,12 @@ class Router:
         decode: Sequence[WorkerClient],
         restarter: Restarter | None = None,
         restart_policy: RestartPolicy | None = None,
+        tracing: Tracing | None = None,
     ):
-        """Without a ``restarter`` a dead worker stays out of routing for good."""
+        """Without a ``restarter`` a dead worker stays out of routing for good; without
+        ``tracing`` no request is traced (router/tracing.py)."""
         self.config = config
+        self.tracing = tracing
         self.tokenizer = tokenizer
         self.prefill = [WorkerView(c) for c in prefill]
         self.decode = [WorkerView(c) for c in decode]
@@ -76,7 +80,7 @@ class Router:
             self.recovery = Recovery(restarter, self.replace_worker, closed, policy)
         self._by_name = {v.name: v for v in [*self.prefill, *self.decode]}
         self._requests: dict[str, Pending] = {}
-        self._cursor = 0
+        self.routing = Routing(config, self.prefill, self.decode)
         self._background: set[asyncio.Task] = set()
         self.peers: PeerExports | None = None  # peer pull (G4), router/peer_prefix.py
         if config.peer_sharing:
@@ -103,6 +107,8 @@ class Router:
         for view in self._by_name.values():
             view.is_alive = False  # what follows (the channel closing) is no failure
             view.client.close()
+        if self.tracing is not None:  # the kept traces go out (blocks while it sends)
+            await asyncio.to_thread(self.tracing.shutdown)
 
     async def replace_worker(self, name: str, client: WorkerClient) -> None:
         """After a restart (``router/recovery.py``): ``client``, a fresh replica, takes dead
@@ -154,11 +160,36 @@ class Router:
         if self.is_draining:
             raise RouterError(ErrorCode.UNAVAILABLE, "the server is draining")
         request_id = req.request_id or uuid.uuid4().hex
+        trace = self._trace(req, request_id)
+        try:
+            async for out in self._admit(req, request_id, trace):
+                yield out
+        except RouterError as exc:
+            trace.fail(f"{exc.code.name}: {exc.message}")
+            exc.trace_id = trace.trace_id
+            raise
+        except Exception as exc:
+            trace.fail(exc)
+            raise
+        finally:
+            trace.end()
+
+    def _trace(self, req: GenerateRequest, request_id: str) -> RequestTrace:
+        if self.tracing is None:
+            return NO_TRACE  # type: ignore[return-value]
+        return self.tracing.start(req, request_id, self.config.model_name)
+
+    async def _admit(
+        self, req: GenerateRequest, request_id: str, trace: RequestTrace
+    ) -> AsyncIterator[GenerateEvent]:
+        """Validate and admit the request, then stream it (``generate``'s body)."""
         if request_id in self._requests:
             raise RouterError(
                 ErrorCode.INVALID_ARGUMENT, f"request_id: {request_id!r} is already in use"
             )
-        valid, token_ids = self._validate(req, request_id)
+        with trace.span("validate"):
+            valid, token_ids = self._validate(req, request_id)
+        trace.set(**{"gen_ai.usage.input_tokens": len(token_ids)})
         if len(self._requests) >= self.config.max_queued_requests:
             raise RouterError(
                 ErrorCode.RESOURCE_EXHAUSTED,
@@ -173,16 +204,27 @@ class Router:
             return_text=valid.return_text,
             return_timing=valid.return_timing,
         )
-        pending = Pending(stream)
+        pending = Pending(stream, trace)
         self._requests[request_id] = pending
         settled = False
         try:
             async for out in self._run(pending, valid, token_ids):
+                if out.finish is not None:
+                    usage = out.finish.usage
+                    trace.set(
+                        **{
+                            "gen_ai.response.finish_reasons": (out.finish.reason,),
+                            "gen_ai.usage.output_tokens": usage.completion_tokens,
+                            "baton.cached_tokens": usage.cached_prompt_tokens,
+                            "baton.migrations": pending.num_migrations,
+                        }
+                    )
                 yield out
             settled = True
         finally:
             if not settled:  # cancelled, deadline, or an error: stop it on the worker
                 pending.is_aborted = True
+                trace.event("abort")
             self._spawn(self._settle(pending))
 
     async def abort(self, request_id: str) -> bool:
@@ -207,7 +249,7 @@ class Router:
         self, pending: Pending, valid: ValidRequest, token_ids: list[int]
     ) -> AsyncIterator[GenerateEvent]:
         """The request on its workers; a lost worker's request migrates (router/migration.py)."""
-        decision = self._route(valid, token_ids)
+        decision = self.routing.route(pending.trace, valid, token_ids)
         while True:
             try:
                 async for out in self._attempt(pending, valid, token_ids, decision):
@@ -233,15 +275,26 @@ class Router:
         if pending.is_aborted:
             return None
         outputs = stream.output_token_ids
+        pending.trace.event(
+            "migration",
+            **{
+                "baton.worker.name": lost.worker,
+                "baton.migration.cause": lost.cause,
+                "baton.migration.error": lost.error,
+                "baton.migration.output_tokens": len(outputs),
+            },
+        )
         try:
-            decision = reroute(partial(self._route, valid), token_ids, outputs)
+            route_again = partial(self.routing.route, pending.trace, valid)
+            decision = reroute(route_again, token_ids, outputs)
         except RouterError as exc:
             raise no_worker_left(lost, exc.message) from None
         MIGRATIONS.labels("router", self.config.model_name, "router", lost.cause).inc()
         logger.warning(
-            "%s: worker %s lost (%s: %s); migrating to %s after %d tokens (%d/%d)",
+            "%s: worker %s lost (%s: %s); migrating to %s after %d tokens (%d/%d)%s",
             *(stream.request_id, lost.worker, lost.cause, lost.error, decision.decode),
             *(len(outputs), pending.num_migrations, self.config.migration_limit),
+            f" [trace {pending.trace.trace_id}]" if pending.trace.trace_id else "",
         )
         return decision
 
@@ -260,16 +313,19 @@ class Router:
         item = WorkItem(stream.request_id, tuple(token_ids), valid.params, "full")
         if outputs:
             item = replace(item, output_token_ids=outputs)
+        trace = pending.trace
         if prefill is not None:
             stream.stamps.prefill_worker = prefill.name
             handle_event = None
-            prefill_item = await self._peer_prefix(pending, replace(item, mode="prefill"), prefill)
-            async for out, event in pending.stream_from(prefill, prefill_item):
-                if event is not None and event.kv_handles:
-                    handle_event = event
-                    break
-                if out is not None:
-                    yield out
+            with trace.attempt("prefill", prefill.name) as parent:
+                prefill_item = replace(item, mode="prefill", traceparent=parent)
+                prefill_item = await self._peer_prefix(pending, prefill_item, prefill)
+                async for out, event in pending.stream_from(prefill, prefill_item):
+                    if event is not None and event.kv_handles:
+                        handle_event = event
+                        break
+                    if out is not None:
+                        yield out
             if handle_event is None:
                 return  # ended on the prefill worker (first token was the last, or abort)
             # P holds the KV under a lease until a decode worker's notice or expiry; until
@@ -291,9 +347,11 @@ class Router:
             )
         else:
             item = await self._peer_prefix(pending, item, decode)
-        async for out, _event in pending.stream_from(decode, item):
-            if out is not None:
-                yield out
+        with trace.attempt(item.mode, decode.name) as parent:
+            item = replace(item, traceparent=parent)
+            async for out, _event in pending.stream_from(decode, item):
+                if out is not None:
+                    yield out
 
     async def _peer_prefix(self, pending: Pending, item: WorkItem, target: WorkerView) -> WorkItem:
         """Peer pull (G4): ``item`` with a peer's handles on its prompt's first blocks, when
@@ -326,33 +384,6 @@ class Router:
         # none of them.
         decode.expect(request_id, Expected(0 if prefill else uncached, num_blocks))
         pending.routed.append(decode)
-
-    def _route(
-        self, valid: ValidRequest, token_ids: list[int], disaggregation: str | None = None
-    ) -> RouteDecision:
-        cfg = self.config
-        disaggregation = disaggregation or valid.disaggregation or cfg.disaggregation
-        request = RouteRequest(
-            num_prompt_tokens=len(token_ids),
-            block_hashes=tuple(hash_prompt_blocks(token_ids, cfg.block_size)),
-            block_size=cfg.block_size,
-            weights=cfg.kv_weights,
-        )
-        try:
-            decision = route(
-                request,
-                [v.state() for v in self.prefill],
-                [v.state() for v in self.decode],
-                policy=cfg.policy,  # type: ignore[arg-type]
-                disaggregation=disaggregation,  # type: ignore[arg-type]
-                auto_local_prefill_tokens=cfg.auto_local_prefill_tokens,
-                saturated_queue=cfg.saturated_queue,
-                cursor=self._cursor,
-            )
-        except NoHealthyWorker as exc:
-            raise RouterError(ErrorCode.UNAVAILABLE, str(exc)) from None
-        self._cursor = decision.round_robin_cursor
-        return decision
 
     async def _settle(self, pending: Pending) -> None:
         """After the client's stream ended: the worker side too; then the id is free."""

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+from collections.abc import Sequence
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -46,12 +47,15 @@ class InferenceServicer(pb_grpc.InferenceServicer):
         try:
             if isinstance(request, Malformed):
                 raise RouterError(ErrorCode.INVALID_ARGUMENT, request.message)
-            stream = self.router.generate(generate_request(request))
+            typed = with_trace_context(generate_request(request), context.invocation_metadata())
+            stream = self.router.generate(typed)
             async for event in stream:
                 call.event(event)
                 yield generate_response(event)
         except RouterError as exc:
             call.error(exc.code)
+            if exc.trace_id:  # where to look for what happened (tracing on)
+                context.set_trailing_metadata((("baton-trace-id", exc.trace_id),))
             await context.abort(GRPC_STATUS[exc.code], status_details(exc.message))
         except Exception as exc:  # a bug: answer INTERNAL, keep serving
             call.error(ErrorCode.INTERNAL)
@@ -165,6 +169,20 @@ _SAMPLING_FIELDS = tuple(f.name for f in dataclasses.fields(requests.SamplingOpt
 def _optional(message, name: str):
     """A proto3 ``optional`` field's value, or None when the client left it unset."""
     return getattr(message, name) if message.HasField(name) else None
+
+
+def with_trace_context(
+    req: requests.GenerateRequest, metadata: Sequence[tuple[str, str | bytes]] | None
+) -> requests.GenerateRequest:
+    """``req`` with the caller's W3C trace context from the call's metadata (gRPC
+    metadata keys are lower case: ``traceparent``, ``tracestate``)."""
+    found = {k: v for k, v in metadata or () if k in ("traceparent", "tracestate")}
+    if not found:
+        return req
+    text = {k: v.decode("latin-1") if isinstance(v, bytes) else v for k, v in found.items()}
+    return dataclasses.replace(
+        req, traceparent=text.get("traceparent", ""), tracestate=text.get("tracestate", "")
+    )
 
 
 def generate_request(req: pb.GenerateRequest) -> requests.GenerateRequest:

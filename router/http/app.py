@@ -15,9 +15,11 @@ in constant time so that response times do not leak how much of a guess was righ
 
 from __future__ import annotations
 
+import dataclasses
 import hmac
 import logging
 import uuid
+from collections.abc import Mapping, Sequence
 
 from fastapi import FastAPI, HTTPException, Request
 from fastapi.exceptions import RequestValidationError
@@ -41,6 +43,7 @@ from router.http.schemas import (
 )
 from router.http.streams import Choices, ClientGone, EventStreamResponse, unless_disconnected
 from router.metrics import RouterMetrics
+from router.requests import GenerateRequest
 from router.router import Router
 
 logger = logging.getLogger(__name__)
@@ -142,7 +145,7 @@ def create_app(
         """Run the plan's choices; one JSON answer, or an event stream."""
         include_usage = bool(stream and options is not None and options.include_usage)
         answer = render.Answer(answer_id, model, plan, router.tokenizer, include_usage)
-        choices = Choices(router, plan.requests, metrics)
+        choices = Choices(router, with_trace_context(plan.requests, request.headers), metrics)
         try:
             # Refusals come before the status line: every choice's first event first.
             await unless_disconnected(request.receive, choices.start())
@@ -161,6 +164,17 @@ def create_app(
             return Response(status_code=_CLIENT_CLOSED)
 
     return _Guard(app, api_key, max_body_bytes)
+
+
+def with_trace_context(
+    reqs: Sequence[GenerateRequest], headers: Mapping[str, str]
+) -> Sequence[GenerateRequest]:
+    """The plan's requests with the caller's W3C ``traceparent`` / ``tracestate`` headers
+    (each choice of ``n`` is a request of its own, in the same trace's parent)."""
+    parent, state = headers.get("traceparent", ""), headers.get("tracestate", "")
+    if not parent:
+        return reqs
+    return [dataclasses.replace(r, traceparent=parent, tracestate=state) for r in reqs]
 
 
 def _check_model(requested: str | None, served: str) -> None:

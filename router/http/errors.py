@@ -76,9 +76,12 @@ class OpenAIError(Exception):
         self.status = status
         self.info = ErrorInfo(message=message, type=type, param=param, code=code)
         self.is_from_router = False  # a RouterError's: the router's metrics counted it
+        self.trace_id = ""  # the request's trace (tracing on): in the body, to look it up
 
     def response(self) -> JSONResponse:
         body = ErrorResponse(error=self.info).model_dump()
+        if self.trace_id:
+            body["error"]["trace_id"] = self.trace_id
         return JSONResponse(body, status_code=self.status)
 
 
@@ -100,6 +103,7 @@ def from_router_error(exc: RouterError, names: Mapping[str, str]) -> OpenAIError
             code = "context_length_exceeded"
     error = OpenAIError(status, message, kind, param, code)
     error.is_from_router = True
+    error.trace_id = exc.trace_id
     return error
 
 

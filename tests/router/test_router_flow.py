@@ -84,6 +84,7 @@ class Cluster:
         num_decode=1,
         hold_transfers=False,
         decode_settings=None,  # EngineConfig fields of the decode workers only
+        tracing=None,  # router.tracing.Tracing
         **router,
     ):
         self.fabric = LocalFabric(hold_transfers=hold_transfers)
@@ -136,6 +137,7 @@ class Cluster:
             Tokenizer.from_dir(model_dir),
             [self._client(s) for s in self.services.values() if s.role == "prefill"],
             [self._client(s) for s in self.services.values() if s.role == "decode"],
+            tracing=tracing,
         )
 
     def _client(self, service: EngineService) -> InProcessClient:
@@ -317,7 +319,7 @@ def test_refusals(model_dir):
         bad = req("hi")
         bad.sampling.top_p = 7.0
         slow = asyncio.ensure_future(
-            collect(router, req(LONG_PREFIX, max_tokens=200, request_id="slow"))
+            collect(router, req(LONG_PREFIX, max_tokens=180, request_id="slow"))
         )
         await asyncio.sleep(0.05)
         for request in (bad, req("hi")):

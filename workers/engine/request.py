@@ -46,6 +46,7 @@ class Request:
     num_in_flight_tokens: int = 0
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache on first admission
     num_preemptions: int = 0
+    num_prefill_chunks: int = 0  # steps that computed part of the prompt (its trace says)
     status: RequestStatus = RequestStatus.WAITING
     finish_reason: FinishReason | None = None
     stop_reason: str | int | None = None  # the stop string or stop token that ended it

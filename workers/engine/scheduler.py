@@ -378,6 +378,8 @@ class Scheduler:
     def _chunk(self, req: Request, num_new: int) -> ScheduledChunk:
         start = req.num_scheduled_tokens
         req.num_in_flight_tokens += num_new
+        if start < req.num_prompt_tokens:
+            req.num_prefill_chunks += 1
         return ScheduledChunk(
             request_id=req.request_id,
             start_pos=start,

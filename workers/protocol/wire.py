@@ -25,10 +25,12 @@ import msgspec
 
 from workers.protocol.logprobs import TokenLogprobs
 from workers.protocol.sampling_params import SamplingParams
+from workers.protocol.trace import SpanRecord
 
 # 4: WorkerReport carries the speculative-decoding counters; 5: the KV tiers' events and
-# stats; 6: msgspec structs, ``[kind, version, [fields...]]`` and typed fields.
-WIRE_VERSION = 6
+# stats; 6: msgspec structs, ``[kind, version, [fields...]]`` and typed fields; 7: trace
+# context in the work item, span records in the final event (workers/protocol/trace.py).
+WIRE_VERSION = 7
 MODES = ("full", "prefill", "decode")
 T = TypeVar("T")
 
@@ -47,6 +49,9 @@ class WorkItem(_Message):
     # full / prefill: output already streamed by a worker that died (request migration);
     # the request resumes after it (LLMEngine.add_request's prior_output_token_ids).
     output_token_ids: tuple[int, ...] = ()
+    # W3C traceparent of the router's span this part of the request hangs under; empty:
+    # not traced (tracing off), and the worker records nothing for it.
+    traceparent: str = ""
     kind: ClassVar[str] = "work"
 
     def __post_init__(self) -> None:
@@ -76,6 +81,9 @@ class TokenEvent(_Message):
     # With error: it failed through no fault of its own (the worker's engine loop died, a
     # KV transfer failed), so the router may migrate it to another worker.
     is_retryable: bool = False
+    # On the request's last event from this worker (its end here, or a prefill's handle
+    # event) when the work item carried a traceparent: the worker's spans of it.
+    spans: tuple[SpanRecord, ...] = ()
     kind: ClassVar[str] = "event"
 
 

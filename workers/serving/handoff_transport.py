@@ -27,6 +27,8 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
 
+from msgspec.structs import replace
+
 from kvtransfer import KVConnector, KVHandle
 from kvtransfer.messages import decode_as as decode_kv
 from kvtransfer.messages import encode as encode_kv
@@ -36,6 +38,7 @@ from workers.parallel.replica_kv import ReplicaKV
 from workers.protocol.wire import TokenEvent, WorkItem
 from workers.serving.events import failed_event, token_event
 from workers.serving.metrics import WorkerMetrics
+from workers.serving.tracing import WorkerTraces
 
 logger = logging.getLogger(__name__)
 
@@ -86,6 +89,7 @@ class HandoffTransport:
         on_failure: str,
         wake: Callable[[], None],
         name: str,
+        traces: WorkerTraces | None = None,
     ):
         self.engine = engine
         self.handoff = engine.handoff
@@ -95,6 +99,8 @@ class HandoffTransport:
         self.on_failure = on_failure
         self._wake = wake
         self.name = name
+        # The traced requests' spans, attached to their last event here (tracing.py).
+        self.traces = traces if traces is not None else WorkerTraces(name, "")
         # Decode: msgpack KVHandle per prefill rank (checked on admission), until the
         # receive starts (RECEIVING) or the handles are declined (DECLINING).
         self.handles: dict[str, tuple[bytes, ...]] = {}
@@ -180,6 +186,9 @@ class HandoffTransport:
             source = "peer" if request_id in self._peer_ids else "prefill"
             self._peer_ids.discard(request_id)
             self.metrics.receive_started(source, len(receive.block_ids), receive.first_block)
+            self.traces.receive_started(
+                request_id, source, len(receive.block_ids), receive.first_block
+            )
             if self.connector is None:
                 self._errors[request_id] = "no KV connector on this worker"
                 self.engine.abort_request(request_id)
@@ -219,6 +228,7 @@ class HandoffTransport:
                 result = future.result()
                 self._transfer[request_id] = (result.seconds, result.num_bytes)
                 self.metrics.transferred(result.seconds, result.num_bytes)
+                self.traces.receive_ended(request_id, result.seconds, result.num_bytes)
                 # Every block has the same bytes: what the blocks held here saved.
                 saved = result.num_bytes * receive.first_block // receive.num_blocks
                 self.bytes_not_received += saved
@@ -226,6 +236,7 @@ class HandoffTransport:
                 self._peer_pull_ended(receive, "received")
                 self.engine.kv_received(request_id, ok=True)
             elif receive.is_cancelled:
+                self.traces.receive_ended(request_id, 0.0, 0, error="cancelled")
                 self._peer_pull_ended(receive, "unused")
                 self.engine.kv_received(request_id, ok=False)  # finished as ABORT
             else:
@@ -239,7 +250,11 @@ class HandoffTransport:
     def _transfer_failed(self, request_id: str, exc: BaseException) -> None:
         self.metrics.transfer_failed("receive")
         req = self.engine.scheduler.requests.get(request_id)
-        if self.on_failure == "recompute" or (req is not None and not req.is_remote_prefill):
+        recompute = self.on_failure == "recompute" or (
+            req is not None and not req.is_remote_prefill
+        )
+        self.traces.receive_ended(request_id, 0.0, 0, error=str(exc), recompute=recompute)
+        if recompute:
             # A peer pull (G4) was an optimisation: its prefix is always recomputed here.
             logger.warning("KV transfer of %s failed (%s); recomputing", request_id, exc)
         else:
@@ -265,13 +280,26 @@ class HandoffTransport:
         error = self._errors.pop(rid, "") if delta.finished else ""
         retryable = bool(error) and rid in self._retryable
         self._retryable.discard(rid)
-        return token_event(
+        event = token_event(
             delta, kv_handles=kv_handles, transfer=transfer, error=error, is_retryable=retryable
         )
+        if rid in self.traces:
+            if delta.token_ids:
+                self.traces.first_token(rid)
+            event = self.with_spans(event)
+        return event
+
+    def with_spans(self, event: TokenEvent) -> TokenEvent:
+        """``event`` with the request's spans on this worker when it is its last here (its
+        end, or a prefill's handles); the request is no longer traced here after."""
+        if (event.finished or event.kv_handles) and event.request_id in self.traces:
+            return replace(event, spans=self.traces.finish(event))
+        return event
 
     def _offer(self, delta: StreamDelta) -> None:
         """Prefill: put the held blocks under a lease on every rank (``offered`` gives
         the event with the handles, one per rank, once every rank has answered)."""
+        self.traces.first_token(delta.request_id)
         block_ids = self.handoff.offer(delta.request_id)  # HELD -> OFFERED
         future = self.kv.offer(
             delta.request_id,
@@ -296,5 +324,6 @@ class HandoffTransport:
             self.handoff.offer_failed(rid)  # no handle went out: the blocks are freed now
             self.metrics.transfer_failed("offer")
             error = f"cannot offer KV: {exc}"
-            events.append(failed_event(rid, delta.num_prompt_tokens, error, is_retryable=True))
+            failed = failed_event(rid, delta.num_prompt_tokens, error, is_retryable=True)
+            events.append(self.with_spans(failed))
         return events

@@ -34,6 +34,7 @@ from workers.serving.commands import Abort, Attach, Command, Decline, LeaseEnded
 from workers.serving.events import failed_event
 from workers.serving.handoff_transport import HandoffTransport
 from workers.serving.metrics import WorkerMetrics
+from workers.serving.tracing import WorkerTraces
 from workers.serving.worker_report import ReportBuilder
 
 logger = logging.getLogger(__name__)
@@ -69,7 +70,8 @@ class EngineService:
         self._sink: Sink | None = None  # loop thread only
         self._sent_at = 0.0
         self.metrics = metrics or WorkerMetrics(role, "", name)
-        engine.scheduler.on_first_scheduled = self.metrics.first_scheduled
+        self.traces = WorkerTraces(name, role)  # loop thread only
+        engine.scheduler.on_first_scheduled = self._first_scheduled
         # Every KV operation goes through self.kv: it spans all ranks of the replica.
         self.kv = replica if replica is not None else ReplicaKV()
         self.connector = (
@@ -80,7 +82,14 @@ class EngineService:
         self.kv.bind(self.connector, self._on_release, self._wake.set)
         self.kv.bind_engine(lambda: engine.num_in_flight, engine.drain)
         self.transport = HandoffTransport(  # loop thread only
-            engine, self.kv, self.connector, self.metrics, on_failure, self._wake.set, name
+            engine,
+            self.kv,
+            self.connector,
+            self.metrics,
+            on_failure,
+            self._wake.set,
+            name,
+            self.traces,
         )
         self._thread = threading.Thread(target=self._loop, name=f"engine-{name}", daemon=True)
         self._thread.start()
@@ -213,6 +222,10 @@ class EngineService:
             case _:
                 raise TypeError(f"unknown command {command!r}")
 
+    def _first_scheduled(self, req) -> None:
+        self.metrics.first_scheduled(req)
+        self.traces.first_scheduled(req)
+
     def _admit(self, item: WorkItem) -> None:
         rid = item.request_id
         if rid in self.engine.scheduler.requests or rid in self.transport.handles:
@@ -220,6 +233,7 @@ class EngineService:
             # (its handles still to decline, too).
             self._publish([failed_event(rid, 0, f"request_id {rid!r} is already in use")])
             return
+        self.traces.admitted(item)
         try:
             if item.mode == "decode":
                 for handle in item.kv_handles:
@@ -246,7 +260,8 @@ class EngineService:
             # The router validated already; this is a worker-side refusal (an id still
             # held, a bad handle): the request fails, the worker keeps serving.
             self.transport.refused(rid)
-            self._publish([failed_event(rid, len(item.prompt_token_ids), f"{exc}")])
+            failed = failed_event(rid, len(item.prompt_token_ids), f"{exc}")
+            self._publish([self.transport.with_spans(failed)])
 
     def _abort(self, rid: str) -> None:
         if self.engine.handoff.is_held(rid):
