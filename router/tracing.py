@@ -123,6 +123,8 @@ class RequestTrace:
         self._context = otel.set_span_in_context(root)
         self._is_error = False
         self._ended = False
+        self._kept = False
+        self._worker_records: list[SpanRecord] = []
 
     @property
     def trace_id(self) -> str:
@@ -165,15 +167,25 @@ class RequestTrace:
         self.root.set_attributes(attributes)
 
     def worker_spans(self, records: Sequence[SpanRecord]) -> None:
-        """A worker's spans of this request (from its last event there) join the trace."""
-        keep = self._tracing.keep
+        """A worker's spans of this request (from its last event there) join the trace.
+
+        Kept as they came until the decision: a dropped trace's (most, at a low ratio)
+        are never turned into SDK spans. One that comes after the decision (a worker's
+        last event after an abort was answered) follows it."""
+        if not self._ended:
+            self._worker_records.extend(records)
+        elif self._kept:
+            self._tracing.keep.forward(self._sdk_spans(records))
+
+    def _sdk_spans(self, records: Sequence[SpanRecord]) -> list[ReadableSpan]:
         trace_id = self.root.get_span_context().trace_id
         resource = self._tracing.provider.resource
+        spans = []
         for rec in records:
             context = SpanContext(trace_id, rec.span_id, False, TraceFlags(SAMPLED))
             parent = SpanContext(trace_id, rec.parent_span_id, False, TraceFlags(SAMPLED))
             status = Status(StatusCode.ERROR, rec.error) if rec.error else Status(StatusCode.UNSET)
-            keep.on_end(
+            spans.append(
                 ReadableSpan(
                     name=rec.name,
                     context=context,
@@ -188,6 +200,7 @@ class RequestTrace:
                     instrumentation_scope=_WORKER_SCOPE,
                 )
             )
+        return spans
 
     def fail(self, error: BaseException | str) -> None:
         """The request failed: its trace is kept whatever the ratio."""
@@ -207,7 +220,11 @@ class RequestTrace:
         is_slow = config.slow_threshold_s > 0 and (end - start) >= config.slow_threshold_s * 1e9
         by_ratio = (ctx.trace_id & (_RATIO_BITS - 1)) < config.sample_ratio * _RATIO_BITS
         keep = self._caller_sampled or self._is_error or is_slow or by_ratio
+        self._kept = keep
         self._tracing.keep.decide(ctx.trace_id, keep)
+        if keep:
+            self._tracing.keep.forward(self._sdk_spans(self._worker_records))
+        self._worker_records = []
 
 
 class _NoTrace:

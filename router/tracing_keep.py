@@ -6,8 +6,9 @@ traced request instead, holds them here until the request ends, and then keeps t
 trace or none of it (:meth:`KeepProcessor.decide`): kept are a ``sample_ratio`` share of
 traces (by trace id, so it is the same share any W3C-aware peer would pick), every trace
 the caller sampled, every request that failed and every one slower than the threshold
-(``router/tracing.py`` says which). Spans that end after the decision (a worker's last
-event coming after an abort's answer) follow it. Memory is bounded: past
+(``router/tracing.py`` says which). Router spans that end after the decision follow it;
+the workers' spans of a trace are held by its ``RequestTrace`` and come through
+:meth:`KeepProcessor.forward` once it is kept. Memory is bounded: past
 ``max_pending_spans`` the oldest undecided trace is dropped and counted.
 
 Runs on the router's event loop (spans end there); the exporter behind ``inner`` (a
@@ -69,6 +70,11 @@ class KeepProcessor(SpanProcessor):
                 self.inner.on_end(span)
         else:
             self.num_dropped += 1
+
+    def forward(self, spans: list[ReadableSpan]) -> None:
+        """Export ``spans`` of a kept trace (its workers' spans, made only once it is)."""
+        for span in spans:
+            self.inner.on_end(span)
 
     def shutdown(self) -> None:
         self.inner.shutdown()

@@ -215,3 +215,15 @@ def test_kept_traces_ratio_errors_and_slow_requests(model_dir):
     cluster = Cluster(model_dir, num_prefill=0, disaggregation="never", tracing=slow_tracer)
     run(cluster, lambda router: collect(router, req("hello", max_tokens=2)))
     assert len(traces(slow_exporter)) == 1  # slower than the threshold: kept
+
+
+def test_no_prompt_text_unless_asked(model_dir):
+    for include, expected in ((False, None), (True, "hello there")):
+        tracer, exporter = tracing(include_prompt=include)
+        cluster = Cluster(model_dir, num_prefill=0, disaggregation="never", tracing=tracer)
+        run(cluster, lambda router: collect(router, req("hello there", max_tokens=2)))
+        (spans,) = traces(exporter).values()
+        assert by_name(spans, "baton.request").attributes.get("baton.prompt") == expected
+        assert not any(
+            "hello" in str(v) for s in spans for k, v in s.attributes.items() if k != "baton.prompt"
+        )
