@@ -215,10 +215,12 @@ def _add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         "random model, 1 prefill + 1 decode worker)",
     )
     parser.add_argument(
-        "--api-key",
+        "--api-keys-file",
         default=None,
-        help="bearer token the HTTP API's /v1 routes require (over router.api_key; "
-        "default: $BATON_API_KEY)",
+        metavar="FILE",
+        help="YAML file of the API keys gRPC and HTTP require (over router.api_keys_file; "
+        "docs/security.md); or $BATON_API_KEYS / $BATON_API_KEY. Never a key itself on the "
+        "command line: any local user can read a process's arguments",
     )
 
 
@@ -226,11 +228,13 @@ def _run_serve(args: argparse.Namespace) -> int:
     import logging
 
     from cluster.config import load_config
-    from cluster.serve import run, with_api_key
+    from cluster.config_schema import replaced
+    from cluster.serve import run
 
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s: %(message)s")
     config = load_config(args.config)  # ConfigError is a ValueError: exit 2, key path named
-    config = with_api_key(config, args.api_key)
+    if args.api_keys_file:
+        config = replaced(config, router=replaced(config.router, api_keys_file=args.api_keys_file))
     try:
         return run(config)
     except RuntimeError as exc:  # bring-up failed (a worker did not start, no resources)
@@ -284,7 +288,10 @@ def build_parser() -> argparse.ArgumentParser:
     )
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     for command in _COMMANDS:
-        sub = subparsers.add_parser(command.name, help=command.help, description=command.help)
+        # No abbreviations: `--api-key KEY` must not pass as `--api-keys-file`.
+        sub = subparsers.add_parser(
+            command.name, help=command.help, description=command.help, allow_abbrev=False
+        )
         command.add_arguments(sub)
         sub.set_defaults(run=command.run)
     return parser

@@ -8,6 +8,7 @@ callers see ``grpc.RpcError`` with the server's status code.
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Iterator, Sequence
 from typing import Any, Protocol
@@ -41,6 +42,14 @@ class GenerateStream(Protocol):
     def cancel(self) -> bool:
         """Cancel the call; the server aborts the request (same as ``Abort``)."""
         ...
+
+
+def call_metadata() -> tuple[tuple[str, str], ...]:
+    """The API key of ``$BATON_API_KEY`` as gRPC call metadata (``authorization: Bearer
+    KEY``), for a router that requires one (docs/security.md); () when unset. From the
+    environment, never a flag: a process's arguments are readable by any local user."""
+    key = os.environ.get("BATON_API_KEY", "").strip()
+    return (("authorization", f"Bearer {key}"),) if key else ()
 
 
 def parse_target(target: str) -> str:
@@ -139,7 +148,9 @@ def stream_generate(
     (None: none). Iterating raises ``grpc.RpcError`` with the server's status code;
     ``cancel()`` on the returned stream aborts the request on the server.
     """
-    return stub.Generate(make_request(prompt, **options), timeout=timeout_s)
+    return stub.Generate(
+        make_request(prompt, **options), timeout=timeout_s, metadata=call_metadata()
+    )
 
 
 def get_status(stub: pb_grpc.InferenceStub, timeout_s: float | None) -> pb.ClusterStatus:
@@ -148,7 +159,9 @@ def get_status(stub: pb_grpc.InferenceStub, timeout_s: float | None) -> pb.Clust
     Fails fast (UNAVAILABLE) when nothing listens at the target, rather than waiting
     for ``timeout_s``: a status probe should say "unreachable" at once.
     """
-    return stub.GetClusterStatus(pb.GetClusterStatusRequest(), timeout=timeout_s)
+    return stub.GetClusterStatus(
+        pb.GetClusterStatusRequest(), timeout=timeout_s, metadata=call_metadata()
+    )
 
 
 def wait_ready(channel: grpc.Channel, timeout_s: float) -> None:

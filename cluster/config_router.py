@@ -6,7 +6,10 @@ from __future__ import annotations
 
 from typing import Literal
 
+from pydantic import model_validator
+
 from cluster.config_schema import ConfigSection, option
+from router.tls import TlsFiles
 
 
 class RouterSection(ConfigSection):
@@ -20,7 +23,21 @@ class RouterSection(ConfigSection):
     )
     api_key: str | None = option(
         None,
-        "Bearer token the HTTP API's /v1 routes require (compared in constant time); unset = none",
+        "One API key (named default) that HTTP /v1 and gRPC calls need; prefer "
+        "api_keys_file or $BATON_API_KEYS (a config file is no secret store); unset = none",
+    )
+    api_keys_file: str | None = option(
+        None,
+        "YAML file of API keys (keys: [{name, key, tenant}]), a mounted Secret say: with "
+        "api_key and $BATON_API_KEYS / $BATON_API_KEY, the keys both front ends require "
+        "(docs/security.md); none at all = the front ends are open",
+    )
+    tls_cert_file: str | None = option(
+        None, "PEM certificate (chain) gRPC and HTTP serve TLS with; unset = plaintext"
+    )
+    tls_key_file: str | None = option(None, "PEM private key of tls_cert_file")
+    tls_client_ca_file: str | None = option(
+        None, "PEM CA bundle: with it, clients must present a certificate it signed (mTLS)"
     )
     reserved_cpus: int = option(
         1,
@@ -109,3 +126,17 @@ class RouterSection(ConfigSection):
     restart_max_backoff_seconds: float = option(
         30.0, "Longest wait between restart attempts", gt=0.0
     )
+
+    @model_validator(mode="after")
+    def _check_tls(self) -> RouterSection:
+        if (self.tls_cert_file is None) != (self.tls_key_file is None):
+            raise ValueError("tls_cert_file and tls_key_file: set both (TLS) or neither")
+        if self.tls_client_ca_file is not None and self.tls_cert_file is None:
+            raise ValueError("tls_client_ca_file: client certificates need TLS (tls_cert_file)")
+        return self
+
+    def tls(self) -> TlsFiles | None:
+        """The front ends' TLS files; None: plaintext."""
+        if self.tls_cert_file is None or self.tls_key_file is None:
+            return None
+        return TlsFiles(self.tls_cert_file, self.tls_key_file, self.tls_client_ca_file)

@@ -21,7 +21,6 @@ import sys
 from collections.abc import Callable
 
 from cluster.config import ClusterConfig
-from cluster.config_schema import replaced
 
 logger = logging.getLogger(__name__)
 
@@ -58,6 +57,12 @@ async def serve(config: ClusterConfig, on_ready: Callable[[str], None] | None = 
     http = None
     # Blocking, on purpose: nothing else runs yet, and Ray installs its signal handlers
     # only when initialised from the main thread.
+    # Refused before anything starts: a keys file or TLS file that cannot be read.
+    keys = api_keys(config)
+    tls = config.router.tls()
+    if tls is not None:
+        tls.grpc_credentials()
+        tls.uvicorn_options()
     cluster = bring_up(config)
     server = None
     try:
@@ -67,10 +72,10 @@ async def serve(config: ClusterConfig, on_ready: Callable[[str], None] | None = 
             "prefill": (config.prefill.tensor_parallel, config.prefill.pipeline_parallel),
             "decode": (config.decode.tensor_parallel, config.decode.pipeline_parallel),
         }
-        server = Server(router, config.router.host, config.router.port, tp_pp)
+        server = Server(router, config.router.host, config.router.port, tp_pp, keys, tls)
         await server.start()
         if config.router.http_port:
-            http = _http_server(config, router)
+            http = _http_server(config, router, keys)
             await http.start()
         stop = asyncio.Event()
         for sig in (signal.SIGTERM, signal.SIGINT):
@@ -84,7 +89,7 @@ async def serve(config: ClusterConfig, on_ready: Callable[[str], None] | None = 
             for address in cluster.exporters.addresses.values():
                 print(f"baton: metrics on http://{address}/metrics", flush=True)
         if http is not None:
-            print(f"baton: OpenAI API on http://{http.address}/v1", flush=True)
+            print(f"baton: OpenAI API on {http.scheme}://{http.address}/v1", flush=True)
         print(message, flush=True)
         if on_ready is not None:
             on_ready(server.address)
@@ -173,7 +178,18 @@ def _leave(message: str) -> None:
     os._exit(0)
 
 
-def _http_server(config: ClusterConfig, router):
+def api_keys(config: ClusterConfig):
+    """The API keys both front ends require (router/auth.py): ``router.api_keys_file``,
+    ``router.api_key`` and the environment's; None when there are none."""
+    from router.auth import ApiKeys
+
+    keys = ApiKeys.load(config.router.api_keys_file, config.router.api_key)
+    if keys is not None:
+        print(f"baton: {len(keys)} API key(s): {', '.join(keys.names)}", flush=True)
+    return keys
+
+
+def _http_server(config: ClusterConfig, router, keys):
     """The HTTP front end over ``router``, with the served model's chat template."""
     from importlib.metadata import PackageNotFoundError, version
 
@@ -193,19 +209,10 @@ def _http_server(config: ClusterConfig, router):
         config.router.host,
         config.router.http_port,
         chat_template=template,
-        api_key=config.router.api_key,
+        keys=keys,
+        tls=config.router.tls(),
         version=baton_version,
     )
-
-
-def with_api_key(config: ClusterConfig, api_key: str | None = None) -> ClusterConfig:
-    """``config`` with the HTTP API key ``api_key`` (``baton serve --api-key``), else
-    ``$BATON_API_KEY``, over ``router.api_key``: either keeps the secret out of the config
-    file (and a Kubernetes Secret can reach the head as an environment variable)."""
-    api_key = api_key or os.environ.get("BATON_API_KEY")
-    if not api_key:
-        return config
-    return replaced(config, router=replaced(config.router, api_key=api_key))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -224,7 +231,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"baton: error: {exc}", file=sys.stderr)
         return 2
     try:
-        return run(with_api_key(config))
+        return run(config)
     except (ValueError, RuntimeError) as exc:
         print(f"baton: error: {exc}", file=sys.stderr)
         return 1

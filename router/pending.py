@@ -20,8 +20,9 @@ from collections.abc import AsyncIterator, Sequence
 from router.errors import ErrorCode, RouterError
 from router.events import GenerateEvent
 from router.migration import WorkerLost, died
+from router.request_trace import RequestTrace
 from router.stream import RequestStream
-from router.tracing import NO_TRACE, RequestTrace
+from router.tracing import NO_TRACE
 from router.workers import WorkerView, abort_on, decline
 from workers.protocol.wire import TokenEvent, WorkItem
 
@@ -45,6 +46,7 @@ class Pending:
         self.submit: asyncio.Future | None = None  # the last submit call in flight
         self.is_aborted = False
         self.num_migrations = 0
+        self.principal = ""  # who sent it (router/auth.py); only they may abort it
 
     def migrated(self) -> tuple[bytes, ...]:
         """Router, after a :class:`WorkerLost`: forget the lost attempt before the next.

@@ -70,3 +70,6 @@ class GenerateRequest:
     # tracing on, the request's trace continues the caller's (router/tracing.py).
     traceparent: str = ""
     tracestate: str = ""
+    # Who sent it (router/auth.py: the API key's name), set by the front end after it
+    # authenticated the call; "" when no keys are configured. Only its sender may abort it.
+    principal: str = ""

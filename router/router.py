@@ -39,10 +39,11 @@ from router.peer_prefix import PeerExports
 from router.pending import SETTLE_TIMEOUT_S, Pending
 from router.policy import RouteDecision
 from router.recovery import Recovery, Restarter, RestartPolicy
+from router.request_trace import RequestTrace
 from router.requests import GenerateRequest
 from router.routing import Routing
 from router.stream import RequestStream
-from router.tracing import NO_TRACE, RequestTrace, Tracing
+from router.tracing import NO_TRACE, Tracing
 from router.validation import InvalidRequest, ValidRequest, prompt_token_ids, validate
 from router.workers import Expected, WorkerClient, WorkerView, decline
 from workers.protocol.wire import OutputBatch, WorkItem
@@ -205,6 +206,7 @@ class Router:
             return_timing=valid.return_timing,
         )
         pending = Pending(stream, trace)
+        pending.principal = req.principal
         self._requests[request_id] = pending
         settled = False
         try:
@@ -227,10 +229,14 @@ class Router:
                 trace.event("abort")
             self._spawn(self._settle(pending))
 
-    async def abort(self, request_id: str) -> bool:
-        """Abort a request in flight; False if there is none with that id."""
+    async def abort(self, request_id: str, principal: str | None = None) -> bool:
+        """Abort a request in flight; False if there is none with that id. A client's
+        abort (``principal``: who asks, router/auth.py) ends only its own requests, and
+        another's answers False as if there were none (None: the router's own, drain)."""
         pending = self._requests.get(request_id)
         if pending is None or pending.stream.is_finished:
+            return False
+        if principal is not None and principal != pending.principal:
             return False
         pending.is_aborted = True
         await pending.events.put(("", None))  # wakes the stream, which ends with ABORT

@@ -14,7 +14,7 @@ from collections.abc import Sequence
 from router.config import RouterConfig
 from router.errors import ErrorCode, RouterError
 from router.policy import NoHealthyWorker, RouteDecision, RouteRequest, route, scores
-from router.tracing import RequestTrace
+from router.request_trace import RequestTrace
 from router.validation import ValidRequest
 from router.workers import WorkerView
 from workers.protocol.block_hashes import hash_prompt_blocks
@@ -65,16 +65,19 @@ class Routing:
             except NoHealthyWorker as exc:
                 raise RouterError(ErrorCode.UNAVAILABLE, str(exc)) from None
             self._cursor = decision.round_robin_cursor
-            if span is not None and span.is_recording():
+            if span is not None:  # traced: what was chosen among what (computed if kept)
                 fed = decision.prefill is not None  # the decode worker receives, computes none
                 policy = cfg.policy
-                span.set_attributes(
-                    {
-                        "baton.route.policy": policy,
-                        "baton.route.disaggregation": disaggregation,
-                        "baton.route.decode": decision.decode,
-                        "baton.route.prefill": decision.prefill or "",
-                        "baton.route.cached_tokens": decision.cached_tokens,
+                chosen = {
+                    "baton.route.policy": policy,
+                    "baton.route.disaggregation": disaggregation,
+                    "baton.route.decode": decision.decode,
+                    "baton.route.prefill": decision.prefill or "",
+                    "baton.route.cached_tokens": decision.cached_tokens,
+                }
+                span.set_attributes(chosen)
+                span.set_lazy_attributes(
+                    lambda: {
                         "baton.route.decode_scores": scores(
                             policy,  # type: ignore[arg-type]
                             decode,

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import uuid
 from collections.abc import Sequence
 
 import grpc
@@ -24,9 +25,11 @@ from grpc_reflection.v1alpha import reflection
 from proto.baton.v1 import inference_pb2 as pb
 from proto.baton.v1 import inference_pb2_grpc as pb_grpc
 from router import events, requests, status
+from router.auth import ANONYMOUS, ApiKeys, Principal
 from router.errors import ErrorCode, RouterError
 from router.metrics import RouterMetrics
 from router.router import Router
+from router.tls import TlsFiles
 
 logger = logging.getLogger(__name__)
 
@@ -36,18 +39,38 @@ _MAX_DETAILS_LEN = 1000  # characters of a status message (UTF-8: at most 4 KB)
 
 
 class InferenceServicer(pb_grpc.InferenceServicer):
-    def __init__(self, router: Router, tp_pp: dict[str, tuple[int, int]] | None = None):
+    def __init__(
+        self,
+        router: Router,
+        tp_pp: dict[str, tuple[int, int]] | None = None,
+        keys: ApiKeys | None = None,
+    ):
+        """``keys``: every call needs one of them (metadata ``authorization: Bearer KEY``),
+        else UNAUTHENTICATED; None: the service is open (health and reflection always are)."""
         self.router = router
         self.tp_pp = tp_pp or {}
+        self.keys = keys
         self.metrics = RouterMetrics(router.config.model_name, frontend="grpc")
 
+    async def _caller(self, context) -> Principal:
+        """The authenticated caller; answers UNAUTHENTICATED (and raises) otherwise."""
+        if self.keys is None:
+            return ANONYMOUS
+        metadata = context.invocation_metadata() or ()
+        found = self.keys.authenticate(dict(metadata).get("authorization"))
+        if found is None:
+            await context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or incorrect API key")
+        return found
+
     async def Generate(self, request, context):
+        caller = await self._caller(context)
         call = self.metrics.call()
         stream = None
         try:
             if isinstance(request, Malformed):
                 raise RouterError(ErrorCode.INVALID_ARGUMENT, request.message)
             typed = with_trace_context(generate_request(request), context.invocation_metadata())
+            typed = dataclasses.replace(typed, principal=caller.name)
             stream = self.router.generate(typed)
             async for event in stream:
                 call.event(event)
@@ -66,15 +89,18 @@ class InferenceServicer(pb_grpc.InferenceServicer):
                 await stream.aclose()
 
     async def Abort(self, request, context):
+        caller = await self._caller(context)
         if isinstance(request, Malformed):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.message)
         try:
-            found = await self.router.abort(request.request_id)
+            # Only the caller's own: another's request answers found=false, as if absent.
+            found = await self.router.abort(request.request_id, caller.name)
         except Exception as exc:
             await _internal(context, exc)
         return pb.AbortResponse(found=found)
 
     async def GetModelInfo(self, request, context):
+        await self._caller(context)
         if isinstance(request, Malformed):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.message)
         try:
@@ -83,6 +109,7 @@ class InferenceServicer(pb_grpc.InferenceServicer):
             await _internal(context, exc)
 
     async def GetClusterStatus(self, request, context):
+        await self._caller(context)
         if isinstance(request, Malformed):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.message)
         try:
@@ -92,9 +119,12 @@ class InferenceServicer(pb_grpc.InferenceServicer):
 
 
 async def _internal(context, exc: Exception) -> None:
-    """A bug: answer INTERNAL (not UNKNOWN) and keep serving."""
-    logger.exception("request failed")
-    await context.abort(grpc.StatusCode.INTERNAL, status_details(f"{type(exc).__name__}: {exc}"))
+    """A bug: answer INTERNAL (not UNKNOWN) and keep serving. The exception's text stays
+    in the log (it may hold internals); the client gets an id to quote."""
+    error_id = uuid.uuid4().hex
+    logger.exception("request failed [error %s]", error_id)
+    message = f"internal error {error_id} (the server's log has the details)"
+    await context.abort(grpc.StatusCode.INTERNAL, message)
 
 
 def status_details(message: str) -> str:
@@ -286,7 +316,11 @@ class Server:
         host: str,
         port: int,
         tp_pp: dict[str, tuple[int, int]] | None = None,
+        keys: ApiKeys | None = None,
+        tls: TlsFiles | None = None,
     ):
+        """``keys``: the API keys every call of the inference service needs (router/auth.py);
+        ``tls``: serve over TLS (router/tls.py) instead of plaintext."""
         self.router = router
         self.server = grpc.aio.server(
             options=[
@@ -295,7 +329,7 @@ class Server:
                 ("grpc.so_reuseport", 0),
             ]
         )
-        add_servicer(InferenceServicer(router, tp_pp), self.server)
+        add_servicer(InferenceServicer(router, tp_pp, keys), self.server)
         self.health = health_aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         reflection.enable_server_reflection(
@@ -307,7 +341,10 @@ class Server:
             self.server,
         )
         address = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
-        self.port = self.server.add_insecure_port(address)
+        if tls is not None:
+            self.port = self.server.add_secure_port(address, tls.grpc_credentials())
+        else:
+            self.port = self.server.add_insecure_port(address)
         if self.port == 0:
             raise OSError(f"cannot listen on {address}")
         self.address = f"{host}:{self.port}"

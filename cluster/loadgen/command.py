@@ -218,7 +218,7 @@ def _model_info(args: argparse.Namespace, target: str) -> _Model:
         return _Model(*model_info(target, args.api_key, args.wait))
     import grpc
 
-    from cluster.client import wait_ready
+    from cluster.client import call_metadata, wait_ready
     from proto.baton.v1 import inference_pb2 as pb
     from proto.baton.v1 import inference_pb2_grpc as pb_grpc
 
@@ -226,7 +226,7 @@ def _model_info(args: argparse.Namespace, target: str) -> _Model:
         try:
             wait_ready(channel, args.wait)
             stub = pb_grpc.InferenceStub(channel)
-            info = stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=10)
+            info = stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=10, metadata=call_metadata())
         except grpc.RpcError as exc:
             raise ConnectionError(f"{target}: {exc.code().name}: {exc.details()}") from None
     return _Model(info.name, info.max_model_len, info.vocab_size)

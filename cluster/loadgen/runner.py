@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 
 import grpc
 
-from cluster.client import make_request
+from cluster.client import call_metadata, make_request
 from cluster.loadgen.datasets import BenchRequest
 from proto.baton.v1 import inference_pb2 as pb
 from proto.baton.v1 import inference_pb2_grpc as pb_grpc
@@ -76,7 +76,7 @@ async def generate_one(
     record.send_s = sent - start
     last: float | None = None
     try:
-        async for resp in stub.Generate(message, timeout=timeout_s):
+        async for resp in stub.Generate(message, timeout=timeout_s, metadata=call_metadata()):
             now = time.perf_counter()
             delta = resp.final.delta if resp.HasField("final") else resp.delta
             if delta.token_ids:

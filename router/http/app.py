@@ -16,7 +16,6 @@ in constant time so that response times do not leak how much of a guess was righ
 from __future__ import annotations
 
 import dataclasses
-import hmac
 import logging
 import uuid
 from collections.abc import Mapping, Sequence
@@ -27,6 +26,7 @@ from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from router.auth import ANONYMOUS, ApiKeys
 from router.errors import ErrorCode, RouterError
 from router.http import render
 from router.http.chat_template import ChatTemplate
@@ -61,7 +61,7 @@ def create_app(
     router: Router,
     *,
     chat_template: ChatTemplate | None = None,
-    api_key: str | None = None,
+    keys: ApiKeys | None = None,
     max_body_bytes: int = MAX_BODY_BYTES,
     version: str = "0.0.0",
 ) -> ASGIApp:
@@ -101,8 +101,12 @@ def create_app(
 
     @app.exception_handler(Exception)
     async def _bug(request: Request, exc: Exception) -> JSONResponse:
-        logger.error("request failed", exc_info=exc)
-        return OpenAIError(500, f"{type(exc).__name__}: {exc}", "internal_error").response()
+        # The exception's text stays in the log (it may hold internals: paths, addresses,
+        # another request's data); the client gets an id to quote.
+        error_id = uuid.uuid4().hex
+        logger.error("request failed [error %s]", error_id, exc_info=exc)
+        message = f"internal error {error_id} (the server's log has the details)"
+        return OpenAIError(500, message, "internal_error").response()
 
     @app.get("/health")
     async def health() -> JSONResponse:
@@ -145,7 +149,10 @@ def create_app(
         """Run the plan's choices; one JSON answer, or an event stream."""
         include_usage = bool(stream and options is not None and options.include_usage)
         answer = render.Answer(answer_id, model, plan, router.tokenizer, include_usage)
-        choices = Choices(router, with_trace_context(plan.requests, request.headers), metrics)
+        principal = getattr(request.state, "principal", ANONYMOUS)
+        requests = with_trace_context(plan.requests, request.headers)
+        requests = [dataclasses.replace(r, principal=principal.name) for r in requests]
+        choices = Choices(router, requests, metrics)
         try:
             # Refusals come before the status line: every choice's first event first.
             await unless_disconnected(request.receive, choices.start())
@@ -163,7 +170,7 @@ def create_app(
         except ClientGone:
             return Response(status_code=_CLIENT_CLOSED)
 
-    return _Guard(app, api_key, max_body_bytes)
+    return _Guard(app, keys, max_body_bytes)
 
 
 def with_trace_context(
@@ -210,11 +217,12 @@ _TYPE_NAMES = frozenset({"str", "int", "float", "bool", "list", "dict", "none"})
 
 
 class _Guard:
-    """Pure ASGI, ahead of FastAPI: the body-size limit and the API key."""
+    """Pure ASGI, ahead of FastAPI: the body-size limit and the API keys (router/auth.py).
+    The caller's principal goes into the request's state (``request.state.principal``)."""
 
-    def __init__(self, app: ASGIApp, api_key: str | None, max_body_bytes: int):
+    def __init__(self, app: ASGIApp, keys: ApiKeys | None, max_body_bytes: int):
         self.app = app
-        self.api_key = api_key.encode() if api_key else None
+        self.keys = keys
         self.max_body_bytes = max_body_bytes
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -222,15 +230,17 @@ class _Guard:
             await self.app(scope, receive, send)
             return
         headers = dict(scope["headers"])
-        if self.api_key is not None and scope["path"].startswith("/v1"):
-            given = headers.get(b"authorization", b"")
-            scheme, _, token = given.partition(b" ")
-            if scheme.lower() != b"bearer" or not hmac.compare_digest(token, self.api_key):
+        principal = ANONYMOUS
+        if self.keys is not None and scope["path"].startswith("/v1"):
+            found = self.keys.authenticate(headers.get(b"authorization"))
+            if found is None:
                 error = OpenAIError(
                     401, "missing or incorrect API key", code="invalid_api_key", param=None
                 )
                 await error.response()(scope, receive, send)
                 return
+            principal = found
+        scope.setdefault("state", {})["principal"] = principal
         limit = self.max_body_bytes
         length = headers.get(b"content-length", b"0")
         if not length.isdigit():

@@ -13,9 +13,11 @@ import socket
 
 import uvicorn
 
+from router.auth import ApiKeys
 from router.http.app import MAX_BODY_BYTES, create_app
 from router.http.chat_template import ChatTemplate
 from router.router import Router
+from router.tls import TlsFiles
 
 logger = logging.getLogger(__name__)
 
@@ -30,14 +32,15 @@ class HttpServer:
         port: int,
         *,
         chat_template: ChatTemplate | None = None,
-        api_key: str | None = None,
+        keys: ApiKeys | None = None,
+        tls: TlsFiles | None = None,
         max_body_bytes: int = MAX_BODY_BYTES,
         version: str = "0.0.0",
     ):
         app = create_app(
             router,
             chat_template=chat_template,
-            api_key=api_key,
+            keys=keys,
             max_body_bytes=max_body_bytes,
             version=version,
         )
@@ -52,7 +55,9 @@ class HttpServer:
             access_log=False,
             # The drain already waited for the requests; what is left is cut short.
             timeout_graceful_shutdown=1,
+            **(tls.uvicorn_options() if tls is not None else {}),
         )
+        self.scheme = "https" if tls is not None else "http"
         self.server = uvicorn.Server(config)
         self._ticks: asyncio.Task | None = None
 
@@ -63,7 +68,7 @@ class HttpServer:
         await self.server.startup(sockets=[self.socket])
         # uvicorn's tick loop keeps the cached Date header current.
         self._ticks = asyncio.get_running_loop().create_task(self.server.main_loop())
-        logger.info("serving the OpenAI API on http://%s", self.address)
+        logger.info("serving the OpenAI API on %s://%s", self.scheme, self.address)
 
     async def stop(self) -> None:
         """Close the listener and every connection (after the router's drain)."""

@@ -192,14 +192,15 @@ def test_python_m_cluster_refuses_a_bad_config(tmp_path):
     assert "decode.replicaz: unknown key" in proc.stderr
 
 
-def test_serve_api_key_from_the_command_line_or_the_environment(monkeypatch):
+def test_serve_takes_a_keys_file_never_a_key_on_the_command_line(monkeypatch, capsys):
     import cluster.serve
 
     served = []
     monkeypatch.setattr(cluster.serve, "run", lambda config: served.append(config) or 0)
-    monkeypatch.delenv("BATON_API_KEY", raising=False)
     assert cli.main(["serve"]) == 0
-    assert cli.main(["serve", "--api-key", "from-flag"]) == 0
-    monkeypatch.setenv("BATON_API_KEY", "from-env")
-    assert cli.main(["serve"]) == 0
-    assert [c.router.api_key for c in served] == [None, "from-flag", "from-env"]
+    assert cli.main(["serve", "--api-keys-file", "/run/secrets/keys.yaml"]) == 0
+    assert [c.router.api_keys_file for c in served] == [None, "/run/secrets/keys.yaml"]
+    # argv is readable by any local user: no flag takes a key (nor an abbreviation of one).
+    assert cli.main(["serve", "--api-key", "0123456789abcdef"]) == 2
+    assert "unrecognized arguments: --api-key" in capsys.readouterr().err
+    assert len(served) == 2

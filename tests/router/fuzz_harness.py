@@ -75,8 +75,10 @@ class GrpcServed:
 
 
 @contextlib.contextmanager
-def serve_grpc(router: Router) -> Iterator[GrpcServed]:
-    """The real gRPC server on a free loopback port, in a background event loop."""
+def serve_grpc(router: Router, **server) -> Iterator[GrpcServed]:
+    """The real gRPC server on a free loopback port, in a background event loop;
+    ``server``: ``Server``'s keyword arguments (``keys``, ``tls``)."""
+    server_options = server
     loop = asyncio.new_event_loop()
     started: list[Server] = []
     ready = threading.Event()
@@ -84,7 +86,7 @@ def serve_grpc(router: Router) -> Iterator[GrpcServed]:
 
     async def main() -> None:
         await router.start(ready_timeout_s=5)
-        server = Server(router, "127.0.0.1", 0)
+        server = Server(router, "127.0.0.1", 0, **server_options)
         await server.start()
         started.append(server)
         ready.set()

@@ -18,6 +18,7 @@ from prometheus_client import REGISTRY
 
 from cluster.tools.families import LLAMA3_CHAT_TEMPLATE
 from cluster.tools.make_model import build_tokenizer
+from router.auth import ApiKeys, Principal
 from router.http.chat_template import ChatTemplate
 from tests.router.http_harness import endless_router, serve
 from tests.router.test_typed_flow import OUTPUT, PROMPT, make_router
@@ -293,14 +294,15 @@ def test_no_chat_template_is_a_clear_400(tokenizer):
 
 
 def test_api_key_is_required_on_v1_only(tokenizer):
-    with serve(make_router(tokenizer), api_key="s3cret") as s:
-        for key in ("wrong", "s3cre", "s3cret-and-more"):
+    keys = ApiKeys([("s3cret-0123456789", Principal("a", "a"))])
+    with serve(make_router(tokenizer), keys=keys) as s:
+        for key in ("wrong", "s3cret-012345678", "s3cret-0123456789-and-more"):
             with pytest.raises(openai.AuthenticationError) as info:
                 openai.OpenAI(base_url=s.url + "/v1", api_key=key, max_retries=0).models.list()
             assert info.value.status_code == 401
         no_header = httpx.post(s.url + "/v1/completions", json={"prompt": PROMPT}, timeout=30)
         assert no_header.status_code == 401
-        c = openai.OpenAI(base_url=s.url + "/v1", api_key="s3cret", max_retries=0)
+        c = openai.OpenAI(base_url=s.url + "/v1", api_key="s3cret-0123456789", max_retries=0)
         assert c.completions.create(model="tiny", prompt=PROMPT, max_tokens=2).choices
         assert httpx.get(s.url + "/health", timeout=30).status_code == 200
 

@@ -209,7 +209,7 @@ def test_kept_traces_ratio_errors_and_slow_requests(model_dir):
     assert root.status.status_code is StatusCode.ERROR
     assert "INVALID_ARGUMENT" in root.status.description
     assert by_name(spans, "validate").status.status_code is StatusCode.ERROR
-    assert tracer.keep.num_kept == 1 and tracer.keep.num_dropped == 1
+    assert tracer.num_kept == 1 and tracer.num_dropped == 1
 
     slow_tracer, slow_exporter = tracing(sample_ratio=0.0, slow_threshold_s=1e-6)
     cluster = Cluster(model_dir, num_prefill=0, disaggregation="never", tracing=slow_tracer)
