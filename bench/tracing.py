@@ -155,10 +155,18 @@ def main() -> None:
                 x["router_cpu_us_per_token"] for x in rows
             ),
         }
-    off = summary["off"]
+    # Ratios to "off" within each round (the same minutes of the machine's load), then
+    # their median: steadier than a ratio of medians on a noisy machine.
+    off_of = {x["round"]: x for x in runs if x["mode"] == "off"}
     for mode, row in summary.items():
-        row["throughput_vs_off"] = row["tok_per_s"] / off["tok_per_s"]
-        row["router_cpu_vs_off"] = row["router_cpu_us_per_token"] / off["router_cpu_us_per_token"]
+        rows = [x for x in runs if x["mode"] == mode]
+        row["throughput_vs_off"] = statistics.median(
+            x["tok_per_s"] / off_of[x["round"]]["tok_per_s"] for x in rows
+        )
+        row["router_cpu_vs_off"] = statistics.median(
+            x["router_cpu_us_per_token"] / off_of[x["round"]]["router_cpu_us_per_token"]
+            for x in rows
+        )
         print(
             f"{mode:>5}: {row['tok_per_s']:.1f} tok/s ({row['throughput_vs_off']:.3f}x), "
             f"router {row['router_cpu_us_per_token']:.0f} us CPU/token ({row['router_cpu_vs_off']:.3f}x)"
