@@ -76,6 +76,8 @@ def cluster_config(model_dir: Path, args: argparse.Namespace) -> dict:
             "timeout_seconds": TRANSFER_TIMEOUT_S,
             "on_failure": "recompute",
             "direction": args.direction,
+            # The campaign's $BATON_KV_FAULTS needs the explicit flag (docs/security.md).
+            "allow_fault_injection": bool(args.faults),
         },
         "router": {
             "port": 0,

@@ -262,12 +262,18 @@ def router_config(config: ClusterConfig, name: str, info: WorkerInfo) -> RouterC
             receive_weight=config.router.kv_receive_weight,
         ),
         max_queued_requests=config.router.max_queued_requests,
+        max_queued_share_per_key=config.router.max_queued_share_per_key,
+        requests_per_second_per_key=config.router.requests_per_second_per_key,
+        request_burst_per_key=config.router.request_burst_per_key,
         migration_limit=config.router.migration_limit,
         kv_transfer_backend=config.kv_transfer.backend,
         speculative=config.decode.speculative.summary(),
         peer_sharing=config.kv_cache.peer_sharing,
         peer_min_blocks=config.router.peer_min_blocks,
         peer_export_timeout_s=config.router.peer_export_timeout_seconds,
+        # The workers inherit this process's environment (Ray starts them from it).
+        fault_injection=config.kv_transfer.allow_fault_injection
+        and bool(os.environ.get("BATON_KV_FAULTS", "").strip()),
     )
 
 

@@ -207,6 +207,8 @@ def format_status(status: pb.ClusterStatus) -> str:
         f"draining:        {'yes' if status.draining else 'no'}",
         f"speculative:     {status.speculative or 'off'}",
     ]
+    if status.fault_injection:
+        lines.append("fault injection: ON (KV transfers fail on purpose: testing only)")
     if not status.pools:
         lines += ["", "(no pools)"]
     # INCOMING: routed here by the router and not yet arrived (a decode worker's requests

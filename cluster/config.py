@@ -186,6 +186,7 @@ class KVTransferSection(ConfigSection):
     lease_seconds: float = transfer_option("lease_seconds")
     timeout_seconds: float = transfer_option("transfer_timeout_s")
     on_failure: Literal["recompute", "fail"] = transfer_option("on_failure")
+    allow_fault_injection: bool = transfer_option("allow_fault_injection")
 
     @model_validator(mode="after")
     def _check_timeout(self) -> KVTransferSection:

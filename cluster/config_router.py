@@ -108,6 +108,22 @@ class RouterSection(ConfigSection):
     max_queued_requests: int = option(
         1024, "Requests admitted but not finished; beyond: RESOURCE_EXHAUSTED", ge=1
     )
+    max_queued_share_per_key: float = option(
+        1.0,
+        "Share of max_queued_requests one API key may hold (docs/security.md); beyond: "
+        "RESOURCE_EXHAUSTED / 429 for that key only; 1 = no bound of its own",
+        gt=0.0,
+        le=1.0,
+    )
+    requests_per_second_per_key: float = option(
+        0.0,
+        "Requests per second one API key (every caller, without keys) may start, with a "
+        "burst of request_burst_per_key; beyond: 429 with Retry-After; 0 = no rate limit",
+        ge=0.0,
+    )
+    request_burst_per_key: int = option(
+        16, "Requests a key may start at once beyond its rate", ge=1
+    )
     migration_limit: int = option(
         3,
         "Times a request may move to another worker when its worker dies mid-request "

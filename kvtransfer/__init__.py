@@ -8,6 +8,7 @@ docs/kvtransfer.md for the lifetimes and the knobs.
 
 from __future__ import annotations
 
+import logging
 import os
 import uuid
 
@@ -48,8 +49,9 @@ def create_connector(
     ``kv_cache`` is the tensor ``layout`` describes; it must outlive the connector.
     ``fabric`` (a :class:`~kvtransfer.local_backend.LocalFabric`) is required for
     ``backend="local"``. ``on_release(req_id, reason)`` runs on the connector thread.
-    With ``BATON_KV_FAULTS`` set in the environment the backend is wrapped in a fault
-    injector (``kvtransfer/faults.py``; tests and soak runs only).
+    With ``BATON_KV_FAULTS`` set in the environment and ``config.allow_fault_injection``
+    the backend is wrapped in a fault injector (``kvtransfer/faults.py``; tests and soak
+    runs only); the variable alone is ignored, with an error in the log.
     """
     incarnation = incarnation or new_incarnation()
     name = _agent_name_for(worker_id, incarnation)
@@ -64,11 +66,18 @@ def create_connector(
 
         backend = NixlBackend(name, kv_cache, layout, config)
     if os.environ.get("BATON_KV_FAULTS"):  # tests and soak runs only (kvtransfer/faults.py)
-        from kvtransfer.faults import FaultConfig, FaultyBackend
+        if not config.allow_fault_injection:
+            logging.getLogger(__name__).error(
+                "%s: BATON_KV_FAULTS is set but kv_transfer.allow_fault_injection is off: "
+                "ignored, no fault is injected",
+                worker_id,
+            )
+        else:
+            from kvtransfer.faults import FaultConfig, FaultyBackend
 
-        faults = FaultConfig.from_env()
-        if faults is not None and faults.is_active:
-            backend = FaultyBackend(backend, faults, worker_id)
+            faults = FaultConfig.from_env()
+            if faults is not None and faults.is_active:
+                backend = FaultyBackend(backend, faults, worker_id)
     return KVConnector(backend, layout, config, worker_id, incarnation, on_release)
 
 

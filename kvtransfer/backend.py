@@ -54,6 +54,13 @@ class KVTransferConfig:
     )
     """What the decode worker does when a transfer fails (the connector itself never reads
     it): recompute the prompt into the same blocks, or fail the request."""
+    allow_fault_injection: bool = _setting(
+        False,
+        "Let $BATON_KV_FAULTS inject transfer faults (testing only); off, the variable is "
+        "ignored with an error in the log, so a stray one cannot break production",
+    )
+    """Whether ``BATON_KV_FAULTS`` may wrap the backend in the fault injector
+    (``kvtransfer/faults.py``): the variable alone does nothing."""
     handshake_timeout_s: float = 10.0
     """Deadline of adding a peer (loading its metadata, preparing descriptor lists)."""
     idle_poll_s: float = 0.01

@@ -20,6 +20,11 @@ class RouterConfig:
     auto_local_prefill_tokens: int = 256
     saturated_queue: int = 8
     max_queued_requests: int = 1024
+    # Per caller (router/quotas.py): its share of max_queued_requests, and its request
+    # rate (0 = none) with a burst.
+    max_queued_share_per_key: float = 1.0
+    requests_per_second_per_key: float = 0.0
+    request_burst_per_key: int = 16
     migration_limit: int = 3  # per request (router/migration.py); 0 = never migrate
     kv_transfer_backend: str = "nixl"
     speculative: str = ""  # the decode pool's speculative decoding, for status; "" = off
@@ -30,3 +35,6 @@ class RouterConfig:
     peer_sharing: bool = False
     peer_min_blocks: int = 4
     peer_export_timeout_s: float = 5.0
+    # kv_transfer.allow_fault_injection with $BATON_KV_FAULTS set: the workers' transfers
+    # fail on purpose (testing); /health and `baton status` say so.
+    fault_injection: bool = False

@@ -26,3 +26,5 @@ class RouterError(Exception):
         # The request's trace (32 hex digits) when tracing is on, for error bodies and
         # logs: the one place to look for what happened to it (router/tracing.py).
         self.trace_id = ""
+        # RESOURCE_EXHAUSTED by a quota: when a retry can pass (HTTP Retry-After).
+        self.retry_after_s: float | None = None

@@ -28,8 +28,7 @@ import uuid
 from collections.abc import AsyncIterator, Sequence
 from functools import partial
 
-from msgspec.structs import replace
-
+from router.attempt import Attempts
 from router.config import RouterConfig
 from router.errors import ErrorCode, RouterError
 from router.events import GenerateEvent
@@ -38,6 +37,7 @@ from router.migration import WorkerLost, check_limit, no_worker_left, reroute
 from router.peer_prefix import PeerExports
 from router.pending import SETTLE_TIMEOUT_S, Pending
 from router.policy import RouteDecision
+from router.quotas import QuotaConfig, QuotaExceeded, Quotas
 from router.recovery import Recovery, Restarter, RestartPolicy
 from router.request_trace import RequestTrace
 from router.requests import GenerateRequest
@@ -45,8 +45,8 @@ from router.routing import Routing
 from router.stream import RequestStream
 from router.tracing import NO_TRACE, Tracing
 from router.validation import InvalidRequest, ValidRequest, prompt_token_ids, validate
-from router.workers import Expected, WorkerClient, WorkerView, decline
-from workers.protocol.wire import OutputBatch, WorkItem
+from router.workers import WorkerClient, WorkerView, decline
+from workers.protocol.wire import OutputBatch
 from workers.text.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
@@ -87,6 +87,15 @@ class Router:
         if config.peer_sharing:
             unread = partial(lambda r, h: decline(h, None, [*r.decode, *r.prefill]), self)
             self.peers = PeerExports(config.peer_export_timeout_s, unread, config.model_name)
+        self.attempts = Attempts(config, self._by_name, self.prefill, self.decode, self.peers)
+        self.quotas = Quotas(
+            QuotaConfig(
+                config.max_queued_requests,
+                config.max_queued_share_per_key,
+                config.requests_per_second_per_key,
+                config.request_burst_per_key,
+            )
+        )
 
     # ---- lifecycle -------------------------------------------------------------------
     async def start(self, ready_timeout_s: float = 120.0) -> None:
@@ -184,30 +193,43 @@ class Router:
         self, req: GenerateRequest, request_id: str, trace: RequestTrace
     ) -> AsyncIterator[GenerateEvent]:
         """Validate and admit the request, then stream it (``generate``'s body)."""
-        if request_id in self._requests:
+        # Ids are per caller: another caller's request under the same id is neither in the
+        # way nor told of (its existence is not this caller's business).
+        key = scoped_id(req.principal, request_id)
+        if key in self._requests:
             raise RouterError(
                 ErrorCode.INVALID_ARGUMENT, f"request_id: {request_id!r} is already in use"
             )
+        cfg = self.config
         with trace.span("validate"):
-            valid, token_ids = self._validate(req, request_id)
+            # Judged first (no tokenizer yet): a bad request is refused as such, even when
+            # the router is full; then admission, before the tokenizer's work.
+            valid = _checked(validate, req, cfg.model_name, request_id)
+            try:
+                self.quotas.admit(req.principal)
+            except QuotaExceeded as exc:
+                error = RouterError(ErrorCode.RESOURCE_EXHAUSTED, exc.message)
+                error.retry_after_s = exc.retry_after_s
+                raise error from None
+            try:
+                args = (valid, self.tokenizer, cfg.vocab_size, cfg.max_model_len)
+                token_ids = _checked(prompt_token_ids, *args)
+            except BaseException:
+                self.quotas.release(req.principal)
+                raise
         trace.set(**{"gen_ai.usage.input_tokens": len(token_ids)})
-        if len(self._requests) >= self.config.max_queued_requests:
-            raise RouterError(
-                ErrorCode.RESOURCE_EXHAUSTED,
-                f"{len(self._requests)} requests in flight (router.max_queued_requests="
-                f"{self.config.max_queued_requests}); retry later",
-            )
         stream = RequestStream(
-            request_id,
+            key,
             token_ids,
             valid.params,
             self.tokenizer,
             return_text=valid.return_text,
             return_timing=valid.return_timing,
+            public_id=request_id,
         )
         pending = Pending(stream, trace)
         pending.principal = req.principal
-        self._requests[request_id] = pending
+        self._requests[key] = pending
         settled = False
         try:
             async for out in self._run(pending, valid, token_ids):
@@ -232,8 +254,10 @@ class Router:
     async def abort(self, request_id: str, principal: str | None = None) -> bool:
         """Abort a request in flight; False if there is none with that id. A client's
         abort (``principal``: who asks, router/auth.py) ends only its own requests, and
-        another's answers False as if there were none (None: the router's own, drain)."""
-        pending = self._requests.get(request_id)
+        another's answers False as if there were none (None: the router's own, drain, by
+        the router's own id)."""
+        key = request_id if principal is None else scoped_id(principal, request_id)
+        pending = self._requests.get(key)
         if pending is None or pending.stream.is_finished:
             return False
         if principal is not None and principal != pending.principal:
@@ -242,15 +266,6 @@ class Router:
         await pending.events.put(("", None))  # wakes the stream, which ends with ABORT
         return True
 
-    def _validate(self, req: GenerateRequest, request_id: str) -> tuple[ValidRequest, list[int]]:
-        cfg = self.config
-        try:
-            valid = validate(req, cfg.model_name, request_id)
-            token_ids = prompt_token_ids(valid, self.tokenizer, cfg.vocab_size, cfg.max_model_len)
-        except InvalidRequest as exc:
-            raise RouterError(ErrorCode.INVALID_ARGUMENT, str(exc)) from None
-        return valid, token_ids
-
     async def _run(
         self, pending: Pending, valid: ValidRequest, token_ids: list[int]
     ) -> AsyncIterator[GenerateEvent]:
@@ -258,7 +273,7 @@ class Router:
         decision = self.routing.route(pending.trace, valid, token_ids)
         while True:
             try:
-                async for out in self._attempt(pending, valid, token_ids, decision):
+                async for out in self.attempts.run(pending, valid, token_ids, decision):
                     yield out
                 return
             except WorkerLost as lost:
@@ -304,99 +319,13 @@ class Router:
         )
         return decision
 
-    async def _attempt(
-        self, pending: Pending, valid: ValidRequest, token_ids: list[int], decision: RouteDecision
-    ) -> AsyncIterator[GenerateEvent]:
-        """One try at the request on the workers ``decision`` chose, after the output the
-        client already has (a migration's)."""
-        stream = pending.stream
-        outputs = tuple(stream.output_token_ids)
-        decode = pending.decode = self._by_name[decision.decode]
-        prefill = self._by_name[decision.prefill] if decision.prefill is not None else None
-        num_tokens = len(token_ids) + len(outputs)
-        self._expect(pending, num_tokens, decision.cached_tokens, decode, prefill)
-        stream.stamps.decode_worker = decode.name
-        item = WorkItem(stream.request_id, tuple(token_ids), valid.params, "full")
-        if outputs:
-            item = replace(item, output_token_ids=outputs)
-        trace = pending.trace
-        if prefill is not None:
-            stream.stamps.prefill_worker = prefill.name
-            handle_event = None
-            with trace.attempt("prefill", prefill.name) as parent:
-                prefill_item = replace(item, mode="prefill", traceparent=parent)
-                prefill_item = await self._peer_prefix(pending, prefill_item, prefill)
-                async for out, event in pending.stream_from(prefill, prefill_item):
-                    if event is not None and event.kv_handles:
-                        handle_event = event
-                        break
-                    if out is not None:
-                        yield out
-            if handle_event is None:
-                return  # ended on the prefill worker (first token was the last, or abort)
-            # P holds the KV under a lease until a decode worker's notice or expiry; until
-            # D has the handle, ending the request means declining it (see Pending.settle).
-            pending.unread_handles = handle_event.kv_handles
-            first = replace(handle_event, finished=False, kv_handles=())
-            out = stream.on_event(first)
-            if out is not None:
-                yield out
-            if pending.is_aborted and not stream.is_finished:
-                yield stream.abort_event()
-            if stream.is_finished:
-                return  # a stop string on the first token, or an abort
-            item = replace(
-                item,
-                mode="decode",
-                kv_handles=handle_event.kv_handles,
-                first_token_id=handle_event.token_ids[0],
-            )
-        else:
-            item = await self._peer_prefix(pending, item, decode)
-        with trace.attempt(item.mode, decode.name) as parent:
-            item = replace(item, traceparent=parent)
-            async for out, _event in pending.stream_from(decode, item):
-                if out is not None:
-                    yield out
-
-    async def _peer_prefix(self, pending: Pending, item: WorkItem, target: WorkerView) -> WorkItem:
-        """Peer pull (G4): ``item`` with a peer's handles on its prompt's first blocks, when
-        another worker holds enough more of it than ``target`` (router/peer_prefix.py)."""
-        if self.peers is None:
-            return item
-        cfg = self.config
-        workers = [*self.prefill, *self.decode]
-        item = await self.peers.attach(item, target, workers, cfg.block_size, cfg.peer_min_blocks)
-        pending.unread_handles = item.kv_handles  # declined if the submit fails
-        return item
-
-    def _expect(
-        self,
-        pending: Pending,
-        num_prompt_tokens: int,
-        num_cached_tokens: int,
-        decode: WorkerView,
-        prefill: WorkerView | None,
-    ) -> None:
-        """Count the request against its workers from now on, before either has it: the
-        next request of a burst must see it (Pending.settle drops it on every end path)."""
-        request_id = pending.stream.request_id
-        num_blocks = -(-num_prompt_tokens // self.config.block_size)
-        uncached = num_prompt_tokens - num_cached_tokens
-        if prefill is not None:
-            prefill.expect(request_id, Expected(uncached, num_blocks))
-            pending.routed.append(prefill)
-        # A decode worker fed by a prefill worker receives the prompt's blocks; it computes
-        # none of them.
-        decode.expect(request_id, Expected(0 if prefill else uncached, num_blocks))
-        pending.routed.append(decode)
-
     async def _settle(self, pending: Pending) -> None:
         """After the client's stream ended: the worker side too; then the id is free."""
         try:
             await pending.settle(self.decode)
         finally:
             self._requests.pop(pending.stream.request_id, None)
+            self.quotas.release(pending.principal)
 
     def _spawn(self, coro) -> None:
         """A background task, referenced until done (asyncio keeps only weak references)."""
@@ -443,3 +372,18 @@ class Router:
             self.peers.worker_lost(view.name)
         if self.recovery is not None:
             self.recovery.worker_lost(view.name)
+
+
+def scoped_id(principal: str, request_id: str) -> str:
+    """The router's and the workers' id of a caller's request: the caller's own id, under
+    its key's name when keys are configured (router/auth.py), so that two callers' ids
+    never meet."""
+    return f"{principal}/{request_id}" if principal else request_id
+
+
+def _checked(check, *args):
+    """``check(*args)``, its InvalidRequest as INVALID_ARGUMENT."""
+    try:
+        return check(*args)
+    except InvalidRequest as exc:
+        raise RouterError(ErrorCode.INVALID_ARGUMENT, str(exc)) from None

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 import uuid
 from collections.abc import Sequence
 
@@ -77,8 +78,13 @@ class InferenceServicer(pb_grpc.InferenceServicer):
                 yield generate_response(event)
         except RouterError as exc:
             call.error(exc.code)
+            trailers = []
             if exc.trace_id:  # where to look for what happened (tracing on)
-                context.set_trailing_metadata((("baton-trace-id", exc.trace_id),))
+                trailers.append(("baton-trace-id", exc.trace_id))
+            if exc.retry_after_s is not None:  # a quota's: when a retry can pass
+                trailers.append(("retry-after", str(max(1, math.ceil(exc.retry_after_s)))))
+            if trailers:
+                context.set_trailing_metadata(tuple(trailers))
             await context.abort(GRPC_STATUS[exc.code], status_details(exc.message))
         except Exception as exc:  # a bug: answer INTERNAL, keep serving
             call.error(ErrorCode.INTERNAL)

@@ -79,6 +79,7 @@ class ClusterStatus:
     disaggregation: str
     draining: bool
     speculative: str  # the decode pool's speculative decoding ("ngram, 4 tokens"); "" = off
+    fault_injection: bool = False  # KV transfer faults injected on purpose (testing)
 
 
 def model_info(router: Router) -> ModelInfo:
@@ -111,6 +112,7 @@ def cluster_status(
         disaggregation=cfg.disaggregation,
         draining=router.is_draining,
         speculative=cfg.speculative,
+        fault_injection=cfg.fault_injection,
     )
 
 

@@ -47,8 +47,12 @@ class RequestStream:
         *,
         return_text: bool,
         return_timing: bool,
+        public_id: str | None = None,
     ):
+        """``request_id`` is the router's and the workers' id of the request;
+        ``public_id`` the client's, which its events carry (default: the same)."""
         self.request_id = request_id
+        self.public_id = request_id if public_id is None else public_id
         self.prompt_token_ids = prompt_token_ids
         self.params = params
         self.return_text = return_text
@@ -104,7 +108,7 @@ class RequestStream:
             return self._final(delta, reason, stop_token_id=event.stop_token_id)  # type: ignore[arg-type]
         if not token_ids:
             return None
-        return GenerateEvent(self.request_id, self._delta(token_ids, text, event.logprobs))
+        return GenerateEvent(self.public_id, self._delta(token_ids, text, event.logprobs))
 
     def abort_event(self) -> GenerateEvent:
         """The last event of an output cut short by an abort (or a drain past its grace)."""
@@ -138,7 +142,7 @@ class RequestStream:
             stop_token_id=stop_token_id,
             timing=self._timing() if self.return_timing else None,
         )
-        return GenerateEvent(self.request_id, delta, finish)
+        return GenerateEvent(self.public_id, delta, finish)
 
     def _timing(self) -> Timing:
         t = self.stamps

@@ -36,6 +36,9 @@ _FIELD_PATHS = {
 }
 _MAX_STOP_STRINGS = 16
 _MAX_STOP_LEN = 256
+# Checked per generated token on the engine thread (a set there, but built from this):
+# more than a vocabulary's worth of special tokens is no use and costs every step.
+_MAX_STOP_TOKEN_IDS = 64
 _MAX_TOP_K = 2**31 - 1  # the protobuf field's int32; past the vocabulary it means off
 _MAX_REQUEST_ID_LEN = 256  # echoed in every response message of the request
 _MAX_ECHO_LEN = 80  # of a client's value quoted in a refusal (gRPC trailers are <= 16 KiB)
@@ -76,6 +79,11 @@ def validate(req: GenerateRequest, served_model: str, request_id: str) -> ValidR
         raise InvalidRequest(f"stopping.stop: stop strings are at most {_MAX_STOP_LEN} chars")
     for s in stop:
         check_unicode("stopping.stop", s)
+    if len(req.stopping.stop_token_ids) > _MAX_STOP_TOKEN_IDS:
+        raise InvalidRequest(
+            f"stopping.stop_token_ids: at most {_MAX_STOP_TOKEN_IDS} stop token ids, got "
+            f"{len(req.stopping.stop_token_ids)}"
+        )
     return ValidRequest(
         request_id=request_id,
         prompt=prompt,

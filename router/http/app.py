@@ -111,8 +111,11 @@ def create_app(
     @app.get("/health")
     async def health() -> JSONResponse:
         if router.is_draining or router.is_stopped:
-            return JSONResponse(HealthInfo(status="draining").model_dump(), status_code=503)
-        return JSONResponse(HealthInfo(status="ok").model_dump())
+            info = HealthInfo(status="draining", fault_injection=router.config.fault_injection)
+            return JSONResponse(info.model_dump(exclude_defaults=True), status_code=503)
+        # `fault_injection` only when on: a production body stays {"status": "ok"}.
+        info = HealthInfo(status="ok", fault_injection=router.config.fault_injection)
+        return JSONResponse(info.model_dump(exclude_defaults=True))
 
     @app.get("/version")
     async def get_version() -> VersionInfo:

@@ -38,6 +38,12 @@ class Plan:
     echo_texts: tuple[str, ...] = ()  # completions with echo: each choice's prompt text
 
 
+# Work one call may ask of the router's event loop, before admission counts it: each
+# choice is a request (validated, tokenized, streamed), each message is rendered.
+MAX_CHOICES = 128
+MAX_MESSAGES = 2048
+
+
 def completion_plan(body: CompletionRequest, request_id: str, tokenizer: Tokenizer) -> Plan:
     """Raises OpenAIError (400 naming the field) for what Baton does not do."""
     if body.suffix:
@@ -49,6 +55,11 @@ def completion_plan(body: CompletionRequest, request_id: str, tokenizer: Tokeniz
     if body.echo and body.logprobs is not None:
         raise bad_field("echo", "echo with logprobs is not supported (no prompt logprobs)")
     prompts = _prompts(body.prompt)
+    if len(prompts) * body.n > MAX_CHOICES:
+        raise bad_field(
+            "prompt",
+            f"at most {MAX_CHOICES} choices per call (prompts x n), got {len(prompts)} x {body.n}",
+        )
     output = OutputOptions(logprobs=body.logprobs)
     requests = tuple(
         _request(body, prompt, f"{request_id}-{p * body.n + i}", i, body.max_tokens, output)
@@ -85,6 +96,8 @@ def chat_plan(
         raise bad_field("response_format", "only {'type': 'text'} is supported")
     if body.top_logprobs is not None and not body.logprobs:
         raise bad_field("top_logprobs", "needs logprobs: true")
+    if len(body.messages) > MAX_MESSAGES:
+        raise bad_field("messages", f"at most {MAX_MESSAGES} messages, got {len(body.messages)}")
     messages = [
         {"role": m.role, "content": _content(m.content), **({"name": m.name} if m.name else {})}
         for m in body.messages

@@ -8,6 +8,7 @@ path becomes the OpenAI body's field name (``top_p``), in ``param`` and in the m
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 
 from fastapi.responses import JSONResponse
@@ -77,12 +78,16 @@ class OpenAIError(Exception):
         self.info = ErrorInfo(message=message, type=type, param=param, code=code)
         self.is_from_router = False  # a RouterError's: the router's metrics counted it
         self.trace_id = ""  # the request's trace (tracing on): in the body, to look it up
+        self.retry_after_s: float | None = None  # a 429's: the Retry-After header
 
     def response(self) -> JSONResponse:
         body = ErrorResponse(error=self.info).model_dump()
         if self.trace_id:
             body["error"]["trace_id"] = self.trace_id
-        return JSONResponse(body, status_code=self.status)
+        headers = None
+        if self.retry_after_s is not None:  # whole seconds (RFC 9110), at least 1
+            headers = {"Retry-After": str(max(1, math.ceil(self.retry_after_s)))}
+        return JSONResponse(body, status_code=self.status, headers=headers)
 
 
 def bad_field(param: str, message: str) -> OpenAIError:
@@ -104,6 +109,7 @@ def from_router_error(exc: RouterError, names: Mapping[str, str]) -> OpenAIError
     error = OpenAIError(status, message, kind, param, code)
     error.is_from_router = True
     error.trace_id = exc.trace_id
+    error.retry_after_s = exc.retry_after_s
     return error
 
 

@@ -240,6 +240,7 @@ class VersionInfo(BaseModel):
 
 class HealthInfo(BaseModel):
     status: Literal["ok", "draining", "starting"]
+    fault_injection: bool = False  # KV transfer faults injected on purpose (testing only)
 
 
 class ErrorInfo(BaseModel):

@@ -46,6 +46,7 @@ def test_a_prefix_computed_on_one_worker_is_pulled_by_the_other(
     config["prefill"]["replicas"] = 0
     config["decode"]["replicas"] = 2
     config["kv_cache"]["peer_sharing"] = True
+    config["kv_transfer"]["allow_fault_injection"] = bool(faults)
     served = start_cluster(config, tmp_path, env={"BATON_KV_FAULTS": faults} if faults else None)
     try:
         stub = served.stub()

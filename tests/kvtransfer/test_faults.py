@@ -61,22 +61,26 @@ def test_fault_config_parses_the_environment_and_refuses_mistakes():
             FaultConfig.parse(bad)
 
 
-def test_create_connector_injects_only_when_the_environment_asks(monkeypatch):
+def test_create_connector_injects_only_when_the_environment_and_the_config_ask(monkeypatch):
     cache = full_kv(4)
     layout = layout_of(cache, HEADS)
-    config = KVTransferConfig(backend="local")
+    allowed = KVTransferConfig(backend="local", allow_fault_injection=True)
     fabric = LocalFabric()
     monkeypatch.delenv(FAULTS_ENV, raising=False)
-    plain = create_connector(config, layout, cache, "plain", lambda *_: None, fabric=fabric)
+    plain = create_connector(allowed, layout, cache, "plain", lambda *_: None, fabric=fabric)
     monkeypatch.setenv(FAULTS_ENV, "fail_every=2")
-    faulty = create_connector(config, layout, cache, "faulty", lambda *_: None, fabric=fabric)
+    faulty = create_connector(allowed, layout, cache, "faulty", lambda *_: None, fabric=fabric)
+    refused = KVTransferConfig(backend="local")  # the variable alone: ignored
+    stray = create_connector(refused, layout, cache, "stray", lambda *_: None, fabric=fabric)
     try:
         assert not isinstance(plain._backend, FaultyBackend)
         assert isinstance(faulty._backend, FaultyBackend)
         assert faulty._backend.config == FaultConfig(fail_every=2)
+        assert not isinstance(stray._backend, FaultyBackend)
     finally:
         plain.close()
         faulty.close()
+        stray.close()
 
 
 class Side:
@@ -227,14 +231,16 @@ class Worker:
     """An EngineService on the tiny model with a real NIXL connector (made by
     ``create_connector``, so ``BATON_KV_FAULTS`` applies as in a cluster)."""
 
-    def __init__(self, model_dir, role, on_failure="recompute"):
+    def __init__(self, model_dir, role, on_failure="recompute", allow_faults=True):
         self.name = f"{role}-{next(_ids)}"
         config = EngineConfig(
             model=str(model_dir), max_model_len=128, block_size=8, num_kv_blocks=32,
             detokenize=False,
         )  # fmt: skip
         self.engine = LLMEngine(config)
-        transfer = KVTransferConfig(lease_seconds=5, transfer_timeout_s=2)
+        transfer = KVTransferConfig(
+            lease_seconds=5, transfer_timeout_s=2, allow_fault_injection=allow_faults
+        )
 
         def factory(engine, on_release):
             layout = KVLayout.from_tensor(
@@ -292,3 +298,19 @@ def test_worker_reacts_to_an_injected_failure_as_configured(model_dir, monkeypat
             worker.service.stop()
     for worker in (prefill, decode):
         worker.engine.block_manager.check_integrity()
+
+
+def test_the_variable_alone_injects_nothing(model_dir, monkeypatch, caplog):
+    """``BATON_KV_FAULTS`` in a production environment: ignored, and said so in the log."""
+    monkeypatch.setenv(FAULTS_ENV, "fail_every=1")  # every transfer would fail
+    prefill = Worker(model_dir, "prefill", on_failure="fail", allow_faults=False)
+    decode = Worker(model_dir, "decode", on_failure="fail", allow_faults=False)
+    try:
+        prefill.service.connector.add_peer(decode.service.connector.metadata())
+        decode.service.connector.add_peer(prefill.service.connector.metadata())
+        final = handoff(prefill, decode, "clean")
+        assert final.error == "" and final.finish_reason == "length"
+    finally:
+        for worker in (prefill, decode):
+            worker.service.stop()
+    assert "kv_transfer.allow_fault_injection is off: ignored" in caplog.text

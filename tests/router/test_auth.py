@@ -119,16 +119,31 @@ def test_grpc_needs_a_key_except_health_and_reflection(tokenizer):
 def test_a_client_aborts_only_its_own_requests(tokenizer):
     with serve_grpc(fuzz_router(tokenizer), keys=KEYS) as s, grpc.insecure_channel(s.target) as ch:
         stub = pb_grpc.InferenceStub(ch)
-        stream = generate(stub, ALICE, request_id="mine", max_tokens=200)
-        next(stream)  # running
         as_bob = (("authorization", f"Bearer {BOB}"),)
         as_alice = (("authorization", f"Bearer {ALICE}"),)
+        alices = generate(stub, ALICE, request_id="mine", max_tokens=200)
+        next(alices)  # running
         # Another key's request: refused as if there were none (its existence is not told).
         assert not stub.Abort(pb.AbortRequest(request_id="mine"), metadata=as_bob).found
+        # Ids are per key: Bob's "mine" is his own request, not "already in use".
+        bobs = generate(stub, BOB, request_id="mine", max_tokens=3)
+        bob_final = list(bobs)[-1].final
+        assert bob_final.finish_reason == pb.FINISH_REASON_LENGTH
+        assert bob_final.usage.completion_tokens == 3
         time.sleep(0.02)
         assert stub.Abort(pb.AbortRequest(request_id="mine"), metadata=as_alice).found
-        final = [m for m in stream if m.WhichOneof("kind") == "final"]
+        messages = list(alices)
+        assert all(m.request_id == "mine" for m in messages)  # the client's id, unscoped
+        final = [m for m in messages if m.WhichOneof("kind") == "final"]
         assert final[0].final.finish_reason == pb.FINISH_REASON_ABORT
+        # The same key reusing an id in flight is refused.
+        again = generate(stub, ALICE, request_id="twice", max_tokens=200)
+        next(again)
+        with pytest.raises(grpc.RpcError) as refused:
+            list(generate(stub, ALICE, request_id="twice"))
+        assert refused.value.code() is grpc.StatusCode.INVALID_ARGUMENT
+        assert "already in use" in refused.value.details()
+        again.cancel()
 
 
 # ---- TLS -----------------------------------------------------------------------------------

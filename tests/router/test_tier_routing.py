@@ -143,7 +143,7 @@ def test_the_status_shows_each_workers_tiers_from_its_last_report():
     view.update(msgspec.structs.replace(report(1, snapshot=True), kv_tiers=(host,)))
     config = SimpleNamespace(
         model_name="tiny", kv_transfer_backend="local", policy="kv_aware",
-        disaggregation="auto", speculative="",
+        disaggregation="auto", speculative="", fault_injection=False,
     )  # fmt: skip
     router = SimpleNamespace(
         config=config, prefill=[], decode=[view], recovery=None, is_draining=False

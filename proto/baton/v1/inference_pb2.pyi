@@ -292,7 +292,7 @@ class PoolStatus(_message.Message):
     def __init__(self, role: _Optional[str] = ..., replicas: _Optional[int] = ..., healthy_replicas: _Optional[int] = ..., workers: _Optional[_Iterable[_Union[WorkerStatus, _Mapping]]] = ...) -> None: ...
 
 class ClusterStatus(_message.Message):
-    __slots__ = ("model", "pools", "kv_transfer_backend", "policy", "disaggregation", "draining", "speculative")
+    __slots__ = ("model", "pools", "kv_transfer_backend", "policy", "disaggregation", "draining", "speculative", "fault_injection")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     POOLS_FIELD_NUMBER: _ClassVar[int]
     KV_TRANSFER_BACKEND_FIELD_NUMBER: _ClassVar[int]
@@ -300,6 +300,7 @@ class ClusterStatus(_message.Message):
     DISAGGREGATION_FIELD_NUMBER: _ClassVar[int]
     DRAINING_FIELD_NUMBER: _ClassVar[int]
     SPECULATIVE_FIELD_NUMBER: _ClassVar[int]
+    FAULT_INJECTION_FIELD_NUMBER: _ClassVar[int]
     model: str
     pools: _containers.RepeatedCompositeFieldContainer[PoolStatus]
     kv_transfer_backend: str
@@ -307,4 +308,5 @@ class ClusterStatus(_message.Message):
     disaggregation: str
     draining: bool
     speculative: str
-    def __init__(self, model: _Optional[str] = ..., pools: _Optional[_Iterable[_Union[PoolStatus, _Mapping]]] = ..., kv_transfer_backend: _Optional[str] = ..., policy: _Optional[str] = ..., disaggregation: _Optional[str] = ..., draining: _Optional[bool] = ..., speculative: _Optional[str] = ...) -> None: ...
+    fault_injection: bool
+    def __init__(self, model: _Optional[str] = ..., pools: _Optional[_Iterable[_Union[PoolStatus, _Mapping]]] = ..., kv_transfer_backend: _Optional[str] = ..., policy: _Optional[str] = ..., disaggregation: _Optional[str] = ..., draining: _Optional[bool] = ..., speculative: _Optional[str] = ..., fault_injection: _Optional[bool] = ...) -> None: ...
