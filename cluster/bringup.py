@@ -266,6 +266,8 @@ def router_config(config: ClusterConfig, name: str, info: WorkerInfo) -> RouterC
         requests_per_second_per_key=config.router.requests_per_second_per_key,
         request_burst_per_key=config.router.request_burst_per_key,
         migration_limit=config.router.migration_limit,
+        request_timeout_s=config.router.request_timeout_seconds,
+        request_idle_timeout_s=config.router.request_idle_timeout_seconds,
         kv_transfer_backend=config.kv_transfer.backend,
         speculative=config.decode.speculative.summary(),
         peer_sharing=config.kv_cache.peer_sharing,

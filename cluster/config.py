@@ -155,6 +155,7 @@ class KVCacheSection(ConfigSection):
     host_tier_gib: float = engine_option("kv_host_tier_gib")
     disk_tier_path: str | None = engine_option("kv_disk_tier_path")
     disk_tier_gib: float = engine_option("kv_disk_tier_gib")
+    disk_tier_secret_file: str | None = engine_option("kv_disk_tier_secret_file")
     peer_sharing: bool = engine_option("kv_peer_sharing")
 
     @model_validator(mode="after")

@@ -130,6 +130,18 @@ class RouterSection(ConfigSection):
         "(its stream continues there); 0 = fail such requests with UNAVAILABLE",
         ge=0,
     )
+    request_timeout_seconds: float = option(
+        0.0,
+        "Longest a request may take, arrival to its last token; past it: ended everywhere "
+        "(its blocks freed) with DEADLINE_EXCEEDED / HTTP 504; 0 = no limit",
+        ge=0.0,
+    )
+    request_idle_timeout_seconds: float = option(
+        0.0,
+        "Longest wait for a request's next output from its worker (a worker that lost it "
+        "holds it forever otherwise); past it: DEADLINE_EXCEEDED / 504; 0 = no limit",
+        ge=0.0,
+    )
     drain_grace_seconds: float = option(
         30.0, "On SIGTERM, how long in-flight requests may take to finish", ge=0.0
     )

@@ -26,6 +26,10 @@ class RouterConfig:
     requests_per_second_per_key: float = 0.0
     request_burst_per_key: int = 16
     migration_limit: int = 3  # per request (router/migration.py); 0 = never migrate
+    # Server-side deadlines (router/pending.py): the whole request, and the longest wait
+    # for its next event from a worker; 0 = none.
+    request_timeout_s: float = 0.0
+    request_idle_timeout_s: float = 0.0
     kv_transfer_backend: str = "nixl"
     speculative: str = ""  # the decode pool's speculative decoding, for status; "" = off
     kv_weights: KVWeights = field(default_factory=KVWeights)  # kv_aware's constants

@@ -14,6 +14,7 @@ class ErrorCode(StrEnum):
     RESOURCE_EXHAUSTED = "RESOURCE_EXHAUSTED"  # too many requests in flight: retry later
     UNAVAILABLE = "UNAVAILABLE"  # draining, no healthy worker, or a worker refused the work
     INTERNAL = "INTERNAL"  # a worker failed the request, or a bug
+    DEADLINE_EXCEEDED = "DEADLINE_EXCEEDED"  # past router.request_(idle_)timeout_seconds
 
 
 class RouterError(Exception):

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import time
 from collections.abc import AsyncIterator, Sequence
 
@@ -47,6 +48,10 @@ class Pending:
         self.is_aborted = False
         self.num_migrations = 0
         self.principal = ""  # who sent it (router/auth.py); only they may abort it
+        # Server-side deadlines (router.request_timeout_seconds, ..._idle_...): the loop
+        # time the request must end by, and the longest wait for a worker's next event.
+        self.deadline = math.inf
+        self.idle_timeout_s = math.inf
 
     def migrated(self) -> tuple[bytes, ...]:
         """Router, after a :class:`WorkerLost`: forget the lost attempt before the next.
@@ -100,7 +105,7 @@ class Pending:
             cause = "submit_failed" if worker.is_alive else died(role)
             raise WorkerLost(worker.name, cause, f"{type(exc).__name__}: {exc}") from None
         while True:
-            source, event = await self.events.get()
+            source, event = await self._next_event()
             if event is None:
                 if source == worker.name:  # the worker died
                     raise WorkerLost(worker.name, died(role), worker.error or "gone")
@@ -134,6 +139,23 @@ class Pending:
             yield stream.on_event(event), event
             if stream.is_finished:
                 return
+
+    async def _next_event(self) -> tuple[str, TokenEvent | None]:
+        """The next event, within the request's deadlines; DEADLINE_EXCEEDED past them
+        (the router then ends the request everywhere, as for an abort)."""
+        if self.deadline == math.inf and self.idle_timeout_s == math.inf:
+            return await self.events.get()
+        left = self.deadline - asyncio.get_running_loop().time()
+        wait = min(left, self.idle_timeout_s)
+        try:
+            return await asyncio.wait_for(self.events.get(), max(0.0, wait))
+        except asyncio.TimeoutError:
+            what = (
+                "its deadline (router.request_timeout_seconds)"
+                if wait == left
+                else f"{self.idle_timeout_s:g} s without output (router.request_idle_timeout_seconds)"
+            )
+            raise RouterError(ErrorCode.DEADLINE_EXCEEDED, f"the request passed {what}") from None
 
     async def settle(self, decode: Sequence[WorkerView]) -> None:
         """After the client's stream ended: make sure the worker side ended too.

@@ -229,6 +229,10 @@ class Router:
         )
         pending = Pending(stream, trace)
         pending.principal = req.principal
+        if cfg.request_timeout_s > 0:
+            pending.deadline = asyncio.get_running_loop().time() + cfg.request_timeout_s
+        if cfg.request_idle_timeout_s > 0:
+            pending.idle_timeout_s = cfg.request_idle_timeout_s
         self._requests[key] = pending
         settled = False
         try:

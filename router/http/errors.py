@@ -24,6 +24,7 @@ _STATUS: dict[ErrorCode, tuple[int, str]] = {
     ErrorCode.RESOURCE_EXHAUSTED: (429, "rate_limit_error"),
     ErrorCode.UNAVAILABLE: (503, "service_unavailable_error"),
     ErrorCode.INTERNAL: (500, "internal_error"),
+    ErrorCode.DEADLINE_EXCEEDED: (504, "timeout_error"),
 }
 _CODES = {
     ErrorCode.RESOURCE_EXHAUSTED: "too_many_requests",

@@ -89,6 +89,12 @@ class EngineConfig:
         None, "Directory of the disk KV tier (G3), one per worker; unset = off"
     )
     kv_disk_tier_gib: float = setting(16.0, "Most disk the KV tier (G3) may use, GiB", gt=0.0)
+    kv_disk_tier_secret_file: str | None = setting(
+        None,
+        "File holding the deployment's secret (>= 16 bytes): disk-tier blocks are MAC'd "
+        "with it and a forged or copied one is refused; unset = checksums only "
+        "(docs/security.md)",
+    )
     kv_peer_sharing: bool = setting(
         False, "Pull prefixes other workers hold (G4) over NIXL instead of recomputing"
     )

@@ -206,13 +206,24 @@ def test_a_full_disk_stops_offload_for_a_while_and_reads_go_on(
     assert tier.hashes() == {1, 2} and tier.stats().rejected == 4
 
 
-def test_a_real_enospc_from_the_kernel_is_a_rejected_put(tmp_path: Path) -> None:
-    # /dev/full answers every write with ENOSPC: point the block's temporary file at it.
+def test_a_real_enospc_from_the_kernel_is_a_rejected_put(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # /dev/full answers every write with ENOSPC: the block's temporary file opens it. (A
+    # symlink planted at the temporary name would not do: it is not followed.)
     tier = make(tmp_path)
     name = block_file.file_name(7)
     temp = tmp_path / FP.digest / f".{name}.{os.getpid()}{block_file.TEMP_SUFFIX}"
-    temp.symlink_to("/dev/full")
+    real_open = os.open
+
+    def open_full(path, flags, mode=0o777):
+        if str(path) == str(temp):
+            return real_open("/dev/full", os.O_WRONLY | os.O_CLOEXEC)
+        return real_open(path, flags, mode)
+
+    monkeypatch.setattr(block_file.os, "open", open_full)
     assert not tier.put(7, block(7))
+    monkeypatch.undo()
     assert tier.stats().rejected == 1 and not tier.contains(7)
     assert not temp.exists() and not temp.is_symlink()  # nothing left behind
     assert not path_of(tmp_path, 7).exists()

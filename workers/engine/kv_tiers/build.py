@@ -107,7 +107,8 @@ def build_kv_tiers(
             # another process's tier there refuses this one (dir_lock.py).
             lock = DirLock.acquire(root, LOCK_WAIT_S)
             disk_bytes = int(config.kv_disk_tier_gib * 2**30)
-            disk = DiskTier(root, fingerprint, block_bytes, disk_bytes)
+            key = read_secret(config.kv_disk_tier_secret_file)
+            disk = DiskTier(root, fingerprint, block_bytes, disk_bytes, key=key)
             if host is None:
                 staging_bytes = max(block_bytes, min(STAGING_BYTES, disk_bytes))
                 staging = HostTier(fingerprint, block_bytes, staging_bytes, pin)
@@ -123,3 +124,23 @@ def build_kv_tiers(
         block_bytes,
     )
     return manager
+
+
+MIN_SECRET_BYTES = 16
+
+
+def read_secret(path: str | None) -> bytes | None:
+    """The disk tier's MAC key from ``kv_disk_tier_secret_file`` (surrounding whitespace
+    dropped: a Kubernetes Secret's file often ends in a newline); None when unset."""
+    if path is None:
+        return None
+    try:
+        secret = Path(path).read_bytes().strip()
+    except OSError as exc:
+        raise ValueError(f"kv_disk_tier_secret_file: cannot read {path}: {exc.strerror}") from None
+    if len(secret) < MIN_SECRET_BYTES:
+        raise ValueError(
+            f"kv_disk_tier_secret_file: {path} holds {len(secret)} bytes; a secret needs at "
+            f"least {MIN_SECRET_BYTES}"
+        )
+    return secret

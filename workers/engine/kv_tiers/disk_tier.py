@@ -28,6 +28,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import stat
 import threading
 import time
 from collections import OrderedDict, deque
@@ -62,12 +63,16 @@ class DiskTier:
         *,
         write_backoff_s: float = 5.0,
         clock: Callable[[], float] = time.monotonic,
+        key: bytes | None = None,
     ) -> None:
+        """``key``: the deployment's secret; blocks are MAC'd with it and only blocks whose
+        MAC verifies are read (block_file.py). None: checksums only."""
         if block_bytes <= 0:
             raise ValueError(f"block_bytes must be positive, got {block_bytes}")
         self.block_bytes = block_bytes
         self.directory = Path(root) / fingerprint.digest
-        self.directory.mkdir(parents=True, exist_ok=True)
+        self._key = key
+        _private_dir(self.directory)
         self._dir_prefix = f"{self.directory}{os.sep}"  # str paths: pathlib costs µs per get
         self._digest = block_file.digest_bytes(fingerprint.digest)
         self._file_bytes = HEADER_LEN + block_bytes
@@ -112,7 +117,7 @@ class DiskTier:
         start = time.perf_counter()
         host = out if out.is_cpu else torch.empty_like(out, device="cpu")
         bad = block_file.read_block(
-            self._path(block_hash), self._digest, block_hash, _bytes_view(host), touch_ns
+            self._path(block_hash), self._digest, block_hash, _bytes_view(host), touch_ns, self._key
         )
         if bad is None and host is not out:
             out.copy_(host)
@@ -155,7 +160,7 @@ class DiskTier:
                 self._unlink(self._path(victim))
             start = time.perf_counter()
             payload = _bytes_view(data if data.is_cpu else data.cpu())
-            header = block_file.make_header(self._digest, block_hash, payload)
+            header = block_file.make_header(self._digest, block_hash, payload, self._key)
             try:
                 block_file.write_block(self._path(block_hash), header, payload, stamp_ns)
             except OSError as exc:
@@ -302,7 +307,7 @@ class DiskTier:
             # The directory was removed behind the tier's back: make it again for the
             # next try (the blocks it held are gone; their gets will be counted misses).
             with contextlib.suppress(OSError):
-                self.directory.mkdir(parents=True, exist_ok=True)
+                _private_dir(self.directory)
         with self._lock:
             self._counts["rejected"] += 1
             self._failed_writes_in_row += 1
@@ -352,3 +357,12 @@ class DiskTier:
 def _bytes_view(tensor: torch.Tensor) -> memoryview:
     """A writable byte view of a CPU tensor's memory (no copy)."""
     return memoryview(tensor.numpy()).cast("B")
+
+
+def _private_dir(directory: Path) -> None:
+    """Make ``directory`` (and missing parents) readable by this user only, and narrow it
+    if an older run left it wider: the blocks are other requests' KV."""
+    directory.mkdir(mode=block_file.DIR_MODE, parents=True, exist_ok=True)
+    for path in (directory, directory.parent):  # the worker's root and its fingerprint's
+        if stat.S_IMODE(path.stat().st_mode) & 0o077:
+            path.chmod(block_file.DIR_MODE)
