@@ -36,7 +36,7 @@ from msgspec.structs import replace
 from router.metrics import PEER_EXPORTS
 from router.policy import WorkerState, cached_prefix_blocks
 from router.workers import WorkerView, abort_on
-from workers.protocol.block_hashes import hash_prompt_blocks
+from workers.protocol.block_hashes import hash_prompt_blocks, salt_root
 from workers.protocol.sampling_params import SamplingParams
 from workers.protocol.wire import TokenEvent, WorkItem
 
@@ -181,7 +181,7 @@ class PeerExports:
         source = choose_source(
             target.state(),
             [w.state() for w in workers],
-            hash_prompt_blocks(list(prompt), block_size),
+            hash_prompt_blocks(list(prompt), block_size, salt_root(item.params.cache_salt)),
             len(prompt),
             block_size,
             min_blocks,

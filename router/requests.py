@@ -73,3 +73,7 @@ class GenerateRequest:
     # Who sent it (router/auth.py: the API key's name), set by the front end after it
     # authenticated the call; "" when no keys are configured. Only its sender may abort it.
     principal: str = ""
+    tenant: str = ""  # the key's tenant (router/auth.py): mixed into the cache salt
+    # Prefix-cache isolation (vLLM's field): requests share cached KV only with requests
+    # of the same salt and tenant (workers/protocol/block_hashes.py); "" = the tenant's.
+    cache_salt: str = ""

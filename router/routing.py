@@ -17,7 +17,7 @@ from router.policy import NoHealthyWorker, RouteDecision, RouteRequest, route, s
 from router.request_trace import RequestTrace
 from router.validation import ValidRequest
 from router.workers import WorkerView
-from workers.protocol.block_hashes import hash_prompt_blocks
+from workers.protocol.block_hashes import hash_prompt_blocks, salt_root
 
 
 class Routing:
@@ -44,7 +44,9 @@ class Routing:
         disaggregation = disaggregation or valid.disaggregation or cfg.disaggregation
         request = RouteRequest(
             num_prompt_tokens=len(token_ids),
-            block_hashes=tuple(hash_prompt_blocks(token_ids, cfg.block_size)),
+            block_hashes=tuple(
+                hash_prompt_blocks(token_ids, cfg.block_size, salt_root(valid.params.cache_salt))
+            ),
             block_size=cfg.block_size,
             weights=cfg.kv_weights,
         )

@@ -71,7 +71,7 @@ class InferenceServicer(pb_grpc.InferenceServicer):
             if isinstance(request, Malformed):
                 raise RouterError(ErrorCode.INVALID_ARGUMENT, request.message)
             typed = with_trace_context(generate_request(request), context.invocation_metadata())
-            typed = dataclasses.replace(typed, principal=caller.name)
+            typed = dataclasses.replace(typed, principal=caller.name, tenant=caller.tenant)
             stream = self.router.generate(typed)
             async for event in stream:
                 call.event(event)
@@ -259,6 +259,7 @@ def generate_request(req: pb.GenerateRequest) -> requests.GenerateRequest:
             return_timing=output.return_timing,
         ),
         disaggregation=_DISAGGREGATION[req.disaggregation],
+        cache_salt=req.cache_salt,
     )
 
 

@@ -39,6 +39,7 @@ _MAX_STOP_LEN = 256
 # Checked per generated token on the engine thread (a set there, but built from this):
 # more than a vocabulary's worth of special tokens is no use and costs every step.
 _MAX_STOP_TOKEN_IDS = 64
+_MAX_SALT_LEN = 256
 _MAX_TOP_K = 2**31 - 1  # the protobuf field's int32; past the vocabulary it means off
 _MAX_REQUEST_ID_LEN = 256  # echoed in every response message of the request
 _MAX_ECHO_LEN = 80  # of a client's value quoted in a refusal (gRPC trailers are <= 16 KiB)
@@ -79,6 +80,9 @@ def validate(req: GenerateRequest, served_model: str, request_id: str) -> ValidR
         raise InvalidRequest(f"stopping.stop: stop strings are at most {_MAX_STOP_LEN} chars")
     for s in stop:
         check_unicode("stopping.stop", s)
+    if len(req.cache_salt) > _MAX_SALT_LEN:
+        raise InvalidRequest(f"cache_salt: at most {_MAX_SALT_LEN} characters")
+    check_unicode("cache_salt", req.cache_salt)
     if len(req.stopping.stop_token_ids) > _MAX_STOP_TOKEN_IDS:
         raise InvalidRequest(
             f"stopping.stop_token_ids: at most {_MAX_STOP_TOKEN_IDS} stop token ids, got "
@@ -151,10 +155,17 @@ def _sampling_params(req: GenerateRequest) -> SamplingParams:
             stop=tuple(stopping.stop),
             stop_token_ids=tuple(stopping.stop_token_ids),
             ignore_eos=stopping.ignore_eos,
+            cache_salt=cache_salt(req.tenant, req.cache_salt),
             **kwargs,  # type: ignore[arg-type]
         )
     except ValueError as exc:
         raise InvalidRequest(_with_field_path(str(exc))) from None
+
+
+def cache_salt(tenant: str, salt: str) -> str:
+    """The salt a request's block hashes are chained from: its tenant's (each tenant a cache
+    of its own, by default, when keys are configured) and the client's own, apart."""
+    return f"{tenant}\0{salt}" if tenant else salt
 
 
 def _with_field_path(message: str) -> str:

@@ -154,7 +154,10 @@ def create_app(
         answer = render.Answer(answer_id, model, plan, router.tokenizer, include_usage)
         principal = getattr(request.state, "principal", ANONYMOUS)
         requests = with_trace_context(plan.requests, request.headers)
-        requests = [dataclasses.replace(r, principal=principal.name) for r in requests]
+        requests = [
+            dataclasses.replace(r, principal=principal.name, tenant=principal.tenant)
+            for r in requests
+        ]
         choices = Choices(router, requests, metrics)
         try:
             # Refusals come before the status line: every choice's first event first.

@@ -159,6 +159,7 @@ def _request(
         ),
         output=output,
         disaggregation=body.disaggregation,
+        cache_salt=body.cache_salt or "",
     )
 
 

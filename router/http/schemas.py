@@ -58,6 +58,7 @@ class _Sampling(_Request):
     stop_token_ids: list[StrictInt] | None = None
     disaggregation: Disaggregation | None = None
     speculative: StrictBool | None = None  # Baton's: false = no speculative decoding
+    cache_salt: StrictStr | None = None  # prefix-cache isolation (vLLM's; docs/security.md)
 
 
 TokenIds = list[StrictInt]

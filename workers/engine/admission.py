@@ -60,8 +60,8 @@ class Admission:
         tiers) and its first chunk of up to ``budget`` tokens; returns the tokens now
         computed (the chunk starts there), or NO_BLOCKS (nothing allocated)."""
         bm = self.block_manager
-        prefix = bm.find_prefix(req.token_ids)
-        hit = self.tiers.find(req.token_ids, prefix) if self.tiers else None
+        prefix = bm.find_prefix(req.token_ids, req.cache_root)
+        hit = self.tiers.find(req.token_ids, prefix, req.cache_root) if self.tiers else None
         num_cached = (prefix.num_blocks + (hit.num_blocks if hit else 0)) * bm.block_size
         num_new = min(req.num_tokens - num_cached, budget)
         if not bm.allocate_slots(req.request_id, num_cached, num_new, prefix):
@@ -91,9 +91,9 @@ class Admission:
         """
         bm = self.block_manager
         prompt = req.prompt_token_ids
-        prefix = bm.find_prefix(prompt)
+        prefix = bm.find_prefix(prompt, req.cache_root)
         # The tiers below the pool too: their blocks are onboarded, not received.
-        hit = self.tiers.find(prompt, prefix) if self.tiers else None
+        hit = self.tiers.find(prompt, prefix, req.cache_root) if self.tiers else None
         num_cached = (prefix.num_blocks + (hit.num_blocks if hit else 0)) * bm.block_size
         num_remote = req.num_remote_tokens
         if num_cached >= num_remote:  # a peer prefix only: a remote prefill never gets here
@@ -110,4 +110,6 @@ class Admission:
         """Onboard the tiers' blocks of ``req``'s prefix into its fresh blocks after
         ``prefix`` (``KVTierManager.onboard_request``); returns the tokens now computed."""
         assert self.tiers is not None
-        return self.tiers.onboard_request(req.request_id, req.token_ids, prefix, hit)
+        return self.tiers.onboard_request(
+            req.request_id, req.token_ids, prefix, hit, req.cache_root
+        )

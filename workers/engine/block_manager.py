@@ -119,8 +119,9 @@ class BlockManager:
         return [(b, h) for b in order if (h := self._blocks[b].block_hash) is not None]
 
     # ---- prefix cache ----------------------------------------------------------
-    def find_prefix(self, token_ids: Sequence[int]) -> PrefixHit:
-        """Longest run of leading full blocks already cached.
+    def find_prefix(self, token_ids: Sequence[int], root: int = NONE_HASH) -> PrefixHit:
+        """Longest run of leading full blocks already cached, for a request whose hash
+        chain starts at ``root`` (its cache salt's: block_hashes.salt_root).
 
         At least one token is always left to compute: the model must run on the
         last prompt token to produce logits. Does not change any state.
@@ -130,7 +131,7 @@ class BlockManager:
         max_blocks = (len(token_ids) - 1) // self.block_size
         block_ids: list[int] = []
         hashes: list[int] = []
-        parent = NONE_HASH
+        parent = root
         for i in range(max_blocks):
             start = i * self.block_size
             parent = hash_block_tokens(parent, token_ids[start : start + self.block_size])
@@ -188,7 +189,9 @@ class BlockManager:
             table.append(self._pop_free())
         return True
 
-    def commit_computed(self, req_id: str, token_ids: Sequence[int], num_computed: int) -> None:
+    def commit_computed(
+        self, req_id: str, token_ids: Sequence[int], num_computed: int, root: int = NONE_HASH
+    ) -> None:
         """Register the hashes of blocks that became full and computed (after a step ran).
 
         Done after the step rather than at allocation so a block never enters the
@@ -199,7 +202,7 @@ class BlockManager:
         table = self._tables[req_id]
         hashes = self._hashes[req_id]
         num_full = min(num_computed, len(token_ids)) // self.block_size
-        parent = hashes[-1] if hashes else NONE_HASH
+        parent = hashes[-1] if hashes else root
         for i in range(len(hashes), num_full):
             start = i * self.block_size
             parent = hash_block_tokens(parent, token_ids[start : start + self.block_size])

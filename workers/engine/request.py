@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from workers.protocol.block_hashes import salt_root
 from workers.protocol.sampling_params import SamplingParams
 
 
@@ -73,6 +74,8 @@ class Request:
 
     def __post_init__(self) -> None:
         self.token_ids = list(self.prompt_token_ids)
+        # Where its block-hash chain starts: the shared cache's root, or its salt's.
+        self.cache_root = salt_root(self.params.cache_salt)
 
     @property
     def num_prompt_tokens(self) -> int:

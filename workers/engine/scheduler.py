@@ -205,7 +205,7 @@ class Scheduler:
         if ok:
             req.num_computed_tokens = req.num_remote_tokens
             self.block_manager.commit_computed(
-                request_id, req.prompt_token_ids, req.num_remote_tokens
+                request_id, req.prompt_token_ids, req.num_remote_tokens, req.cache_root
             )
             if not req.is_remote_prefill:  # a peer's prefix: not computed here either
                 req.num_cached_tokens = req.num_remote_tokens
@@ -404,7 +404,9 @@ class Scheduler:
         req = self.requests[chunk.request_id]
         req.num_in_flight_tokens -= chunk.num_tokens
         req.num_computed_tokens += chunk.num_tokens
-        self.block_manager.commit_computed(req.request_id, req.token_ids, req.num_computed_tokens)
+        self.block_manager.commit_computed(
+            req.request_id, req.token_ids, req.num_computed_tokens, req.cache_root
+        )
         return req
 
     def update_verified(self, chunk: ScheduledChunk, num_accepted: int) -> Request:
@@ -416,6 +418,8 @@ class Scheduler:
         req.num_in_flight_tokens -= chunk.num_tokens
         req.num_computed_tokens += 1 + num_accepted
         req.spec_token_ids = []
-        self.block_manager.commit_computed(req.request_id, req.token_ids, req.num_computed_tokens)
+        self.block_manager.commit_computed(
+            req.request_id, req.token_ids, req.num_computed_tokens, req.cache_root
+        )
         self.block_manager.trim(req.request_id, req.num_tokens)
         return req

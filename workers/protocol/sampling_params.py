@@ -66,6 +66,10 @@ class SamplingParams:
     """Keep generating past EOS."""
     logprobs: int | None = None
     """Return the sampled token's logprob plus this many top logprobs per token; None = off."""
+    cache_salt: str = ""
+    """Prefix-cache isolation: the request's block hashes are chained from this salt's root
+    (block_hashes.salt_root), so it shares cached KV only with requests of the same salt.
+    The router sets it (the caller's tenant and its ``cache_salt``); "" = the shared cache."""
     skip_special_tokens: bool = True
     """Leave special tokens out of the detokenized text."""
     speculative: bool = True

@@ -29,8 +29,9 @@ from workers.protocol.trace import SpanRecord
 
 # 4: WorkerReport carries the speculative-decoding counters; 5: the KV tiers' events and
 # stats; 6: msgspec structs, ``[kind, version, [fields...]]`` and typed fields; 7: trace
-# context in the work item, span records in the final event (workers/protocol/trace.py).
-WIRE_VERSION = 7
+# context in the work item, span records in the final event (workers/protocol/trace.py);
+# 8: SamplingParams.cache_salt.
+WIRE_VERSION = 8
 MODES = ("full", "prefill", "decode")
 T = TypeVar("T")
 

@@ -24,17 +24,17 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1eproto/baton/v1/inference.proto\x12\x08\x62\x61ton.v1\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\r\"\xfc\x02\n\x0eSamplingParams\x12\x18\n\x0btemperature\x18\x01 \x01(\x02H\x00\x88\x01\x01\x12\x12\n\x05top_p\x18\x02 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_k\x18\x03 \x01(\x05H\x02\x88\x01\x01\x12\x12\n\x05min_p\x18\x04 \x01(\x02H\x03\x88\x01\x01\x12\x11\n\x04seed\x18\x05 \x01(\x04H\x04\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\x06 \x01(\x02H\x05\x88\x01\x01\x12\x1d\n\x10presence_penalty\x18\x07 \x01(\x02H\x06\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\x08 \x01(\x02H\x07\x88\x01\x01\x12\x18\n\x0bspeculative\x18\t \x01(\x08H\x08\x88\x01\x01\x42\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x08\n\x06_min_pB\x07\n\x05_seedB\x15\n\x13_repetition_penaltyB\x13\n\x11_presence_penaltyB\x14\n\x12_frequency_penaltyB\x0e\n\x0c_speculative\"\x9c\x01\n\x10StoppingCriteria\x12\x17\n\nmax_tokens\x18\x01 \x01(\rH\x00\x88\x01\x01\x12\x17\n\nmin_tokens\x18\x02 \x01(\rH\x01\x88\x01\x01\x12\x0c\n\x04stop\x18\x03 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x04 \x03(\r\x12\x12\n\nignore_eos\x18\x05 \x01(\x08\x42\r\n\x0b_max_tokensB\r\n\x0b_min_tokens\"t\n\rOutputOptions\x12\x15\n\x08logprobs\x18\x01 \x01(\rH\x00\x88\x01\x01\x12\x18\n\x0breturn_text\x18\x02 \x01(\x08H\x01\x88\x01\x01\x12\x15\n\rreturn_timing\x18\x03 \x01(\x08\x42\x0b\n\t_logprobsB\x0e\n\x0c_return_text\"\xac\x02\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\x0e\n\x04text\x18\x03 \x01(\tH\x00\x12\'\n\ttoken_ids\x18\x04 \x01(\x0b\x32\x12.baton.v1.TokenIdsH\x00\x12*\n\x08sampling\x18\x05 \x01(\x0b\x32\x18.baton.v1.SamplingParams\x12,\n\x08stopping\x18\x06 \x01(\x0b\x32\x1a.baton.v1.StoppingCriteria\x12\'\n\x06output\x18\x07 \x01(\x0b\x32\x17.baton.v1.OutputOptions\x12\x30\n\x0e\x64isaggregation\x18\x08 \x01(\x0e\x32\x18.baton.v1.DisaggregationB\x08\n\x06prompt\"/\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\"b\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12\x0c\n\x04rank\x18\x03 \x01(\r\x12!\n\x03top\x18\x04 \x03(\x0b\x32\x14.baton.v1.TopLogprob\"R\n\x05\x44\x65lta\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x0c\n\x04text\x18\x02 \x01(\t\x12(\n\x08logprobs\x18\x03 \x03(\x0b\x32\x16.baton.v1.TokenLogprob\"W\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\x03 \x01(\r\"\xca\x01\n\x06Timing\x12\x15\n\rqueue_seconds\x18\x01 \x01(\x01\x12\x17\n\x0fprefill_seconds\x18\x02 \x01(\x01\x12\x1b\n\x13kv_transfer_seconds\x18\x03 \x01(\x01\x12\x19\n\x11kv_transfer_bytes\x18\x04 \x01(\x04\x12\x14\n\x0cttft_seconds\x18\x05 \x01(\x01\x12\x13\n\x0b\x65\x32\x65_seconds\x18\x06 \x01(\x01\x12\x16\n\x0eprefill_worker\x18\x07 \x01(\t\x12\x15\n\rdecode_worker\x18\x08 \x01(\t\"\xd7\x01\n\x05\x46inal\x12-\n\rfinish_reason\x18\x01 \x01(\x0e\x32\x16.baton.v1.FinishReason\x12\x15\n\x0bstop_string\x18\x02 \x01(\tH\x00\x12\x17\n\rstop_token_id\x18\x03 \x01(\rH\x00\x12\x1e\n\x05usage\x18\x04 \x01(\x0b\x32\x0f.baton.v1.Usage\x12 \n\x06timing\x18\x05 \x01(\x0b\x32\x10.baton.v1.Timing\x12\x1e\n\x05\x64\x65lta\x18\x06 \x01(\x0b\x32\x0f.baton.v1.DeltaB\r\n\x0bstop_reason\"r\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12 \n\x05\x64\x65lta\x18\x02 \x01(\x0b\x32\x0f.baton.v1.DeltaH\x00\x12 \n\x05\x66inal\x18\x03 \x01(\x0b\x32\x0f.baton.v1.FinalH\x00\x42\x06\n\x04kind\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\x1e\n\rAbortResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\"\x15\n\x13GetModelInfoRequest\"\x80\x01\n\tModelInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x14\n\x0c\x61rchitecture\x18\x02 \x01(\t\x12\r\n\x05\x64type\x18\x03 \x01(\t\x12\x15\n\rmax_model_len\x18\x04 \x01(\r\x12\x12\n\nvocab_size\x18\x05 \x01(\r\x12\x15\n\reos_token_ids\x18\x06 \x03(\r\"\x19\n\x17GetClusterStatusRequest\"\x9e\x03\n\x0cWorkerStatus\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0c\n\x04role\x18\x02 \x01(\t\x12\x0f\n\x07healthy\x18\x03 \x01(\x08\x12\x17\n\x0ftensor_parallel\x18\x04 \x01(\r\x12\x19\n\x11pipeline_parallel\x18\x05 \x01(\r\x12\x13\n\x0bnum_running\x18\x06 \x01(\r\x12\x13\n\x0bnum_waiting\x18\x07 \x01(\r\x12\x17\n\x0fkv_blocks_total\x18\x08 \x01(\r\x12\x16\n\x0ekv_blocks_used\x18\t \x01(\r\x12\x18\n\x10kv_blocks_cached\x18\n \x01(\r\x12\r\n\x05state\x18\x0b \x01(\t\x12\x10\n\x08restarts\x18\x0c \x01(\r\x12\x14\n\x0cnum_incoming\x18\r \x01(\r\x12\x16\n\x0espec_num_steps\x18\x0e \x01(\x04\x12\x1d\n\x15spec_num_draft_tokens\x18\x0f \x01(\x04\x12 \n\x18spec_num_accepted_tokens\x18\x10 \x01(\x04\x12(\n\x08kv_tiers\x18\x11 \x03(\x0b\x32\x16.baton.v1.KVTierStatus\"\x8a\x01\n\x0cKVTierStatus\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0e\n\x06\x62locks\x18\x02 \x01(\x04\x12\r\n\x05\x62ytes\x18\x03 \x01(\x04\x12\x17\n\x0f\x63\x61pacity_blocks\x18\x04 \x01(\x04\x12\x16\n\x0e\x63\x61pacity_bytes\x18\x05 \x01(\x04\x12\x0c\n\x04hits\x18\x06 \x01(\x04\x12\x0e\n\x06misses\x18\x07 \x01(\x04\"o\n\nPoolStatus\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x10\n\x08replicas\x18\x02 \x01(\r\x12\x18\n\x10healthy_replicas\x18\x03 \x01(\r\x12\'\n\x07workers\x18\x04 \x03(\x0b\x32\x16.baton.v1.WorkerStatus\"\xc8\x01\n\rClusterStatus\x12\r\n\x05model\x18\x01 \x01(\t\x12#\n\x05pools\x18\x02 \x03(\x0b\x32\x14.baton.v1.PoolStatus\x12\x1b\n\x13kv_transfer_backend\x18\x03 \x01(\t\x12\x0e\n\x06policy\x18\x04 \x01(\t\x12\x16\n\x0e\x64isaggregation\x18\x05 \x01(\t\x12\x10\n\x08\x64raining\x18\x06 \x01(\x08\x12\x13\n\x0bspeculative\x18\x07 \x01(\t\x12\x17\n\x0f\x66\x61ult_injection\x18\x08 \x01(\x08*~\n\x0e\x44isaggregation\x12\x1e\n\x1a\x44ISAGGREGATION_UNSPECIFIED\x10\x00\x12\x19\n\x15\x44ISAGGREGATION_ALWAYS\x10\x01\x12\x18\n\x14\x44ISAGGREGATION_NEVER\x10\x02\x12\x17\n\x13\x44ISAGGREGATION_AUTO\x10\x03*x\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03\x32\x9e\x02\n\tInference\x12\x43\n\x08Generate\x12\x19.baton.v1.GenerateRequest\x1a\x1a.baton.v1.GenerateResponse0\x01\x12\x38\n\x05\x41\x62ort\x12\x16.baton.v1.AbortRequest\x1a\x17.baton.v1.AbortResponse\x12\x42\n\x0cGetModelInfo\x12\x1d.baton.v1.GetModelInfoRequest\x1a\x13.baton.v1.ModelInfo\x12N\n\x10GetClusterStatus\x12!.baton.v1.GetClusterStatusRequest\x1a\x17.baton.v1.ClusterStatusb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1eproto/baton/v1/inference.proto\x12\x08\x62\x61ton.v1\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\r\"\xfc\x02\n\x0eSamplingParams\x12\x18\n\x0btemperature\x18\x01 \x01(\x02H\x00\x88\x01\x01\x12\x12\n\x05top_p\x18\x02 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_k\x18\x03 \x01(\x05H\x02\x88\x01\x01\x12\x12\n\x05min_p\x18\x04 \x01(\x02H\x03\x88\x01\x01\x12\x11\n\x04seed\x18\x05 \x01(\x04H\x04\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\x06 \x01(\x02H\x05\x88\x01\x01\x12\x1d\n\x10presence_penalty\x18\x07 \x01(\x02H\x06\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\x08 \x01(\x02H\x07\x88\x01\x01\x12\x18\n\x0bspeculative\x18\t \x01(\x08H\x08\x88\x01\x01\x42\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x08\n\x06_min_pB\x07\n\x05_seedB\x15\n\x13_repetition_penaltyB\x13\n\x11_presence_penaltyB\x14\n\x12_frequency_penaltyB\x0e\n\x0c_speculative\"\x9c\x01\n\x10StoppingCriteria\x12\x17\n\nmax_tokens\x18\x01 \x01(\rH\x00\x88\x01\x01\x12\x17\n\nmin_tokens\x18\x02 \x01(\rH\x01\x88\x01\x01\x12\x0c\n\x04stop\x18\x03 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x04 \x03(\r\x12\x12\n\nignore_eos\x18\x05 \x01(\x08\x42\r\n\x0b_max_tokensB\r\n\x0b_min_tokens\"t\n\rOutputOptions\x12\x15\n\x08logprobs\x18\x01 \x01(\rH\x00\x88\x01\x01\x12\x18\n\x0breturn_text\x18\x02 \x01(\x08H\x01\x88\x01\x01\x12\x15\n\rreturn_timing\x18\x03 \x01(\x08\x42\x0b\n\t_logprobsB\x0e\n\x0c_return_text\"\xc0\x02\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\x0e\n\x04text\x18\x03 \x01(\tH\x00\x12\'\n\ttoken_ids\x18\x04 \x01(\x0b\x32\x12.baton.v1.TokenIdsH\x00\x12*\n\x08sampling\x18\x05 \x01(\x0b\x32\x18.baton.v1.SamplingParams\x12,\n\x08stopping\x18\x06 \x01(\x0b\x32\x1a.baton.v1.StoppingCriteria\x12\'\n\x06output\x18\x07 \x01(\x0b\x32\x17.baton.v1.OutputOptions\x12\x30\n\x0e\x64isaggregation\x18\x08 \x01(\x0e\x32\x18.baton.v1.Disaggregation\x12\x12\n\ncache_salt\x18\t \x01(\tB\x08\n\x06prompt\"/\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\"b\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12\x0c\n\x04rank\x18\x03 \x01(\r\x12!\n\x03top\x18\x04 \x03(\x0b\x32\x14.baton.v1.TopLogprob\"R\n\x05\x44\x65lta\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x0c\n\x04text\x18\x02 \x01(\t\x12(\n\x08logprobs\x18\x03 \x03(\x0b\x32\x16.baton.v1.TokenLogprob\"W\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\x03 \x01(\r\"\xca\x01\n\x06Timing\x12\x15\n\rqueue_seconds\x18\x01 \x01(\x01\x12\x17\n\x0fprefill_seconds\x18\x02 \x01(\x01\x12\x1b\n\x13kv_transfer_seconds\x18\x03 \x01(\x01\x12\x19\n\x11kv_transfer_bytes\x18\x04 \x01(\x04\x12\x14\n\x0cttft_seconds\x18\x05 \x01(\x01\x12\x13\n\x0b\x65\x32\x65_seconds\x18\x06 \x01(\x01\x12\x16\n\x0eprefill_worker\x18\x07 \x01(\t\x12\x15\n\rdecode_worker\x18\x08 \x01(\t\"\xd7\x01\n\x05\x46inal\x12-\n\rfinish_reason\x18\x01 \x01(\x0e\x32\x16.baton.v1.FinishReason\x12\x15\n\x0bstop_string\x18\x02 \x01(\tH\x00\x12\x17\n\rstop_token_id\x18\x03 \x01(\rH\x00\x12\x1e\n\x05usage\x18\x04 \x01(\x0b\x32\x0f.baton.v1.Usage\x12 \n\x06timing\x18\x05 \x01(\x0b\x32\x10.baton.v1.Timing\x12\x1e\n\x05\x64\x65lta\x18\x06 \x01(\x0b\x32\x0f.baton.v1.DeltaB\r\n\x0bstop_reason\"r\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12 \n\x05\x64\x65lta\x18\x02 \x01(\x0b\x32\x0f.baton.v1.DeltaH\x00\x12 \n\x05\x66inal\x18\x03 \x01(\x0b\x32\x0f.baton.v1.FinalH\x00\x42\x06\n\x04kind\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\x1e\n\rAbortResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\"\x15\n\x13GetModelInfoRequest\"\x80\x01\n\tModelInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x14\n\x0c\x61rchitecture\x18\x02 \x01(\t\x12\r\n\x05\x64type\x18\x03 \x01(\t\x12\x15\n\rmax_model_len\x18\x04 \x01(\r\x12\x12\n\nvocab_size\x18\x05 \x01(\r\x12\x15\n\reos_token_ids\x18\x06 \x03(\r\"\x19\n\x17GetClusterStatusRequest\"\x9e\x03\n\x0cWorkerStatus\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0c\n\x04role\x18\x02 \x01(\t\x12\x0f\n\x07healthy\x18\x03 \x01(\x08\x12\x17\n\x0ftensor_parallel\x18\x04 \x01(\r\x12\x19\n\x11pipeline_parallel\x18\x05 \x01(\r\x12\x13\n\x0bnum_running\x18\x06 \x01(\r\x12\x13\n\x0bnum_waiting\x18\x07 \x01(\r\x12\x17\n\x0fkv_blocks_total\x18\x08 \x01(\r\x12\x16\n\x0ekv_blocks_used\x18\t \x01(\r\x12\x18\n\x10kv_blocks_cached\x18\n \x01(\r\x12\r\n\x05state\x18\x0b \x01(\t\x12\x10\n\x08restarts\x18\x0c \x01(\r\x12\x14\n\x0cnum_incoming\x18\r \x01(\r\x12\x16\n\x0espec_num_steps\x18\x0e \x01(\x04\x12\x1d\n\x15spec_num_draft_tokens\x18\x0f \x01(\x04\x12 \n\x18spec_num_accepted_tokens\x18\x10 \x01(\x04\x12(\n\x08kv_tiers\x18\x11 \x03(\x0b\x32\x16.baton.v1.KVTierStatus\"\x8a\x01\n\x0cKVTierStatus\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0e\n\x06\x62locks\x18\x02 \x01(\x04\x12\r\n\x05\x62ytes\x18\x03 \x01(\x04\x12\x17\n\x0f\x63\x61pacity_blocks\x18\x04 \x01(\x04\x12\x16\n\x0e\x63\x61pacity_bytes\x18\x05 \x01(\x04\x12\x0c\n\x04hits\x18\x06 \x01(\x04\x12\x0e\n\x06misses\x18\x07 \x01(\x04\"o\n\nPoolStatus\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x10\n\x08replicas\x18\x02 \x01(\r\x12\x18\n\x10healthy_replicas\x18\x03 \x01(\r\x12\'\n\x07workers\x18\x04 \x03(\x0b\x32\x16.baton.v1.WorkerStatus\"\xc8\x01\n\rClusterStatus\x12\r\n\x05model\x18\x01 \x01(\t\x12#\n\x05pools\x18\x02 \x03(\x0b\x32\x14.baton.v1.PoolStatus\x12\x1b\n\x13kv_transfer_backend\x18\x03 \x01(\t\x12\x0e\n\x06policy\x18\x04 \x01(\t\x12\x16\n\x0e\x64isaggregation\x18\x05 \x01(\t\x12\x10\n\x08\x64raining\x18\x06 \x01(\x08\x12\x13\n\x0bspeculative\x18\x07 \x01(\t\x12\x17\n\x0f\x66\x61ult_injection\x18\x08 \x01(\x08*~\n\x0e\x44isaggregation\x12\x1e\n\x1a\x44ISAGGREGATION_UNSPECIFIED\x10\x00\x12\x19\n\x15\x44ISAGGREGATION_ALWAYS\x10\x01\x12\x18\n\x14\x44ISAGGREGATION_NEVER\x10\x02\x12\x17\n\x13\x44ISAGGREGATION_AUTO\x10\x03*x\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03\x32\x9e\x02\n\tInference\x12\x43\n\x08Generate\x12\x19.baton.v1.GenerateRequest\x1a\x1a.baton.v1.GenerateResponse0\x01\x12\x38\n\x05\x41\x62ort\x12\x16.baton.v1.AbortRequest\x1a\x17.baton.v1.AbortResponse\x12\x42\n\x0cGetModelInfo\x12\x1d.baton.v1.GetModelInfoRequest\x1a\x13.baton.v1.ModelInfo\x12N\n\x10GetClusterStatus\x12!.baton.v1.GetClusterStatusRequest\x1a\x17.baton.v1.ClusterStatusb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'proto.baton.v1.inference_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_DISAGGREGATION']._serialized_start=3016
-  _globals['_DISAGGREGATION']._serialized_end=3142
-  _globals['_FINISHREASON']._serialized_start=3144
-  _globals['_FINISHREASON']._serialized_end=3264
+  _globals['_DISAGGREGATION']._serialized_start=3036
+  _globals['_DISAGGREGATION']._serialized_end=3162
+  _globals['_FINISHREASON']._serialized_start=3164
+  _globals['_FINISHREASON']._serialized_end=3284
   _globals['_TOKENIDS']._serialized_start=44
   _globals['_TOKENIDS']._serialized_end=67
   _globals['_SAMPLINGPARAMS']._serialized_start=70
@@ -44,39 +44,39 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_OUTPUTOPTIONS']._serialized_start=611
   _globals['_OUTPUTOPTIONS']._serialized_end=727
   _globals['_GENERATEREQUEST']._serialized_start=730
-  _globals['_GENERATEREQUEST']._serialized_end=1030
-  _globals['_TOPLOGPROB']._serialized_start=1032
-  _globals['_TOPLOGPROB']._serialized_end=1079
-  _globals['_TOKENLOGPROB']._serialized_start=1081
-  _globals['_TOKENLOGPROB']._serialized_end=1179
-  _globals['_DELTA']._serialized_start=1181
-  _globals['_DELTA']._serialized_end=1263
-  _globals['_USAGE']._serialized_start=1265
-  _globals['_USAGE']._serialized_end=1352
-  _globals['_TIMING']._serialized_start=1355
-  _globals['_TIMING']._serialized_end=1557
-  _globals['_FINAL']._serialized_start=1560
-  _globals['_FINAL']._serialized_end=1775
-  _globals['_GENERATERESPONSE']._serialized_start=1777
-  _globals['_GENERATERESPONSE']._serialized_end=1891
-  _globals['_ABORTREQUEST']._serialized_start=1893
-  _globals['_ABORTREQUEST']._serialized_end=1927
-  _globals['_ABORTRESPONSE']._serialized_start=1929
-  _globals['_ABORTRESPONSE']._serialized_end=1959
-  _globals['_GETMODELINFOREQUEST']._serialized_start=1961
-  _globals['_GETMODELINFOREQUEST']._serialized_end=1982
-  _globals['_MODELINFO']._serialized_start=1985
-  _globals['_MODELINFO']._serialized_end=2113
-  _globals['_GETCLUSTERSTATUSREQUEST']._serialized_start=2115
-  _globals['_GETCLUSTERSTATUSREQUEST']._serialized_end=2140
-  _globals['_WORKERSTATUS']._serialized_start=2143
-  _globals['_WORKERSTATUS']._serialized_end=2557
-  _globals['_KVTIERSTATUS']._serialized_start=2560
-  _globals['_KVTIERSTATUS']._serialized_end=2698
-  _globals['_POOLSTATUS']._serialized_start=2700
-  _globals['_POOLSTATUS']._serialized_end=2811
-  _globals['_CLUSTERSTATUS']._serialized_start=2814
-  _globals['_CLUSTERSTATUS']._serialized_end=3014
-  _globals['_INFERENCE']._serialized_start=3267
-  _globals['_INFERENCE']._serialized_end=3553
+  _globals['_GENERATEREQUEST']._serialized_end=1050
+  _globals['_TOPLOGPROB']._serialized_start=1052
+  _globals['_TOPLOGPROB']._serialized_end=1099
+  _globals['_TOKENLOGPROB']._serialized_start=1101
+  _globals['_TOKENLOGPROB']._serialized_end=1199
+  _globals['_DELTA']._serialized_start=1201
+  _globals['_DELTA']._serialized_end=1283
+  _globals['_USAGE']._serialized_start=1285
+  _globals['_USAGE']._serialized_end=1372
+  _globals['_TIMING']._serialized_start=1375
+  _globals['_TIMING']._serialized_end=1577
+  _globals['_FINAL']._serialized_start=1580
+  _globals['_FINAL']._serialized_end=1795
+  _globals['_GENERATERESPONSE']._serialized_start=1797
+  _globals['_GENERATERESPONSE']._serialized_end=1911
+  _globals['_ABORTREQUEST']._serialized_start=1913
+  _globals['_ABORTREQUEST']._serialized_end=1947
+  _globals['_ABORTRESPONSE']._serialized_start=1949
+  _globals['_ABORTRESPONSE']._serialized_end=1979
+  _globals['_GETMODELINFOREQUEST']._serialized_start=1981
+  _globals['_GETMODELINFOREQUEST']._serialized_end=2002
+  _globals['_MODELINFO']._serialized_start=2005
+  _globals['_MODELINFO']._serialized_end=2133
+  _globals['_GETCLUSTERSTATUSREQUEST']._serialized_start=2135
+  _globals['_GETCLUSTERSTATUSREQUEST']._serialized_end=2160
+  _globals['_WORKERSTATUS']._serialized_start=2163
+  _globals['_WORKERSTATUS']._serialized_end=2577
+  _globals['_KVTIERSTATUS']._serialized_start=2580
+  _globals['_KVTIERSTATUS']._serialized_end=2718
+  _globals['_POOLSTATUS']._serialized_start=2720
+  _globals['_POOLSTATUS']._serialized_end=2831
+  _globals['_CLUSTERSTATUS']._serialized_start=2834
+  _globals['_CLUSTERSTATUS']._serialized_end=3034
+  _globals['_INFERENCE']._serialized_start=3287
+  _globals['_INFERENCE']._serialized_end=3573
 # @@protoc_insertion_point(module_scope)

@@ -121,10 +121,11 @@ class KVTierManager:
         block_manager.on_evict = self.offload
 
     # ---- what the other parts read -------------------------------------------------
-    def lookup(self, token_ids: Sequence[int]) -> int:
-        """Leading full blocks of ``token_ids`` held in G1, G2 or G3 (cheap: hashes and
-        set lookups, no copy; for reports and tests). Safe from any thread."""
-        count, parent = 0, NONE_HASH
+    def lookup(self, token_ids: Sequence[int], root: int = NONE_HASH) -> int:
+        """Leading full blocks of ``token_ids`` (a chain from ``root``) held in G1, G2 or G3
+        (cheap: hashes and set lookups, no copy; for reports and tests). Safe from any
+        thread."""
+        count, parent = 0, root
         for start in range(0, len(token_ids) - self.block_size + 1, self.block_size):
             parent = hash_block_tokens(parent, token_ids[start : start + self.block_size])
             if not self.block_manager.holds(parent) and not any(
@@ -194,7 +195,7 @@ class KVTierManager:
             self._writer.submit(block_hash)
 
     # ---- onboard (engine thread, admission) ------------------------------------------
-    def find(self, token_ids: Sequence[int], prefix: PrefixHit) -> TierHit:
+    def find(self, token_ids: Sequence[int], prefix: PrefixHit, root: int = NONE_HASH) -> TierHit:
         """The blocks after ``prefix`` (the pool's hit) that the tiers hold, chain order,
         leaving at least the last token to compute. Changes nothing but recency: host-tier
         hits become most recent so the offloads of the coming allocation evict others."""
@@ -202,7 +203,7 @@ class KVTierManager:
             return TierHit()
         max_blocks = (len(token_ids) - 1) // self.block_size
         first = prefix.num_blocks
-        parent = prefix.block_hashes[-1] if first else NONE_HASH
+        parent = prefix.block_hashes[-1] if first else root
         hashes: list[int] = []
         where: list[int] = []
         for i in range(first, max_blocks):
@@ -242,7 +243,12 @@ class KVTierManager:
         return hit.num_blocks
 
     def onboard_request(
-        self, req_id: str, token_ids: Sequence[int], prefix: PrefixHit, hit: TierHit
+        self,
+        req_id: str,
+        token_ids: Sequence[int],
+        prefix: PrefixHit,
+        hit: TierHit,
+        root: int = NONE_HASH,
     ) -> int:
         """Admission, once ``req_id`` has its blocks (the pool's ``prefix`` first, then
         fresh ones): copy ``hit`` into the fresh blocks after the prefix and publish them
@@ -254,7 +260,7 @@ class KVTierManager:
         table = bm.block_table(req_id)
         num_arrived = self.onboard(hit, table[first : first + hit.num_blocks])
         num_cached = (first + num_arrived) * self.block_size
-        bm.commit_computed(req_id, token_ids, num_cached)
+        bm.commit_computed(req_id, token_ids, num_cached, root)
         return num_cached
 
     # ---- internals -------------------------------------------------------------------
