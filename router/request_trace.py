@@ -20,7 +20,15 @@ from typing import TYPE_CHECKING, Any
 
 from opentelemetry.sdk.trace import Event, ReadableSpan
 from opentelemetry.sdk.util.instrumentation import InstrumentationScope
-from opentelemetry.trace import SpanContext, SpanKind, Status, StatusCode, TraceFlags, TraceState
+from opentelemetry.trace import (
+    Link,
+    SpanContext,
+    SpanKind,
+    Status,
+    StatusCode,
+    TraceFlags,
+    TraceState,
+)
 
 from workers.protocol.trace import SAMPLED, SpanRecord, TraceParent, new_span_id
 
@@ -90,6 +98,7 @@ class RequestTrace:
         self._is_error = False
         self._ended = False
         self._kept = False
+        self._offer_span_id = 0
 
     @property
     def trace_id(self) -> str:
@@ -134,6 +143,9 @@ class RequestTrace:
         """A worker's spans of this request (from its last event there) join the trace;
         one that comes after the decision (a worker's last event after an abort was
         answered) follows it."""
+        for rec in records:
+            if rec.name == "kv.offer":  # the receive will link to it (the hand-off's two ends)
+                self._offer_span_id = rec.span_id
         if not self._ended:
             self._worker_records.extend(records)
         elif self._kept:
@@ -189,6 +201,9 @@ class RequestTrace:
         )
 
     def _from_record(self, rec: SpanRecord) -> ReadableSpan:
+        links = ()
+        if rec.name == "kv.receive" and self._offer_span_id:
+            links = (Link(self._context(self._offer_span_id)),)
         return ReadableSpan(
             name=rec.name,
             context=self._context(rec.span_id),
@@ -196,6 +211,7 @@ class RequestTrace:
             resource=self._tracing.resource,
             attributes=rec.attributes,
             events=[Event(e.name, e.attributes, e.time_ns) for e in rec.events],
+            links=links,
             kind=SpanKind.INTERNAL,
             status=Status(StatusCode.ERROR, rec.error) if rec.error else _UNSET,
             start_time=rec.start_ns,

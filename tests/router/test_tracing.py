@@ -90,6 +90,9 @@ def test_disaggregated_request_is_one_trace_from_router_to_decode(model_dir):
     assert root.attributes["gen_ai.request.model"] == "tiny"
     receive = by_name(spans, "kv.receive")
     assert receive.attributes["baton.kv.bytes"] > 0
+    # The hand-off's two ends: the decode worker's receive links to the prefill's offer.
+    (link,) = receive.links
+    assert link.context.span_id == by_name(spans, "kv.offer").context.span_id
     assert receive.attributes["baton.kv.source"] == "prefill"
     assert by_name(spans, "decode").attributes["baton.decode.tokens"] == 8
     assert by_name(spans, "prefill").attributes["baton.prefill.chunks"] >= 1

@@ -20,6 +20,7 @@ Two paths, the same rules:
 
 from __future__ import annotations
 
+import time
 from enum import Enum
 from typing import TYPE_CHECKING
 
@@ -110,6 +111,10 @@ class Admission:
         """Onboard the tiers' blocks of ``req``'s prefix into its fresh blocks after
         ``prefix`` (``KVTierManager.onboard_request``); returns the tokens now computed."""
         assert self.tiers is not None
-        return self.tiers.onboard_request(
+        start_ns = time.time_ns()
+        num_cached = self.tiers.onboard_request(
             req.request_id, req.token_ids, prefix, hit, req.cache_root
         )
+        req.onboard_ns = (start_ns, time.time_ns())
+        req.num_onboarded_tokens = num_cached - prefix.num_blocks * self.block_manager.block_size
+        return num_cached

@@ -48,6 +48,12 @@ class Request:
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache on first admission
     num_preemptions: int = 0
     num_prefill_chunks: int = 0  # steps that computed part of the prompt (its trace says)
+    # What its trace reports (workers/serving/tracing.py): the prompt tokens onboarded from
+    # the KV tiers and when (epoch ns), and speculative proposals made and accepted.
+    num_onboarded_tokens: int = 0
+    onboard_ns: tuple[int, int] | None = None
+    num_spec_proposed: int = 0
+    num_spec_accepted: int = 0
     status: RequestStatus = RequestStatus.WAITING
     finish_reason: FinishReason | None = None
     stop_reason: str | int | None = None  # the stop string or stop token that ended it

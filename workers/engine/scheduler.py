@@ -417,6 +417,8 @@ class Scheduler:
         req = self.requests[chunk.request_id]
         req.num_in_flight_tokens -= chunk.num_tokens
         req.num_computed_tokens += 1 + num_accepted
+        req.num_spec_proposed += chunk.num_tokens - 1
+        req.num_spec_accepted += num_accepted
         req.spec_token_ids = []
         self.block_manager.commit_computed(
             req.request_id, req.token_ids, req.num_computed_tokens, req.cache_root

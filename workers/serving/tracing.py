@@ -16,8 +16,10 @@ The span tree of one worker's part (docs/tracing.md)::
       kv.alloc_wait    admitted -> blocks given to receive into (decode, peer pull)
       kv.receive       the receive: bytes, blocks, source; recompute on failure
       prefill          first scheduled -> first token: chunks, cached and computed tokens
+      kv.onboard       prompt blocks copied in from the KV tiers (when any)
       kv.offer         first token -> the handles are out (prefill)
-      decode           first token -> the end: tokens, preemptions (full, decode)
+      decode           first token -> the end: tokens, preemptions, speculative
+                       proposals and acceptances (full, decode)
 
 Called on the worker's engine loop thread only (``workers/serving/service.py``,
 ``handoff_transport.py``).
@@ -167,6 +169,10 @@ class WorkerTraces:
             if trace.mode != "decode":  # a peer pull's wait for blocks, before the receive
                 spans.insert(-1, self._span("kv.alloc_wait", parent, trace.admitted_ns, start))
         req = trace.req
+        if req is not None and req.onboard_ns is not None:  # from the KV tiers (G2, G3)
+            start, stop = req.onboard_ns
+            onboarded = {"baton.kv.onboarded_tokens": req.num_onboarded_tokens}
+            spans.append(self._span("kv.onboard", parent, start, stop, onboarded))
         if trace.mode != "decode":
             attrs: dict[str, AttributeValue] = {
                 "baton.prefill.chunks": req.num_prefill_chunks if req else 0,
@@ -186,6 +192,9 @@ class WorkerTraces:
                 "baton.decode.tokens": req.num_output_tokens if req else 0,
                 "baton.preemptions": req.num_preemptions if req else 0,
             }
+            if req is not None and req.num_spec_proposed:  # speculative decoding's verify
+                attrs["baton.spec.proposed_tokens"] = req.num_spec_proposed
+                attrs["baton.spec.accepted_tokens"] = req.num_spec_accepted
             spans.append(self._span("decode", parent, min(start, end), end, attrs, events))
         worker_attrs: dict[str, AttributeValue] = {
             "baton.worker.name": self.worker,
