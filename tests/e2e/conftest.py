@@ -8,6 +8,7 @@ the process cleanly.
 
 from __future__ import annotations
 
+import collections
 import os
 import signal
 import subprocess
@@ -27,15 +28,52 @@ ROOT = Path(__file__).resolve().parents[2]
 START_TIMEOUT_S = 240.0
 
 
+class _Bearer(grpc.UnaryUnaryClientInterceptor, grpc.UnaryStreamClientInterceptor):
+    """Adds ``authorization: Bearer KEY`` to every call (a cluster with API keys)."""
+
+    def __init__(self, key: str):
+        self.metadata = (("authorization", f"Bearer {key}"),)
+
+    def _with_key(self, details):
+        return _CallDetails(
+            details.method,
+            details.timeout,
+            (*(details.metadata or ()), *self.metadata),
+            details.credentials,
+            details.wait_for_ready,
+            details.compression,
+        )
+
+    def intercept_unary_unary(self, continuation, details, request):
+        return continuation(self._with_key(details), request)
+
+    def intercept_unary_stream(self, continuation, details, request):
+        return continuation(self._with_key(details), request)
+
+
+class _CallDetails(
+    collections.namedtuple(
+        "_CallDetails",
+        ("method", "timeout", "metadata", "credentials", "wait_for_ready", "compression"),
+    ),
+    grpc.ClientCallDetails,
+):
+    pass
+
+
 @dataclass
 class ServedCluster:
     process: subprocess.Popen
     address: str
     model_dir: Path
     lines: list[str]
+    api_key: str | None = None  # sent with every call of stub() when set
 
     def stub(self) -> pb_grpc.InferenceStub:
-        return pb_grpc.InferenceStub(grpc.insecure_channel(self.address))
+        channel = grpc.insecure_channel(self.address)
+        if self.api_key:
+            channel = grpc.intercept_channel(channel, _Bearer(self.api_key))
+        return pb_grpc.InferenceStub(channel)
 
     def output(self) -> str:
         return "\n".join(self.lines)

@@ -25,7 +25,7 @@ from proto.baton.v1 import inference_pb2 as pb
 from tests.e2e.conftest import cluster_config, start_cluster, stop_cluster
 from tests.e2e.test_cluster import PROMPTS, collect, request, wait_blocks_released
 
-API_KEY = "e2e-key"
+API_KEY = "e2e-key-0123456789"  # gRPC needs it too (docs/security.md)
 GREEDY = {"temperature": 0.0, "extra_body": {"ignore_eos": True}}
 
 
@@ -41,6 +41,7 @@ def served(tiny_model_dir, tmp_path_factory):
     port = free_port()
     config = cluster_config(tiny_model_dir, http_port=port, api_key=API_KEY)
     cluster = start_cluster(config, tmp_path_factory.mktemp("openai"))
+    cluster.api_key = API_KEY
     assert f"baton: OpenAI API on http://127.0.0.1:{port}/v1" in cluster.output()
     cluster.base_url = f"http://127.0.0.1:{port}/v1"  # type: ignore[attr-defined]
     yield cluster
@@ -210,7 +211,7 @@ def test_a_client_timeout_leaves_no_block_in_use(served):
     wait_blocks_released(served.stub())
 
 
-def test_bench_drives_the_http_api_like_grpc(served, tmp_path):
+def test_bench_drives_the_http_api_like_grpc(served, tmp_path, monkeypatch):
     """``baton bench --backend openai``: every request completes with its max_tokens, the
     shared prefix is served from the cache, as the gRPC backend's run of the same workload."""
     from cluster.cli import main as baton
@@ -220,6 +221,7 @@ def test_bench_drives_the_http_api_like_grpc(served, tmp_path):
         "--num-prompts", "8", "--input-len", "8", "--output-len", "6", "--ignore-eos",
         "--max-concurrency", "4",
     ]  # fmt: skip
+    monkeypatch.setenv("BATON_API_KEY", API_KEY)  # the gRPC backend's key (never a flag)
     runs = {}
     for backend, where in (
         ("openai", ["--base-url", served.base_url.removesuffix("/v1"), "--api-key", API_KEY]),
