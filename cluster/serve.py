@@ -16,9 +16,11 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import secrets
 import signal
 import sys
 from collections.abc import Callable
+from pathlib import Path
 
 from cluster.config import ClusterConfig
 
@@ -41,11 +43,32 @@ def run(config: ClusterConfig) -> int:
     gRPC out); on the development VM uvloop took a socket read to the coroutine in 0.14 ms
     against 0.27 ms for asyncio's default loop (p50), within a 1 ms per-chunk budget.
     """
+    ray_token_authentication(os.environ)
     try:
         import uvloop
     except ImportError:
         return asyncio.run(serve(config))
     return uvloop.run(serve(config))
+
+
+def ray_token_authentication(environ) -> bool:
+    """Turn on Ray's token authentication (a fresh random token) when this process is
+    about to start a Ray instance of its own: its GCS and raylet listen on ports any
+    local user can reach, and an unauthenticated Ray runs any code it is sent
+    (docs/security.md). Ray reads the mode when it is imported, so this runs before
+    anything imports it; it decides as ``cluster/bringup.py`` will: ``RAY_ADDRESS=local``,
+    or no address and no running local instance recorded. An explicit ``RAY_AUTH_MODE``
+    is left alone, as is a Ray that joins a cluster (whose token is the cluster's).
+    Returns whether it turned it on."""
+    if environ.get("RAY_AUTH_MODE") or "ray" in sys.modules:
+        return False
+    address = environ.get("RAY_ADDRESS", "")
+    current = Path(environ.get("RAY_TMPDIR", "/tmp")) / "ray" / "ray_current_cluster"
+    if address == "local" or (not address and not current.exists()):
+        environ["RAY_AUTH_MODE"] = "token"
+        environ.setdefault("RAY_AUTH_TOKEN", secrets.token_hex(32))
+        return True
+    return False
 
 
 async def serve(config: ClusterConfig, on_ready: Callable[[str], None] | None = None) -> int:

@@ -10,6 +10,7 @@ import signal
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import grpc
 import nixl  # noqa: F401  (required by the served cluster: a broken install fails, not skips)
@@ -74,6 +75,26 @@ def wait_blocks_released(stub, timeout_s=20.0):
         if time.monotonic() > deadline:
             raise AssertionError(f"blocks still in use: {used}")
         time.sleep(0.1)
+
+
+def test_the_ray_instance_baton_started_requires_a_token(cluster):
+    """`baton serve` started its own Ray (RAY_ADDRESS=local): its GCS runs with token
+    authentication (docs/security.md), whose token only this process tree has."""
+    gcs = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                cmd = (entry / "cmdline").read_bytes()
+                if b"gcs_server" in cmd.split(b"\0")[0]:
+                    environ = (entry / "environ").read_bytes().split(b"\0")
+                    parent = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+                    gcs.append((parent, environ))
+            except (OSError, ValueError):
+                continue
+    mine = [env for parent, env in gcs if parent == cluster.process.pid]
+    assert mine, "no GCS started by the serving process"
+    assert b"RAY_AUTH_MODE=token" in mine[0]
+    assert any(v.startswith(b"RAY_AUTH_TOKEN=") and len(v) > 40 for v in mine[0])
 
 
 def test_stream_of_deltas_then_final_with_usage_and_timing(cluster):
