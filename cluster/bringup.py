@@ -9,7 +9,8 @@ introduced to every rank of every prefill worker before the router starts
 (``cluster/replicas.py``). Workers push their token events to the router over an event
 channel (``workers/serving/channel.py``) whose listener binds to loopback when the whole Ray
 cluster is this node, else to this node's Ray address; connections must present the
-listener's random token. The router restarts a replica that dies through
+listener's random token, and run over TLS with a certificate the router makes (and the
+workers pin) when they leave the host (``router.event_channel_tls``). The router restarts a replica that dies through
 ``cluster/restart.py``. Tear-down stops the actors (their leases released), removes the
 placement groups and shuts down a Ray instance that we started.
 """
@@ -193,7 +194,15 @@ def bring_up(config: ClusterConfig) -> Cluster:
         start_replicas(replicas)
         info = check_agree(wait_ready(replicas))
         # Only now, with every worker placed, is it known whether they all run on this node.
-        listener = cluster.listener = ChannelListener(_channel_host())
+        host = _channel_host()
+        tls = config.router.event_channel_tls
+        listener = ChannelListener(host, tls=tls == "on" or (tls == "auto" and host != "127.0.0.1"))
+        cluster.listener = listener
+        logger.info(
+            "event channel on %s: %s",
+            host,
+            "TLS 1.3, certificate pinned" if listener.cert_pem else "TCP",
+        )
         clients: dict[str, list[RayWorkerClient]] = {"prefill": [], "decode": []}
         for worker, replica in replicas.items():
             role = replica.spec.role

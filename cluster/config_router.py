@@ -39,6 +39,12 @@ class RouterSection(ConfigSection):
     tls_client_ca_file: str | None = option(
         None, "PEM CA bundle: with it, clients must present a certificate it signed (mTLS)"
     )
+    event_channel_tls: Literal["auto", "on", "off"] = option(
+        "auto",
+        "TLS 1.3 on the workers' event channels to the router, with a certificate the router "
+        "makes at start and the workers pin: auto = when the channel leaves the host "
+        "(workers on other Ray nodes)",
+    )
     reserved_cpus: int = option(
         1,
         "CPU cores left to the router process (HTTP, gRPC, tokenizing) when Baton starts a "

@@ -9,6 +9,7 @@ cross between them. What must hold:
 - the tokens are the single-process engine's, and every KV block is freed;
 - the replica's placement group really spans both nodes (its bundles' node ids), and
   each node gets a metrics endpoint;
+- the workers' event channels run over TLS (pinned certificate), restarts included;
 - killing the stage on the second node takes the replica out of routing, restarts it as
   a unit (both stages, again across the nodes), and the new replica serves the same
   tokens.
@@ -107,6 +108,9 @@ def test_pipeline_stages_on_two_nodes_serve_and_restart_as_a_unit(
     (worker_node,) = cluster.worker_nodes
     config = cluster_config(tiny_model_dir)
     config["prefill"].update(pipeline_parallel=2, node_resource=STAGE_SLOT)
+    # As when the nodes are separate machines (here they share an address, so "auto"
+    # would keep the channel plain): the restarted replica reconnects over TLS too.
+    config["router"]["event_channel_tls"] = "on"
     served = start_cluster(config, tmp_path, env=env)
     try:
         stub = served.stub()
@@ -114,6 +118,7 @@ def test_pipeline_stages_on_two_nodes_serve_and_restart_as_a_unit(
         assert sorted(_prefill_group_nodes(cluster)) == sorted([head_id, worker_node.node_id])
         assert len(served.metrics_urls()) == 2  # one endpoint per node with a rank
         assert_outputs_and_hand_off(stub, tiny_model_dir, reference)
+        assert "TLS 1.3, certificate pinned" in served.output()
 
         # The stage on the second node dies (whichever rank it is): the replica goes
         # down, and is placed again across both nodes.

@@ -11,7 +11,8 @@ Frames are a 4-byte big-endian length and a msgpack message (``workers/protocol/
 pickle. The worker's first frame is a hello with its name and the listener's secret token;
 the router drops a connection whose hello is wrong. A closed connection, or no frame for
 ``silence_s`` (workers send a report at least every ``HEARTBEAT_S``), means the worker is
-gone.
+gone. When the channel leaves the host it runs over TLS 1.3 with a certificate the router
+makes for itself and the workers pin (``workers/serving/channel_tls.py``).
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from collections.abc import Callable
 import msgpack
 
 from workers.protocol.wire import WIRE_VERSION, OutputBatch, decode_as, encode
+from workers.serving.channel_tls import ChannelIdentity, client_context, make_identity
 
 logger = logging.getLogger(__name__)
 
@@ -51,9 +53,18 @@ def _frame(payload: bytes) -> bytes:
 class ChannelSender:
     """The worker's end: a blocking socket, written from the engine loop thread only."""
 
-    def __init__(self, host: str, port: int, name: str, token: str):
-        self._sock = socket.create_connection((host, port), timeout=_SEND_TIMEOUT_S)
-        self._sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    def __init__(self, host: str, port: int, name: str, token: str, cert_pem: bytes | None = None):
+        """``cert_pem``: the listener's certificate when the channel is TLS (the only one
+        this worker trusts for it); None for a plain channel on the host."""
+        sock = socket.create_connection((host, port), timeout=_SEND_TIMEOUT_S)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        if cert_pem is not None:
+            try:
+                sock = client_context(cert_pem).wrap_socket(sock, server_hostname=host)
+            except BaseException:
+                sock.close()
+                raise
+        self._sock = sock
         hello = msgpack.packb(["hello", WIRE_VERSION, name, token], use_bin_type=True)
         self._sock.sendall(_frame(hello))
 
@@ -207,17 +218,32 @@ class ChannelReader(asyncio.Protocol):
 class ChannelListener:
     """The router's listening socket: workers connect and say who they are."""
 
-    def __init__(self, host: str = "127.0.0.1"):
+    def __init__(self, host: str = "127.0.0.1", tls: bool = False):
+        """``tls``: serve TLS with a certificate made now for ``host`` (its ``cert_pem``
+        goes to the workers, who trust only it)."""
         self.host = host
         self.port = 0
         self.token = secrets.token_hex(16)
+        self._identity: ChannelIdentity | None = make_identity(host) if tls else None
         self._server: asyncio.AbstractServer | None = None
         self._waiting: dict[str, asyncio.Future[ChannelReader]] = {}
+
+    @property
+    def cert_pem(self) -> bytes | None:
+        """The certificate a worker must pin to connect, or None for a plain channel."""
+        return None if self._identity is None else self._identity.cert_pem
 
     async def start(self) -> None:
         if self._server is None:
             loop = asyncio.get_running_loop()
-            self._server = await loop.create_server(lambda: ChannelReader(self), self.host, 0)
+            tls = None if self._identity is None else self._identity.server_context()
+            self._server = await loop.create_server(
+                lambda: ChannelReader(self),
+                self.host,
+                0,
+                ssl=tls,
+                ssl_handshake_timeout=_HELLO_TIMEOUT_S if tls else None,
+            )
             self.port = self._server.sockets[0].getsockname()[1]
 
     def expect(self, name: str) -> asyncio.Future[ChannelReader]:

@@ -179,10 +179,11 @@ class WorkerActor:
             return f"{type(exc).__name__}: {exc}"
         return ""
 
-    def open_channel(self, host: str, port: int, token: str) -> str:
-        """Connect to the router's event channel and push every batch there from now on."""
+    def open_channel(self, host: str, port: int, token: str, cert_pem: bytes | None = None) -> str:
+        """Connect to the router's event channel and push every batch there from now on
+        (over TLS, trusting only ``cert_pem``, when the router gives one)."""
         try:
-            sender = ChannelSender(host, port, self.spec.name, token)
+            sender = ChannelSender(host, port, self.spec.name, token, cert_pem)
         except Exception as exc:
             return f"{type(exc).__name__}: {exc}"
         try:
@@ -220,7 +221,9 @@ class RayWorkerClient:
         listener = self._listener
         await listener.start()
         future = listener.expect(self.name)
-        error = await self._actor.open_channel.remote(listener.host, listener.port, listener.token)
+        error = await self._actor.open_channel.remote(
+            listener.host, listener.port, listener.token, listener.cert_pem
+        )
         if error:
             raise ConnectionError(f"worker {self.name} cannot open its event channel: {error}")
         self._channel = await listener.accepted(self.name, future)
