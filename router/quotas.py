@@ -52,8 +52,10 @@ class Quotas:
     def in_flight(self, key: str) -> int:
         return self._in_flight.get(key, 0)
 
-    def admit(self, key: str) -> None:
-        """Count one more request of ``key``, or raise :class:`QuotaExceeded`."""
+    def check(self, key: str) -> None:
+        """Raise :class:`QuotaExceeded` if one more request of ``key`` would be refused now;
+        counts nothing. For work a refusal should not cost that comes before :meth:`admit`
+        (rendering a chat template); :meth:`admit` still decides."""
         cfg = self.config
         if self.total >= cfg.max_queued_requests:
             raise QuotaExceeded(
@@ -69,8 +71,23 @@ class Quotas:
                 1.0,
             )
         if cfg.rate_per_key > 0:
-            self._take_token(key)
-        self._in_flight[key] = held + 1
+            tokens = self._tokens(key, self._clock())
+            if tokens < 1.0:
+                wait = (1.0 - tokens) / cfg.rate_per_key
+                who = f"key {key!r}" if key else "this server"
+                raise QuotaExceeded(
+                    f"{who} is over {cfg.rate_per_key:g} requests per second "
+                    f"(router.requests_per_second_per_key); retry in {wait:.2f} s",
+                    wait,
+                )
+
+    def admit(self, key: str) -> None:
+        """Count one more request of ``key``, or raise :class:`QuotaExceeded`."""
+        self.check(key)
+        if self.config.rate_per_key > 0:
+            now = self._clock()
+            self._buckets[key] = (self._tokens(key, now) - 1.0, now)
+        self._in_flight[key] = self._in_flight.get(key, 0) + 1
         self.total += 1
 
     def release(self, key: str) -> None:
@@ -82,18 +99,8 @@ class Quotas:
             self._in_flight.pop(key, None)
         self.total = max(0, self.total - 1)
 
-    def _take_token(self, key: str) -> None:
+    def _tokens(self, key: str, now: float) -> float:
+        """``key``'s bucket refilled to ``now`` (a new key starts with its whole burst)."""
         cfg = self.config
-        now = self._clock()
         tokens, at = self._buckets.get(key, (float(cfg.burst_per_key), now))
-        tokens = min(float(cfg.burst_per_key), tokens + (now - at) * cfg.rate_per_key)
-        if tokens < 1.0:
-            self._buckets[key] = (tokens, now)
-            wait = (1.0 - tokens) / cfg.rate_per_key
-            who = f"key {key!r}" if key else "this server"
-            raise QuotaExceeded(
-                f"{who} is over {cfg.rate_per_key:g} requests per second "
-                f"(router.requests_per_second_per_key); retry in {wait:.2f} s",
-                wait,
-            )
-        self._buckets[key] = (tokens - 1.0, now)
+        return min(float(cfg.burst_per_key), tokens + (now - at) * cfg.rate_per_key)

@@ -43,6 +43,7 @@ from router.http.schemas import (
 )
 from router.http.streams import Choices, ClientGone, EventStreamResponse, unless_disconnected
 from router.metrics import RouterMetrics
+from router.quotas import QuotaExceeded
 from router.requests import GenerateRequest
 from router.router import Router
 
@@ -138,8 +139,21 @@ def create_app(
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
         _check_model(body.model, model)
         answer_id = f"chatcmpl-{uuid.uuid4().hex}"
-        plan = chat_plan(body, answer_id, chat_template, router.tokenizer)
+        principal = getattr(request.state, "principal", ANONYMOUS)
+        plan = chat_plan(
+            body, answer_id, chat_template, router.tokenizer, lambda: _admissible(principal.name)
+        )
         return await _answer(request, plan, answer_id, body.stream, body.stream_options, chat=True)
+
+    def _admissible(key: str) -> None:
+        """Refuse now what admission would refuse (the router's admit still decides)."""
+        try:
+            router.quotas.check(key)
+        except QuotaExceeded as exc:
+            metrics.call().error(ErrorCode.RESOURCE_EXHAUSTED)  # as the router counts its own
+            error = RouterError(ErrorCode.RESOURCE_EXHAUSTED, exc.message)
+            error.retry_after_s = exc.retry_after_s
+            raise from_router_error(error, {}) from None
 
     async def _answer(
         request: Request,

@@ -9,7 +9,7 @@ random stream (vLLM draws the n samples of one request from one stream instead).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from router.http.chat_template import ChatTemplate, ChatTemplateError
@@ -79,9 +79,12 @@ def chat_plan(
     request_id: str,
     template: ChatTemplate | None,
     tokenizer: Tokenizer,
+    admissible: Callable[[], None] = lambda: None,
 ) -> Plan:
     """Renders the chat template and tokenizes (the template writes the special tokens, so
-    the tokenizer adds none). Raises OpenAIError (400 naming the field)."""
+    the tokenizer adds none). Raises OpenAIError (400 naming the field). ``admissible``
+    runs once the body is judged valid, before the rendering: it raises when the caller
+    would be refused now (quotas), so that a refusal costs no template and no tokenizer."""
     if template is None:
         raise bad_field(
             "messages",
@@ -108,6 +111,7 @@ def chat_plan(
                 check_unicode(f"messages[{i}].{key}", message.get(key, ""))
             except InvalidRequest as exc:
                 raise bad_field(f"messages[{i}].{key}", str(exc).partition(": ")[2]) from None
+    admissible()
     try:
         text = template.render(messages, add_generation_prompt=body.add_generation_prompt)
     except ChatTemplateError as exc:

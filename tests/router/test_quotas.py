@@ -1,14 +1,16 @@
 """Admission per caller (router/quotas.py): one key's overload leaves another key served;
 refusals are 429 / RESOURCE_EXHAUSTED naming the limit, with Retry-After, and come
-before the prompt is tokenized."""
+before the prompt is tokenized (a chat's template before it is rendered)."""
 
 from __future__ import annotations
 
 import openai
 import pytest
 
+from cluster.tools.families import LLAMA3_CHAT_TEMPLATE
 from cluster.tools.make_model import build_tokenizer
 from router.auth import ApiKeys, Principal
+from router.http.chat_template import ChatTemplate
 from router.quotas import QuotaConfig, QuotaExceeded, Quotas
 from tests.router.http_harness import endless_router, serve
 from tests.router.test_typed_flow import PROMPT
@@ -95,3 +97,22 @@ def test_a_refusal_comes_before_the_tokenizer(tokenizer, monkeypatch):
             with pytest.raises(openai.RateLimitError):
                 c.completions.create(model="tiny", prompt=PROMPT)
             assert len(calls) == before  # refused without tokenizing the prompt
+
+
+def test_a_chat_refusal_comes_before_the_template_and_the_tokenizer(tokenizer, monkeypatch):
+    parts = endless_router(tokenizer, max_queued_requests=1)
+    template = ChatTemplate(LLAMA3_CHAT_TEMPLATE, {"bos_token": "<|begin_of_text|>"})
+    rendered = []
+    real = template.render
+    monkeypatch.setattr(template, "render", lambda *a, **k: rendered.append(1) or real(*a, **k))
+    with serve(parts, chat_template=template) as s:
+        c = openai.OpenAI(base_url=s.url + "/v1", api_key="-", max_retries=0)
+        messages = [{"role": "user", "content": PROMPT}]
+        with c.chat.completions.create(model="tiny", messages=messages, stream=True) as first:
+            next(iter(first))
+            assert rendered == [1]
+            with pytest.raises(openai.RateLimitError) as refused:
+                c.chat.completions.create(model="tiny", messages=messages)
+            assert rendered == [1]  # refused without rendering (or tokenizing) the messages
+            assert "router.max_queued_requests=1" in refused.value.message
+            assert refused.value.response.headers["Retry-After"] == "1"
