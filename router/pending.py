@@ -16,6 +16,7 @@ import asyncio
 import logging
 import math
 import time
+import uuid
 from collections.abc import AsyncIterator, Sequence
 
 from router.errors import ErrorCode, RouterError
@@ -132,7 +133,21 @@ class Pending:
                     cause = "transfer_failed" if worker.is_alive else died(role)
                     raise WorkerLost(worker.name, cause, event.error)
                 if event.error:
-                    raise RouterError(ErrorCode.INTERNAL, f"worker {worker.name}: {event.error}")
+                    # The worker's text may hold internals (paths, addresses, another
+                    # request's data): it goes to the log, the client gets an id to quote.
+                    error_id = uuid.uuid4().hex
+                    logger.error(
+                        "request %s failed on worker %s [error %s]: %s",
+                        stream.request_id,
+                        worker.name,
+                        error_id,
+                        event.error,
+                    )
+                    raise RouterError(
+                        ErrorCode.INTERNAL,
+                        f"the request failed on a worker (error {error_id}; the server's log "
+                        "has the details)",
+                    )
             if event.kv_handles:
                 yield None, event
                 continue

@@ -13,6 +13,7 @@ raise the same codes and messages as through gRPC.
 from __future__ import annotations
 
 import asyncio
+import re
 
 import pytest
 
@@ -291,7 +292,7 @@ def test_refusals_carry_their_code(tokenizer):
     ]
 
 
-def test_a_worker_error_is_internal(tokenizer):
+def test_a_worker_error_is_internal_and_its_text_stays_in_the_log(tokenizer, caplog):
     router, _, decode, _ = make_router(tokenizer, "never")
 
     async def failing_generate(item: WorkItem) -> None:
@@ -305,4 +306,12 @@ def test_a_worker_error_is_internal(tokenizer):
         return info.value
 
     error = run(router, body)
-    assert error.code is ErrorCode.INTERNAL and error.message == "worker decode-0: oom"
+    assert error.code is ErrorCode.INTERNAL
+    found = re.fullmatch(
+        r"the request failed on a worker \(error ([0-9a-f]{32}); the server's log has the "
+        r"details\)",
+        error.message,
+    )
+    assert found, error.message
+    (line,) = [r.getMessage() for r in caplog.records if found[1] in r.getMessage()]
+    assert line.endswith("failed on worker decode-0 [error " + found[1] + "]: oom")
