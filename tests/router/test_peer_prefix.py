@@ -4,7 +4,8 @@ Two decode workers that prefill themselves (``disaggregation: never``), introduc
 other as ``kv_cache.peer_sharing`` does, round robin so that a prompt whose prefix worker
 A computed lands on worker B: B pulls A's blocks over the (in-process) KV transport
 instead of recomputing them, and the tokens are those of ``LLM.generate``. When the
-export is too slow or the transfer fails, B recomputes, with the same tokens. No block
+export is too slow or the transfer fails, B recomputes, with the same tokens. Another
+tenant's (or salt's) prompt is never pulled from a peer. No block
 stays in use anywhere, A's lease included. Each outcome moves its Prometheus series: the
 router's ``baton_router_peer_exports_total{result}`` and B's ``baton_kv_peer_pulls_total``
 and ``baton_kv_receive_blocks_total{source="peer"}``. ``choose_source`` is pinned down on
@@ -14,6 +15,7 @@ its own.
 from __future__ import annotations
 
 import asyncio
+from dataclasses import replace
 
 import pytest
 from prometheus_client import REGISTRY
@@ -21,6 +23,7 @@ from prometheus_client import REGISTRY
 from cluster.tools.make_model import make_model
 from router.peer_prefix import PeerExports, PeerSource, choose_source
 from router.policy import WorkerState
+from router.server import generate_request
 from workers import LLM, SamplingParams
 
 from .test_router_flow import LONG_PREFIX, Cluster, collect, req, run
@@ -231,3 +234,41 @@ def test_each_failed_export_counts_under_its_cause_and_gives_no_handles():
         assert moved == {"refused": 1, "worker_lost": 1, "timeout": 0, "pulled": 0}
 
     asyncio.run(main())
+
+
+@pytest.mark.parametrize("second", ["another tenant", "another salt"])
+def test_no_peer_pull_across_tenants_or_salts(model_dir, second):
+    """Tenant "a" warms decode-0; the same prompt from another tenant (or tenant "a" with
+    another ``cache_salt``) lands on decode-1: its hashes match none of decode-0's, so the
+    router asks no export, nothing is pulled, and nothing counts as cached."""
+    want = reference(model_dir)
+    cluster = peer_cluster(model_dir)
+    series = Series(cluster)
+    blocks = prefix_blocks(cluster)
+
+    async def ask(router, request, tenant: str, salt: str = ""):
+        typed = replace(generate_request(request), tenant=tenant, cache_salt=salt)
+        tokens, final = [], None
+        async for event in router.generate(typed):
+            tokens.extend(event.delta.token_ids)
+            final = event.finish or final
+        return tokens, final
+
+    async def body(router):
+        _, first = await ask(router, req(LONG_PREFIX, max_tokens=1, request_id="warm"), "a")
+        holder = router.decode[0]
+        while len(holder.hashes) < blocks:  # decode-0's report with the warm prefix
+            await asyncio.sleep(0.01)
+        tenant, salt = ("b", "") if second == "another tenant" else ("a", "other")
+        result = await ask(router, req(PROMPT, request_id="second"), tenant, salt)
+        await cluster.settled()
+        return first, result
+
+    first, (tokens, final) = run(cluster, body)
+    assert first.timing.decode_worker == "decode-0"
+    assert tokens == want
+    assert final.timing.decode_worker == "decode-1"
+    assert final.usage.cached_prompt_tokens == 0
+    assert cluster.services["decode-1"].engine.handoff.num_receive_blocks == 0
+    assert cluster.router.peers.num_pulled == 0 and cluster.router.peers.num_fallbacks == 0
+    assert series.moved() == {}
