@@ -22,7 +22,11 @@ import tempfile
 import time
 from dataclasses import asdict, dataclass
 
-FUZZ_TESTS = ("tests/router/test_fuzz_grpc.py", "tests/router/test_fuzz_http.py")
+FUZZ_TESTS = (
+    "tests/router/test_fuzz_grpc.py",
+    "tests/router/test_fuzz_http.py",
+    "tests/router/test_fuzz_headers.py",
+)
 
 
 @dataclass(frozen=True)

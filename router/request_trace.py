@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import re
 import time
 from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any
@@ -39,6 +40,14 @@ _RATIO_BITS = 1 << 64
 _ROUTER_SCOPE = InstrumentationScope("baton.router")
 _WORKER_SCOPE = InstrumentationScope("baton.worker")
 _UNSET = Status(StatusCode.UNSET)
+# W3C trace context's tracestate: at most 32 ``key=value`` members (OpenTelemetry's grammar).
+_TRACESTATE_KEY = (
+    r"[a-z][_0-9a-z\-\*\/]{0,255}|[a-z0-9][_0-9a-z\-\*\/]{0,240}@[a-z][_0-9a-z\-\*\/]{0,13}"
+)
+_TRACESTATE_VALUE = r"[\x20-\x2b\x2d-\x3c\x3e-\x7e]{0,255}[\x21-\x2b\x2d-\x3c\x3e-\x7e]"
+_TRACESTATE_MEMBER = re.compile(f"({_TRACESTATE_KEY})=({_TRACESTATE_VALUE})")
+_MAX_TRACESTATE_MEMBERS = 32
+_MAX_TRACESTATE_LEN = 32 * (256 + 1 + 256) + 31  # 32 members of the longest, with commas
 
 
 class Span:
@@ -90,7 +99,7 @@ class RequestTrace:
         self._tracing = tracing
         self._trace_id = trace_id
         self._parent = parent
-        self._state = TraceState.from_header([tracestate]) if tracestate else None
+        self._state = trace_state(tracestate)
         self.root = Span("baton.request", parent.span_id if parent else 0, SpanKind.SERVER)
         self.root.attributes = attributes
         self._spans = [self.root]
@@ -218,6 +227,25 @@ class RequestTrace:
             end_time=rec.end_ns,
             instrumentation_scope=_WORKER_SCOPE,
         )
+
+
+def trace_state(header: str) -> TraceState | None:
+    """The caller's ``tracestate`` header; None when absent or invalid (W3C: an invalid
+    one is dropped whole, as are more than 32 members). Not OpenTelemetry's
+    ``TraceState.from_header``: that logs an invalid member whole, so a caller's megabyte
+    of junk became a megabyte warning in the router's log on every request."""
+    if not header or len(header) > _MAX_TRACESTATE_LEN:
+        return None
+    pairs: dict[str, str] = {}
+    for member in header.split(","):
+        member = member.strip(" \t")
+        if not member:
+            continue  # empty members are allowed
+        found = _TRACESTATE_MEMBER.fullmatch(member)
+        if found is None or found[1] in pairs or len(pairs) == _MAX_TRACESTATE_MEMBERS:
+            return None
+        pairs[found[1]] = found[2]
+    return TraceState(list(pairs.items())) if pairs else None
 
 
 def _ended_by(span: Span, exc: BaseException) -> None:

@@ -58,7 +58,9 @@ class InferenceServicer(pb_grpc.InferenceServicer):
         if self.keys is None:
             return ANONYMOUS
         metadata = context.invocation_metadata() or ()
-        found = self.keys.authenticate(dict(metadata).get("authorization"))
+        # One authorization entry: of several, a proxy may check another than we would.
+        sent = [value for key, value in metadata if key == "authorization"]
+        found = self.keys.authenticate(sent[0]) if len(sent) == 1 else None
         if found is None:
             await context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or incorrect API key")
         return found

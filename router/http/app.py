@@ -236,6 +236,9 @@ def _is_union_tag(part: str) -> bool:
 _TYPE_NAMES = frozenset({"str", "int", "float", "bool", "list", "dict", "none"})
 
 
+MAX_HEADER_BYTES = 64 * 1024  # all header names and values of one request
+
+
 class _Guard:
     """Pure ASGI, ahead of FastAPI: the body-size limit and the API keys (router/auth.py).
     The caller's principal goes into the request's state (``request.state.principal``)."""
@@ -249,10 +252,21 @@ class _Guard:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        headers = dict(scope["headers"])
+        raw = scope["headers"]
+        if sum(len(k) + len(v) for k, v in raw) > MAX_HEADER_BYTES:
+            # uvicorn's httptools parser has no bound of its own (h11's is 16 KiB).
+            error = OpenAIError(
+                431, f"the request's headers are larger than {MAX_HEADER_BYTES} bytes"
+            )
+            await error.response()(scope, receive, send)
+            return
+        headers = dict(raw)
         principal = ANONYMOUS
         if self.keys is not None and scope["path"].startswith("/v1"):
-            found = self.keys.authenticate(headers.get(b"authorization"))
+            # One Authorization header: of several, a proxy in front may check another
+            # one than the one we would.
+            sent = [v for k, v in raw if k == b"authorization"]
+            found = self.keys.authenticate(sent[0]) if len(sent) == 1 else None
             if found is None:
                 error = OpenAIError(
                     401, "missing or incorrect API key", code="invalid_api_key", param=None

@@ -68,7 +68,7 @@ def completion_plan(body: CompletionRequest, request_id: str, tokenizer: Tokeniz
     )
     echo: tuple[str, ...] = ()
     if body.echo:
-        texts = [p if isinstance(p, str) else tokenizer.decode(p) for p in prompts]
+        texts = [p if isinstance(p, str) else _echo_text(tokenizer, p) for p in prompts]
         echo = tuple(t for t in texts for _ in range(body.n))
     names = field_names("prompt", "max_tokens", "logprobs")
     return Plan(requests, body.n, names, echo)
@@ -176,6 +176,15 @@ def _prompts(prompt: str | list) -> list[str | tuple[int, ...]]:
     if all(isinstance(p, int) for p in prompt):
         return [tuple(prompt)]
     return [p if isinstance(p, str) else tuple(p) for p in prompt]
+
+
+def _echo_text(tokenizer: Tokenizer, token_ids: tuple[int, ...]) -> str:
+    """A token-id prompt's text, for echo: decoded before the router judges the ids, so
+    they are judged here first (an id past the vocabulary would fail the decoder)."""
+    bad = [t for t in token_ids if not 0 <= t < tokenizer.vocab_size]
+    if bad:
+        raise bad_field("prompt", f"ids out of vocabulary [0, {tokenizer.vocab_size}): {bad[:5]}")
+    return tokenizer.decode(list(token_ids))
 
 
 def _content(content) -> str:

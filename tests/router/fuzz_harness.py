@@ -24,6 +24,7 @@ from hypothesis import settings
 from router.config import RouterConfig
 from router.router import Router
 from router.server import Server
+from router.tracing import Tracing
 from tests.router.test_typed_flow import OUTPUT, ScriptedWorker
 from workers.protocol.wire import WorkItem, decode_as, encode
 from workers.text.tokenizer import Tokenizer
@@ -49,8 +50,9 @@ class WireWorker(ScriptedWorker):
         await super()._generate(item)
 
 
-def fuzz_router(tokenizer: Tokenizer) -> Router:
-    """A router (kv_aware, auto disaggregation) over one wire-checked worker per role."""
+def fuzz_router(tokenizer: Tokenizer, tracing: Tracing | None = None) -> Router:
+    """A router (kv_aware, auto disaggregation) over one wire-checked worker per role;
+    ``tracing``: trace every request (the callers' ``traceparent`` / ``tracestate`` read)."""
     output_ids = tokenizer.encode(OUTPUT, add_special_tokens=False)
     cfg = RouterConfig(
         model_name="tiny",
@@ -64,7 +66,7 @@ def fuzz_router(tokenizer: Tokenizer) -> Router:
     )
     prefill = WireWorker("prefill-0", "prefill", output_ids)
     decode = WireWorker("decode-0", "decode", output_ids)
-    return Router(cfg, tokenizer, [prefill], [decode])
+    return Router(cfg, tokenizer, [prefill], [decode], tracing=tracing)
 
 
 @dataclass

@@ -43,8 +43,8 @@ class TraceParent(msgspec.Struct, frozen=True):
 
 def parse_traceparent(value: str) -> TraceParent | None:
     """The ``traceparent`` header's context; None when absent or invalid (W3C: an invalid
-    header is ignored and a new trace starts; all-zero ids are invalid)."""
-    found = _TRACEPARENT.match(value.strip().lower()) if value else None
+    header is ignored and a new trace starts; all-zero ids and upper-case hex are invalid)."""
+    found = _TRACEPARENT.match(value.strip()) if value else None
     if found is None:
         return None
     trace_id, span_id = int(found.group(1), 16), int(found.group(2), 16)
