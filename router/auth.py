@@ -3,8 +3,8 @@
 The same keys guard the HTTP API (``Authorization: Bearer <key>``) and gRPC (metadata
 ``authorization: Bearer <key>``; UNAUTHENTICATED otherwise); health checks and gRPC
 reflection stay open (docs/security.md). A key's **name** says whose request it is (a
-client may abort only its own); its **tenant** is what quotas and cache isolation
-will count by (several keys may share one).
+client may abort only its own, and quotas count per name); its **tenant** is what cache
+isolation goes by (several keys may share one, and so their cached prefixes).
 
 Keys come from a file (``router.api_keys_file``, YAML: a mounted Kubernetes Secret, say)
 or the environment (``BATON_API_KEYS``), never the command line (argv is world-readable

@@ -57,17 +57,19 @@ class Quotas:
         counts nothing. For work a refusal should not cost that comes before :meth:`admit`
         (rendering a chat template); :meth:`admit` still decides."""
         cfg = self.config
-        if self.total >= cfg.max_queued_requests:
-            raise QuotaExceeded(
-                f"{self.total} requests in flight (router.max_queued_requests="
-                f"{cfg.max_queued_requests}); retry later",
-                1.0,
-            )
+        # The key's own share first: a key at its share is refused for that, even when the
+        # whole bound is full too (it is full then partly because of this key).
         held = self._in_flight.get(key, 0)
         if key and held >= self.per_key_limit:
             raise QuotaExceeded(
                 f"key {key!r} has {held} requests in flight (router.max_queued_share_per_key="
                 f"{cfg.share_per_key} of {cfg.max_queued_requests}); retry later",
+                1.0,
+            )
+        if self.total >= cfg.max_queued_requests:
+            raise QuotaExceeded(
+                f"{self.total} requests in flight (router.max_queued_requests="
+                f"{cfg.max_queued_requests}); retry later",
                 1.0,
             )
         if cfg.rate_per_key > 0:
