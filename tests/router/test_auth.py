@@ -4,16 +4,11 @@ scripted workers behind the real router."""
 
 from __future__ import annotations
 
-import datetime
 import ssl
 
 import grpc
 import httpx2 as httpx
 import pytest
-from cryptography import x509
-from cryptography.hazmat.primitives import hashes, serialization
-from cryptography.hazmat.primitives.asymmetric import ec
-from cryptography.x509.oid import NameOID
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
@@ -22,6 +17,7 @@ from proto.baton.v1 import inference_pb2 as pb
 from proto.baton.v1 import inference_pb2_grpc as pb_grpc
 from router.auth import ApiKeys, AuthConfigError, Principal
 from router.tls import TlsFiles
+from tests.pki import make_pki
 from tests.router.fuzz_harness import fuzz_router, serve_grpc
 from tests.router.http_harness import serve
 from tests.router.test_typed_flow import make_router
@@ -145,50 +141,10 @@ def test_a_client_aborts_only_its_own_requests(tokenizer):
 
 
 # ---- TLS -----------------------------------------------------------------------------------
-def _cert(name: str, issuer_key=None, issuer_name=None, is_ca=False):
-    key = ec.generate_private_key(ec.SECP256R1())
-    subject = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, name)])
-    now = datetime.datetime.now(datetime.timezone.utc)
-    builder = (
-        x509.CertificateBuilder()
-        .subject_name(subject)
-        .issuer_name(issuer_name or subject)
-        .public_key(key.public_key())
-        .serial_number(x509.random_serial_number())
-        .not_valid_before(now - datetime.timedelta(minutes=1))
-        .not_valid_after(now + datetime.timedelta(hours=1))
-        .add_extension(x509.BasicConstraints(ca=is_ca, path_length=None), critical=True)
-    )
-    if not is_ca:
-        builder = builder.add_extension(
-            x509.SubjectAlternativeName([x509.DNSName("localhost"), x509.IPAddress(_LOOPBACK)]),
-            critical=False,
-        )
-    cert = builder.sign(issuer_key or key, hashes.SHA256())
-    return key, cert
-
-
-_LOOPBACK = __import__("ipaddress").ip_address("127.0.0.1")
-
-
 @pytest.fixture(scope="module")
 def pki(tmp_path_factory):
     """A CA, a server certificate for 127.0.0.1 it signed, and a client certificate."""
-    root = tmp_path_factory.mktemp("pki")
-    ca_key, ca = _cert("test CA", is_ca=True)
-    files = {}
-    for name in ("server", "client"):
-        key, cert = _cert(name, ca_key, ca.subject)
-        files[f"{name}.key"] = key.private_bytes(
-            serialization.Encoding.PEM,
-            serialization.PrivateFormat.PKCS8,
-            serialization.NoEncryption(),
-        )
-        files[f"{name}.pem"] = cert.public_bytes(serialization.Encoding.PEM)
-    files["ca.pem"] = ca.public_bytes(serialization.Encoding.PEM)
-    for name, data in files.items():
-        (root / name).write_bytes(data)
-    return root
+    return make_pki(tmp_path_factory.mktemp("pki"))
 
 
 def test_grpc_over_tls_and_mutual_tls(tokenizer, pki):
