@@ -12,6 +12,7 @@ _EXPORTS = {
     "LLMEngine": "workers.engine.llm_engine",
     "EngineConfig": "workers.engine.config",
     "SamplingParams": "workers.protocol.sampling_params",
+    "StructuredOutput": "workers.protocol.structured_output",
     "CompletionOutput": "workers.engine.outputs",
     "StreamDelta": "workers.engine.outputs",
 }

@@ -30,6 +30,7 @@ from workers.engine.block_manager import BlockManager
 from workers.engine.cache_sizing import resolve_max_model_len, resolve_num_blocks
 from workers.engine.config import EngineConfig
 from workers.engine.cpu_memory import keep_freed_memory_mapped
+from workers.engine.grammar import GrammarCompiler
 from workers.engine.handoff import KVHandoff, KVReceive, check_peer_prefix
 from workers.engine.kv_cache import allocate_kv_cache
 from workers.engine.kv_tiers.build import build_kv_tiers, check_single_rank_tiers
@@ -149,6 +150,8 @@ class LLMEngine:
             self.model, self.kv_cache, config.block_size, self.device, before_forward
         )
         self.sampler = Sampler(self.vocab_size, seed=config.seed)
+        # Structured outputs: compiled grammars by constraint (built on first use).
+        self.grammars = GrammarCompiler(self.tokenizer, self.vocab_size)
         # The speculation gate's clock: on CPU this process's CPU time (steady when other
         # processes share the cores; the work is all here), on an accelerator wall time.
         self._spec_clock = time.process_time if self.device.type == "cpu" else time.perf_counter
@@ -203,6 +206,10 @@ class LLMEngine:
         so far; the request continues after it exactly as it would have there (seeded
         sampling included), its KV recomputed here (``workers/engine/resume.py``).
 
+        ``params.structured``: compiled here (cached by constraint; ValueError naming what
+        fails); the request's matcher is fed the tokens above, so a decode worker or a
+        migrated request continues in the grammar where the other worker stood.
+
         ``peer_prefix_tokens`` (peer pull, G4): the KV of the prompt's first tokens (whole
         blocks) comes from another worker's lease, like a remote prefill's, through
         ``take_kv_receives``/``kv_received``; the rest is computed here after it arrived.
@@ -242,6 +249,8 @@ class LLMEngine:
             ),
             is_prefill_only=prefill_only,
         )
+        if params.structured is not None:
+            req.grammar = self.grammars.matcher(params.structured)
         detok = None
         if self.config.detokenize:
             detok = IncrementalDetokenizer(

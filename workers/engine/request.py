@@ -5,11 +5,15 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
 from workers.protocol.block_hashes import salt_root
 from workers.protocol.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from workers.engine.grammar import GrammarMatcher
 
 
 class RequestStatus(enum.Enum):
@@ -21,7 +25,7 @@ class RequestStatus(enum.Enum):
 
 
 class FinishReason(str, enum.Enum):
-    STOP = "stop"  # EOS, a stop token id or a stop string
+    STOP = "stop"  # EOS, a stop token id, a stop string or a completed grammar
     LENGTH = "length"  # max_tokens or max_model_len
     ABORT = "abort"  # aborted by the caller (or failed)
 
@@ -77,6 +81,10 @@ class Request:
     # positions hold the draft model's KV (its own cache, the target's block table).
     spec_token_ids: list[int] = field(default_factory=list)
     draft_num_computed: int = 0
+    # Structured outputs (workers/engine/grammar.py): the matcher of params.structured,
+    # advanced with every output token by append_token, so that its state follows from
+    # the output alone (a hand-off, a migration, a preemption carry nothing else).
+    grammar: GrammarMatcher | None = None
 
     def __post_init__(self) -> None:
         self.token_ids = list(self.prompt_token_ids)
@@ -119,13 +127,20 @@ class Request:
         return self.status is RequestStatus.FINISHED
 
     def append_token(self, token_id: int) -> None:
+        """Append an output token (and advance the grammar past it)."""
         self.token_ids.append(token_id)
+        if self.grammar is not None:
+            self.grammar.accept(token_id)
 
 
 def check_stop(
     req: Request, token_id: int, stop_matched: str | None, max_model_len: int
 ) -> tuple[FinishReason | None, str | int | None]:
     """(finish reason, stop reason) after ``token_id`` was appended; (None, None) = go on."""
+    # A complete grammar allows nothing more (not even past min_tokens): stop here, as
+    # vLLM does, rather than spend a step sampling the EOS it would force.
+    if req.grammar is not None and req.grammar.is_terminated:
+        return FinishReason.STOP, None
     # EOS, stop ids and stop strings apply once min_tokens are out (stop_matched is
     # None before that, and always when the router matches stop strings itself).
     if req.num_output_tokens >= req.params.min_tokens:

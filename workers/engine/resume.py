@@ -9,7 +9,9 @@ past the draws that sampled them (``make_generator(num_sampled_steps=...)``), an
 detokenizer walks them so that a stop string or a character spanning the boundary still
 completes, while the text they released (already sent by whoever sampled them) is not
 emitted again. Their KV is computed like a prompt's (a prefix-cache hit included), or
-arrives from the prefill worker for ``remote_first_token``.
+arrives from the prefill worker for ``remote_first_token``. A structured-output request's
+matcher is rebuilt by feeding it these tokens (``Request.append_token``): its state is a
+function of the output, so nothing else crosses workers.
 """
 
 from __future__ import annotations
@@ -37,7 +39,11 @@ def resume_outputs(
         if not 0 <= token_id < vocab_size:
             raise ValueError(f"{what}: token {token_id} out of vocabulary [0, {vocab_size})")
     for token_id in token_ids:
-        req.append_token(token_id)
+        req.append_token(token_id)  # advances req.grammar: the matcher is rebuilt here
+        if req.grammar is not None and req.grammar.error:
+            raise ValueError(
+                f"{what}: token {token_id} is not allowed by the request's structured output"
+            )
         stop_matched = None
         if detok is not None:
             # Its text was sent by whoever sampled it; only the state after it matters.

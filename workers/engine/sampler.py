@@ -2,9 +2,9 @@
 
 Stages, in order, each vectorized across rows and skipped when no row needs it:
 
-    penalties -> min_tokens suppression -> greedy rows: argmax
-                                        -> other rows: temperature -> top-k -> top-p
-                                                       -> min-p -> sample
+    penalties -> min_tokens suppression -> grammar masks -> greedy rows: argmax
+                                                         -> other rows: temperature -> top-k
+                                                            -> top-p -> min-p -> sample
 
 Top-k, top-p and min-p each come down to a per-row *threshold* on the probabilities
 `softmax(logits / temperature)`; a row keeps `{token: prob >= threshold}` (tokens tied at
@@ -31,6 +31,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from workers.engine.grammar import GrammarMatcher, apply_grammar_masks
 from workers.engine.penalties import apply_penalties, suppress_stop_tokens
 from workers.engine.request import Request
 from workers.protocol.logprobs import TokenLogprobs
@@ -57,13 +58,16 @@ class SamplingRow:
     """Suppressed, with `params.stop_token_ids`, while fewer than `params.min_tokens`
     tokens were generated. The sampler suppresses whatever it is given here, so a caller
     that wants EOS to stay sampleable under `ignore_eos` passes an empty set."""
+    grammar: GrammarMatcher | None = None
+    """The request's structured-output matcher (None = unconstrained); the row is masked
+    to the tokens it allows after `output_token_ids` (workers/engine/grammar.py)."""
 
     @classmethod
     def of(cls, req: Request) -> SamplingRow:
         """A request's row (its ``eos_token_ids`` are empty under ``ignore_eos``)."""
         return cls(
             req.params, req.prompt_token_ids, req.output_token_ids, req.generator,
-            req.eos_token_ids,
+            req.eos_token_ids, req.grammar,
         )  # fmt: skip
 
 
@@ -136,8 +140,9 @@ class Sampler:
     def process(
         self, logits: torch.Tensor, rows: Sequence[SamplingRow]
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """(raw, x): the logits cut to the vocabulary as float32, and after penalties and
-        min_tokens suppression (greedy rows take x's argmax; ``filtered_probs`` goes on)."""
+        """(raw, x): the logits cut to the vocabulary as float32, and after penalties,
+        min_tokens suppression and grammar masks (greedy rows take x's argmax;
+        ``filtered_probs`` goes on)."""
         num_rows = len(rows)
         if logits.dim() != 2 or logits.shape[0] != num_rows or logits.shape[1] < self.vocab_size:
             raise ValueError(
@@ -146,7 +151,8 @@ class Sampler:
             )
         raw = logits[:, : self.vocab_size].float()  # [num_rows, vocab_size]
         x = apply_penalties(raw, rows)
-        return raw, suppress_stop_tokens(x, rows, copy=x is raw)
+        x = suppress_stop_tokens(x, rows, copy=x is raw)
+        return raw, apply_grammar_masks(x, raw, rows)
 
     def _sample(self, x: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
         """Temperature, filters and the draw for non-greedy rows; x [n, V] is not modified."""

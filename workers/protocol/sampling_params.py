@@ -13,6 +13,8 @@ import numbers
 from collections.abc import Iterable
 from dataclasses import dataclass
 
+from workers.protocol.structured_output import StructuredOutput
+
 _GREEDY_EPS = 1e-5
 _MAX_LOGPROBS = 20
 # What `torch.Generator.manual_seed` accepts; anything else would fail later, in the engine.
@@ -76,6 +78,10 @@ class SamplingParams:
     """Allow speculative decoding for this request (when the engine has it on); False =
     decode one token per step. Output is the same either way (greedy token for token,
     sampled in distribution)."""
+    structured: StructuredOutput | None = None
+    """Constrain the output to a JSON schema, any JSON object, a regex, a grammar or one of
+    a few choices (workers/protocol/structured_output.py); None = unconstrained. The router
+    checks it compiles (``check_structured_output``) before admission."""
 
     def __post_init__(self) -> None:
         # Normalise types first (frozen, hence object.__setattr__), then check ranges.
@@ -124,6 +130,10 @@ class SamplingParams:
         for name in ("ignore_eos", "skip_special_tokens", "speculative"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
+        if self.structured is not None and not isinstance(self.structured, StructuredOutput):
+            raise ValueError(
+                f"structured must be a StructuredOutput, got {type(self.structured).__name__}"
+            )
 
     def validate_for_model(self, vocab_size: int) -> None:
         """Checks what needs the model: every stop token id is inside the vocabulary."""

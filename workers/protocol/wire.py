@@ -30,8 +30,8 @@ from workers.protocol.trace import SpanRecord
 # 4: WorkerReport carries the speculative-decoding counters; 5: the KV tiers' events and
 # stats; 6: msgspec structs, ``[kind, version, [fields...]]`` and typed fields; 7: trace
 # context in the work item, span records in the final event (workers/protocol/trace.py);
-# 8: SamplingParams.cache_salt.
-WIRE_VERSION = 8
+# 8: SamplingParams.cache_salt; 9: SamplingParams.structured (structured outputs).
+WIRE_VERSION = 9
 MODES = ("full", "prefill", "decode")
 T = TypeVar("T")
 

@@ -15,6 +15,11 @@ Per step (docs/engine.md, "Speculative decoding"):
    (``rejection.py``) and the engine appends the tokens and rolls the rest back
    (``Scheduler.update_verified``, ``rolled_back``).
 
+Structured outputs: every verify row is masked by the request's grammar at its position
+(``workers/engine/grammar.py``), so a proposal the grammar refuses is never accepted; an
+n-gram proposal is cut to the prefix the grammar accepts before it is scheduled, and a
+draft model proposes under the same masks.
+
 A request speculates unless it opted out (``SamplingParams.speculative``), is a prefill
 worker's request (it samples one token), or has room for fewer than two more tokens; and,
 with the measured decisions on (``adaptive``, the default), while its own acceptance pays
@@ -104,7 +109,11 @@ class SpeculativeDecoder:
             ):
                 continue
             if self.ngram is not None:
-                req.spec_token_ids = self.ngram.propose(req.token_ids, k)
+                proposals = self.ngram.propose(req.token_ids, k)
+                if req.grammar is not None:
+                    # Only the prefix the grammar accepts could be accepted in verification.
+                    proposals = proposals[: req.grammar.num_valid(proposals)]
+                req.spec_token_ids = proposals
             else:
                 req.spec_token_ids = [0] * k  # the draft fills them in (before_prepare)
 

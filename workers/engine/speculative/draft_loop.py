@@ -40,10 +40,12 @@ MAX_LEAN_CATCH_UP = 4
 def is_plain_greedy(req: Request, num_proposed: int) -> bool:
     """Whether the sampler's processing leaves this request's logits unchanged at its
     next proposal (after ``num_proposed`` earlier ones) and it takes their argmax: greedy,
-    no repetition/presence/frequency penalty, min_tokens reached (``Sampler.process``)."""
+    no repetition/presence/frequency penalty, min_tokens reached, no grammar
+    (``Sampler.process``)."""
     p = req.params
     return (
         p.is_greedy
+        and req.grammar is None
         and p.repetition_penalty == 1.0
         and p.presence_penalty == 0.0
         and p.frequency_penalty == 0.0
@@ -125,7 +127,7 @@ def choose_proposals(
     the processed argmax, sampled rows draw from ``q`` (kept in ``probs``)."""
     rows = [
         SamplingRow(r.params, r.prompt_token_ids, r.output_token_ids + r.spec_token_ids[:j],
-                    r.generator, r.eos_token_ids)
+                    r.generator, r.eos_token_ids, r.grammar)
         for r in reqs
     ]  # fmt: skip
     _, x = sampler.process(logits, rows)

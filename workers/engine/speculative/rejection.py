@@ -60,6 +60,7 @@ def verify_rows(req: Request, proposals: Sequence[int]) -> list[SamplingRow]:
             output + list(proposals[:j]),
             req.generator,
             req.eos_token_ids,
+            req.grammar,
         )
         for j in range(len(proposals) + 1)
     ]
