@@ -56,6 +56,17 @@ class OutputOptions:
 
 
 @dataclass(frozen=True)
+class StructuredOptions:
+    """The output's constraint as the client gave it (docs/structured-outputs.md); judged
+    by the router (``workers/protocol/structured_output.py`` says what each kind means)."""
+
+    kind: str  # json_schema | json_object | regex | grammar | choice
+    spec: str = ""  # the schema (JSON text), the pattern or the grammar
+    choices: tuple[str, ...] = ()
+    strict: bool = True  # json_schema: refuse keywords the engine cannot enforce
+
+
+@dataclass(frozen=True)
 class GenerateRequest:
     """One generation request, unvalidated."""
 
@@ -77,3 +88,4 @@ class GenerateRequest:
     # Prefix-cache isolation (vLLM's field): requests share cached KV only with requests
     # of the same salt and tenant (workers/protocol/block_hashes.py); "" = the tenant's.
     cache_salt: str = ""
+    structured: StructuredOptions | None = None  # None: free text

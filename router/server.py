@@ -262,7 +262,27 @@ def generate_request(req: pb.GenerateRequest) -> requests.GenerateRequest:
         ),
         disaggregation=_DISAGGREGATION[req.disaggregation],
         cache_salt=req.cache_salt,
+        structured=_structured(req.structured) if req.HasField("structured") else None,
     )
+
+
+def _structured(msg: pb.StructuredOutput) -> requests.StructuredOptions | None:
+    kind = msg.WhichOneof("constraint")
+    if kind is None:
+        return None  # an empty message: no constraint
+    if msg.lenient and kind != "json_schema":
+        raise RouterError(
+            ErrorCode.INVALID_ARGUMENT, f"structured.lenient: applies to json_schema, not {kind}"
+        )
+    if kind == "choice":
+        return requests.StructuredOptions("choice", choices=tuple(msg.choice.choices))
+    if kind == "json_object":
+        if not msg.json_object:  # set, but false: neither a constraint nor an absence
+            raise RouterError(
+                ErrorCode.INVALID_ARGUMENT, "structured.json_object: true, or another constraint"
+            )
+        return requests.StructuredOptions("json_object")
+    return requests.StructuredOptions(kind, getattr(msg, kind), strict=not msg.lenient)
 
 
 def generate_response(event: events.GenerateEvent) -> pb.GenerateResponse:

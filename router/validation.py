@@ -12,8 +12,14 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-from router.requests import DISAGGREGATION_MODES, Disaggregation, GenerateRequest
+from router.requests import (
+    DISAGGREGATION_MODES,
+    Disaggregation,
+    GenerateRequest,
+    StructuredOptions,
+)
 from workers.protocol.sampling_params import SamplingParams
+from workers.protocol.structured_output import StructuredOutput, check_structured_output
 from workers.text.tokenizer import Tokenizer
 
 # SamplingParams field -> its path in the GenerateRequest (and the protobuf message).
@@ -42,6 +48,7 @@ _MAX_STOP_TOKEN_IDS = 64
 _MAX_SALT_LEN = 256
 _MAX_TOP_K = 2**31 - 1  # the protobuf field's int32; past the vocabulary it means off
 _MAX_REQUEST_ID_LEN = 256  # echoed in every response message of the request
+_MAX_ERROR_LEN = 400  # of a refusal's text that quotes a client's schema or pattern
 _MAX_ECHO_LEN = 80  # of a client's value quoted in a refusal (gRPC trailers are <= 16 KiB)
 
 
@@ -150,16 +157,36 @@ def _sampling_params(req: GenerateRequest) -> SamplingParams:
     # integers have no bound, and top_k has none above in SamplingParams.
     if sampling.top_k is not None and sampling.top_k > _MAX_TOP_K:
         raise InvalidRequest(f"sampling.top_k: at most {_MAX_TOP_K}, got {sampling.top_k}")
+    structured = None if req.structured is None else structured_output(req.structured)
     try:
         return SamplingParams(
             stop=tuple(stopping.stop),
             stop_token_ids=tuple(stopping.stop_token_ids),
             ignore_eos=stopping.ignore_eos,
             cache_salt=cache_salt(req.tenant, req.cache_salt),
+            structured=structured,
             **kwargs,  # type: ignore[arg-type]
         )
     except ValueError as exc:
         raise InvalidRequest(_with_field_path(str(exc))) from None
+
+
+def structured_output(options: StructuredOptions) -> StructuredOutput:
+    """The constraint, checked to compile (no tokenizer needed: the grammar alone; cached
+    by constraint, so a schema sent again costs a lookup). InvalidRequest names the field
+    (``structured.spec``) or, for a schema the engine cannot compile, the part of it."""
+    try:
+        structured = StructuredOutput(
+            options.kind, options.spec, tuple(options.choices), options.strict
+        )
+    except ValueError as exc:  # "structured.<field> must ...": the field first, as ours
+        field, _, rest = str(exc).partition(" ")
+        raise InvalidRequest(f"{field}: {rest[:_MAX_ERROR_LEN]}") from None
+    try:
+        check_structured_output(structured)
+    except ValueError as exc:
+        raise InvalidRequest(f"structured: {str(exc)[:_MAX_ERROR_LEN]}") from None
+    return structured
 
 
 def cache_salt(tenant: str, salt: str) -> str:

@@ -79,13 +79,19 @@ class ChatTemplate:
         except jinja2.TemplateSyntaxError as exc:
             raise ValueError(f"{model_dir}: the chat template does not compile: {exc}") from None
 
-    def render(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> str:
-        """The prompt text of ``messages`` (role/content dicts). Raises ChatTemplateError."""
+    def render(
+        self,
+        messages: list[dict[str, Any]],
+        add_generation_prompt: bool = True,
+        tools: list[dict[str, Any]] | None = None,
+    ) -> str:
+        """The prompt text of ``messages`` (role/content dicts), with ``tools`` (OpenAI's
+        tool definitions) for a template that renders them. Raises ChatTemplateError."""
         try:
             return self._template.render(
                 messages=messages,
                 add_generation_prompt=add_generation_prompt,
-                tools=None,
+                tools=tools,
                 documents=None,
                 **self.special_tokens,
             )

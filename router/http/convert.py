@@ -9,6 +9,7 @@ random stream (vLLM draws the n samples of one request from one stream instead).
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -22,7 +23,15 @@ from router.http.schemas import (
     CompletionRequest,
     TopLogprob,
 )
-from router.requests import GenerateRequest, OutputOptions, SamplingOptions, StoppingOptions
+from router.http.structured import STRUCTURED_PATHS, structured_options
+from router.http.tools import ToolCalling, template_message, tool_calling
+from router.requests import (
+    GenerateRequest,
+    OutputOptions,
+    SamplingOptions,
+    StoppingOptions,
+    StructuredOptions,
+)
 from router.validation import InvalidRequest, check_unicode
 from workers.protocol.logprobs import TokenLogprobs
 from workers.text.tokenizer import Tokenizer
@@ -36,6 +45,7 @@ class Plan:
     n: int  # choices per prompt
     names: dict[str, str]  # typed-request path -> OpenAI field, for error messages
     echo_texts: tuple[str, ...] = ()  # completions with echo: each choice's prompt text
+    tools: ToolCalling | None = None  # chat with tools: how the output becomes calls
 
 
 # Work one call may ask of the router's event loop, before admission counts it: each
@@ -61,8 +71,11 @@ def completion_plan(body: CompletionRequest, request_id: str, tokenizer: Tokeniz
             f"at most {MAX_CHOICES} choices per call (prompts x n), got {len(prompts)} x {body.n}",
         )
     output = OutputOptions(logprobs=body.logprobs)
+    structured, source = structured_options(body)
     requests = tuple(
-        _request(body, prompt, f"{request_id}-{p * body.n + i}", i, body.max_tokens, output)
+        _request(
+            body, prompt, f"{request_id}-{p * body.n + i}", i, body.max_tokens, output, structured
+        )
         for p, prompt in enumerate(prompts)
         for i in range(body.n)
     )
@@ -71,6 +84,7 @@ def completion_plan(body: CompletionRequest, request_id: str, tokenizer: Tokeniz
         texts = [p if isinstance(p, str) else _echo_text(tokenizer, p) for p in prompts]
         echo = tuple(t for t in texts for _ in range(body.n))
     names = field_names("prompt", "max_tokens", "logprobs")
+    names |= dict.fromkeys(STRUCTURED_PATHS, source) if source else {}
     return Plan(requests, body.n, names, echo)
 
 
@@ -91,18 +105,23 @@ def chat_plan(
             "this model has no chat template (tokenizer_config.json 'chat_template' or "
             "chat_template.jinja); use /v1/completions",
         )
-    if body.tools:
-        raise bad_field("tools", "tool calling is not supported")
     if body.logit_bias:
         raise bad_field("logit_bias", "not supported")
-    if body.response_format and body.response_format.get("type") != "text":
-        raise bad_field("response_format", "only {'type': 'text'} is supported")
     if body.top_logprobs is not None and not body.logprobs:
         raise bad_field("top_logprobs", "needs logprobs: true")
+    structured, source = structured_options(body)
+    calling, forced, tools = tool_calling(body, template)
+    if forced is not None:
+        if structured is not None:
+            raise bad_field("tool_choice", f"a forced tool call cannot be combined with {source}")
+        structured, source = forced, "tool_choice"
     if len(body.messages) > MAX_MESSAGES:
         raise bad_field("messages", f"at most {MAX_MESSAGES} messages, got {len(body.messages)}")
     messages = [
-        {"role": m.role, "content": _content(m.content), **({"name": m.name} if m.name else {})}
+        template_message(
+            {"role": m.role, "content": _content(m.content)}
+            | m.model_dump(include={"name", "tool_calls", "tool_call_id"}, exclude_none=True)
+        )
         for m in body.messages
     ]
     for i, message in enumerate(messages):
@@ -113,9 +132,16 @@ def chat_plan(
                 raise bad_field(f"messages[{i}].{key}", str(exc).partition(": ")[2]) from None
     admissible()
     try:
-        text = template.render(messages, add_generation_prompt=body.add_generation_prompt)
+        text = template.render(
+            messages, add_generation_prompt=body.add_generation_prompt, tools=tools
+        )
     except ChatTemplateError as exc:
         raise bad_field("messages", str(exc)) from None
+    try:  # what else went in (tool calls, tool results, tool definitions) is text too
+        check_unicode("messages", text)
+    except InvalidRequest as exc:
+        field = "tools" if tools and not _is_unicode(tools) else "messages"
+        raise bad_field(field, str(exc).partition(": ")[2]) from None
     prompt = tuple(tokenizer.encode(text, add_special_tokens=False))
     max_tokens = body.max_completion_tokens
     max_tokens_name = "max_completion_tokens"
@@ -124,10 +150,12 @@ def chat_plan(
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
     output = OutputOptions(logprobs=logprobs)
     requests = tuple(
-        _request(body, prompt, f"{request_id}-{i}", i, max_tokens, output) for i in range(body.n)
+        _request(body, prompt, f"{request_id}-{i}", i, max_tokens, output, structured)
+        for i in range(body.n)
     )
     names = field_names("messages", max_tokens_name, "top_logprobs")
-    return Plan(requests, body.n, names)
+    names |= dict.fromkeys(STRUCTURED_PATHS, source) if source else {}
+    return Plan(requests, body.n, names, tools=calling)
 
 
 def _request(
@@ -137,6 +165,7 @@ def _request(
     choice: int,
     max_tokens: int | None,
     output: OutputOptions,
+    structured: StructuredOptions | None = None,
 ) -> GenerateRequest:
     stop = (body.stop,) if isinstance(body.stop, str) else tuple(body.stop or ())
     return GenerateRequest(
@@ -164,6 +193,7 @@ def _request(
         output=output,
         disaggregation=body.disaggregation,
         cache_salt=body.cache_salt or "",
+        structured=structured,
     )
 
 
@@ -185,6 +215,14 @@ def _echo_text(tokenizer: Tokenizer, token_ids: tuple[int, ...]) -> str:
     if bad:
         raise bad_field("prompt", f"ids out of vocabulary [0, {tokenizer.vocab_size}): {bad[:5]}")
     return tokenizer.decode(list(token_ids))
+
+
+def _is_unicode(value) -> bool:
+    try:
+        json.dumps(value, ensure_ascii=False).encode()
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 def _content(content) -> str:

@@ -9,6 +9,7 @@ an ``data: {"error": ...}`` event, then ``[DONE]``, as vLLM sends it.
 from __future__ import annotations
 
 import time
+import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
@@ -29,10 +30,15 @@ from router.http.schemas import (
     CompletionChunk,
     CompletionResponse,
     ErrorResponse,
+    FunctionCall,
+    FunctionCallDelta,
     PromptTokensDetails,
+    ToolCall,
+    ToolCallDelta,
     UsageInfo,
 )
 from router.http.streams import Choices
+from router.http.tools import ParsedCall, ToolCalling
 from workers.protocol.logprobs import TokenLogprobs
 from workers.text.tokenizer import Tokenizer
 
@@ -192,12 +198,19 @@ async def chat_response(answer: Answer, choices: Choices) -> ChatCompletionRespo
         logprobs = None
         if plan.requests[index].output.logprobs is not None:
             logprobs = chat_logprobs(answer.tokenizer, choice.logprobs)
+        content: str | None = "".join(choice.text)
+        calls: list[ParsedCall] = []
+        if plan.tools is not None and content is not None:
+            content, calls = plan.tools.parse(content)
         out.append(
             ChatChoice(
                 index=index,
-                message=AssistantMessage(content="".join(choice.text)),
+                message=AssistantMessage(
+                    content=content,
+                    tool_calls=[_tool_call(c) for c in calls] or None,
+                ),
                 logprobs=logprobs,
-                finish_reason=choice.finish.reason if choice.finish else None,
+                finish_reason=_chat_finish_reason(choice.finish, bool(calls)),
                 stop_reason=_stop_reason(choice.finish),
             )
         )
@@ -227,20 +240,36 @@ async def chat_events(answer: Answer, choices: Choices) -> AsyncIterator[bytes]:
         # OpenAI's first chunk of each choice: the role, with empty content.
         for index in range(num):
             yield chunk(ChatChunkChoice(index=index, delta=ChatDelta(role="assistant", content="")))
+        tools = plan.tools
+        # Tool calls other than a named one are read from the whole output: held until
+        # its end (a named call's arguments are the output, and stream as they come).
+        held = [_Choice() for _ in range(num)] if tools and tools.mode != "named" else None
+        named_ids = [""] * num
         async for index, event in choices.events():
             delta, finish = event.delta, event.finish
+            if held is not None:
+                held[index].text.append(delta.text)
+                held[index].logprobs.extend(delta.logprobs)
+                if finish is None:
+                    continue
+                finishes[index] = finish
+                yield chunk(_held_choice(answer, index, held[index], finish))
+                continue
             if not (delta.text or delta.logprobs or finish):
                 continue
             logprobs = None
             if plan.requests[index].output.logprobs is not None:
                 logprobs = chat_logprobs(answer.tokenizer, delta.logprobs)
             finishes[index] = finish
+            message = ChatDelta(content=delta.text or None)
+            if tools is not None:  # named: the text is the call's arguments
+                message = ChatDelta(tool_calls=_named_delta(tools, named_ids, index, delta.text))
             yield chunk(
                 ChatChunkChoice(
                     index=index,
-                    delta=ChatDelta(content=delta.text or None),
+                    delta=message,
                     logprobs=logprobs,
-                    finish_reason=finish.reason if finish else None,
+                    finish_reason=_chat_finish_reason(finish, tools is not None),
                     stop_reason=_stop_reason(finish),
                 )
             )
@@ -259,3 +288,52 @@ async def chat_events(answer: Answer, choices: Choices) -> AsyncIterator[bytes]:
     finally:
         await choices.aclose()
     yield DONE
+
+
+def _chat_finish_reason(finish: Finish | None, called: bool) -> str | None:
+    """OpenAI's ``tool_calls`` when the output ended as calls (not when cut by length)."""
+    if finish is None:
+        return None
+    return "tool_calls" if called and finish.reason == "stop" else finish.reason
+
+
+def _tool_call(call: ParsedCall) -> ToolCall:
+    return ToolCall(id=call.id, function=FunctionCall(name=call.name, arguments=call.arguments))
+
+
+def _named_delta(
+    tools: ToolCalling, ids: list[str], index: int, text: str
+) -> list[ToolCallDelta] | None:
+    """The next piece of a named call: its id and name first, then its arguments."""
+    if not ids[index]:
+        ids[index] = f"call_{uuid.uuid4().hex[:24]}"
+        name = FunctionCallDelta(name=tools.names[0], arguments=text)
+        return [ToolCallDelta(index=0, id=ids[index], type="function", function=name)]
+    if not text:
+        return None
+    return [ToolCallDelta(index=0, function=FunctionCallDelta(arguments=text))]
+
+
+def _held_choice(answer: Answer, index: int, held: _Choice, finish: Finish) -> ChatChunkChoice:
+    """A held output's one chunk: its content (if any) and its calls, whole."""
+    assert answer.plan.tools is not None
+    content, calls = answer.plan.tools.parse("".join(held.text))
+    logprobs = None
+    if answer.plan.requests[index].output.logprobs is not None:
+        logprobs = chat_logprobs(answer.tokenizer, held.logprobs)
+    deltas = [
+        ToolCallDelta(
+            index=i,
+            id=call.id,
+            type="function",
+            function=FunctionCallDelta(name=call.name, arguments=call.arguments),
+        )
+        for i, call in enumerate(calls)
+    ]
+    return ChatChunkChoice(
+        index=index,
+        delta=ChatDelta(content=content, tool_calls=deltas or None),
+        logprobs=logprobs,
+        finish_reason=_chat_finish_reason(finish, bool(calls)),
+        stop_reason=_stop_reason(finish),
+    )

@@ -6,7 +6,9 @@ are ignored, as vLLM does, so that clients that send newer OpenAI fields keep wo
 Baton's own sampling and routing options are accepted as extra body fields (vLLM's names):
 ``top_k``, ``min_p``, ``repetition_penalty``, ``ignore_eos``, ``min_tokens``,
 ``stop_token_ids``, ``disaggregation``, and ``speculative`` (``false`` opts the request
-out of speculative decoding on a decode pool that has it on; Baton's own).
+out of speculative decoding on a decode pool that has it on; Baton's own). Structured
+outputs: OpenAI's ``response_format`` and vLLM's ``guided_json``, ``guided_regex``,
+``guided_choice``, ``guided_grammar`` and ``structured_outputs`` (router/http/structured.py).
 """
 
 from __future__ import annotations
@@ -35,6 +37,28 @@ class StreamOptions(_Request):
     include_usage: StrictBool = False
 
 
+class JsonSchemaFormat(_Request):
+    name: StrictStr = "response"
+    description: StrictStr | None = None
+    schema_: dict | None = Field(None, alias="schema")  # None: any JSON object
+    strict: StrictBool | None = None  # OpenAI's default: false
+
+
+class ResponseFormat(_Request):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
+class StructuredOutputsParams(_Request):
+    """vLLM's ``structured_outputs`` extra: one of these."""
+
+    json_: dict | StrictStr | None = Field(None, alias="json")
+    json_object: StrictBool | None = None
+    regex: StrictStr | None = None
+    choice: list[StrictStr] | None = None
+    grammar: StrictStr | None = None
+
+
 class _Sampling(_Request):
     """The fields completions and chat share."""
 
@@ -59,6 +83,13 @@ class _Sampling(_Request):
     disaggregation: Disaggregation | None = None
     speculative: StrictBool | None = None  # Baton's: false = no speculative decoding
     cache_salt: StrictStr | None = None  # prefix-cache isolation (vLLM's; docs/security.md)
+    # Structured outputs (router/http/structured.py): at most one of these.
+    response_format: ResponseFormat | None = None
+    guided_json: dict | StrictStr | None = None
+    guided_regex: StrictStr | None = None
+    guided_choice: list[StrictStr] | None = None
+    guided_grammar: StrictStr | None = None
+    structured_outputs: StructuredOutputsParams | None = None
 
 
 TokenIds = list[StrictInt]
@@ -80,10 +111,46 @@ class TextPart(_Request):
     text: StrictStr
 
 
+class ToolCallFunction(_Request):
+    name: StrictStr
+    arguments: StrictStr  # JSON text
+
+
+class MessageToolCall(_Request):
+    """A call in an earlier assistant message (sent back with the tools' results)."""
+
+    id: StrictStr
+    type: Literal["function"] = "function"
+    function: ToolCallFunction
+
+
 class ChatMessage(_Request):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: StrictStr | list[TextPart] | None = None
     name: StrictStr | None = None
+    tool_calls: list[MessageToolCall] | None = None  # assistant: the calls it made
+    tool_call_id: StrictStr | None = None  # tool: the call this is the result of
+
+
+class FunctionDefinition(_Request):
+    name: StrictStr
+    description: StrictStr | None = None
+    parameters: dict | None = None  # a JSON Schema; None: any object
+    strict: StrictBool | None = None
+
+
+class ToolDefinition(_Request):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class FunctionName(_Request):
+    name: StrictStr
+
+
+class NamedToolChoice(_Request):
+    type: Literal["function"]
+    function: FunctionName
 
 
 class ChatCompletionRequest(_Sampling):
@@ -92,8 +159,9 @@ class ChatCompletionRequest(_Sampling):
     max_completion_tokens: StrictInt | None = None
     logprobs: StrictBool = False
     top_logprobs: StrictInt | None = None
-    tools: list[dict] | None = None  # refused when non-empty: no tool calling
-    response_format: dict | None = None  # refused unless {"type": "text"}
+    tools: list[ToolDefinition] | None = None  # router/http/tools.py
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: StrictBool | None = None  # false: at most one call (required)
     logit_bias: dict[str, float] | None = None  # refused when non-empty
     add_generation_prompt: StrictBool = True  # vLLM's extra: end with the assistant's header
 
@@ -125,7 +193,7 @@ class CompletionLogprobs(BaseModel):
     text_offset: list[int] = Field(default_factory=list)
 
 
-OpenAIFinishReason = Literal["stop", "length", "abort"] | None
+OpenAIFinishReason = Literal["stop", "length", "tool_calls", "abort"] | None
 """``abort`` (drained past the grace period, or aborted) is not OpenAI's; vLLM sends it too."""
 
 
@@ -160,9 +228,28 @@ class ChatLogprobs(BaseModel):
     content: list[ChatTokenLogprob]
 
 
+class FunctionCall(BaseModel):
+    name: str
+    arguments: str  # JSON text
+
+
+class ToolCall(BaseModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class AssistantMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: str | None
+    tool_calls: list[ToolCall] | None = None  # only when the model called tools
+
+    @model_serializer(mode="wrap")
+    def _drop_no_calls(self, handler):
+        body = handler(self)
+        if body.get("tool_calls") is None:
+            body.pop("tool_calls", None)
+        return body
 
 
 class ChatChoice(BaseModel):
@@ -182,11 +269,34 @@ class ChatCompletionResponse(BaseModel):
     usage: UsageInfo
 
 
+class FunctionCallDelta(BaseModel):
+    name: str | None = None
+    arguments: str | None = None
+
+    @model_serializer(mode="wrap")
+    def _drop_unset(self, handler):
+        return {k: v for k, v in handler(self).items() if v is not None}
+
+
+class ToolCallDelta(BaseModel):
+    """A streamed call: its first chunk has the id and name, the next ones more arguments."""
+
+    index: int
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: FunctionCallDelta
+
+    @model_serializer(mode="wrap")
+    def _drop_unset(self, handler):
+        return {k: v for k, v in handler(self).items() if v is not None}
+
+
 class ChatDelta(BaseModel):
     """A chunk's delta carries only what it has (OpenAI's: the role once, then content)."""
 
     role: Literal["assistant"] | None = None
     content: str | None = None
+    tool_calls: list[ToolCallDelta] | None = None
 
     @model_serializer(mode="wrap")
     def _drop_unset(self, handler):
