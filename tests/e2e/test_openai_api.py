@@ -20,6 +20,7 @@ import nixl  # noqa: F401  (required by the served cluster: a broken install fai
 import openai
 import pytest
 import ray  # noqa: F401  (required by the served cluster: a broken install fails, not skips)
+from pydantic import BaseModel, ConfigDict, Field
 
 from proto.baton.v1 import inference_pb2 as pb
 from tests.e2e.conftest import cluster_config, start_cluster, stop_cluster
@@ -151,6 +152,41 @@ def test_a_stop_string_ends_the_text_before_it(served):
     out = c.completions.create(model="tiny", prompt=PROMPTS[0], max_tokens=24, stop=stop, **GREEDY)
     assert out.choices[0].finish_reason == "stop"
     assert out.choices[0].text == text[: text.index(stop)]
+
+
+class Answer(BaseModel):
+    """Compact JSON (llguidance's option): a random model would indent at length."""
+
+    model_config = ConfigDict(json_schema_extra={"x-guidance": {"whitespace_flexible": False}})
+    city: str = Field(max_length=12)
+    score: int = Field(ge=0, le=100)
+    ok: bool
+
+
+@pytest.mark.parametrize("disaggregation", ["always", "never"])
+def test_parse_with_a_pydantic_model_every_time(served, disaggregation):
+    """The official client's chat.completions.parse against the real cluster: every answer
+    parses (sampled, several seeds; streamed too), across the hand-off and without it."""
+    c = client(served)
+    messages = [{"role": "user", "content": "Where is the fox?"}]
+    extra = {"disaggregation": disaggregation}
+    for seed in range(3):
+        out = c.chat.completions.parse(
+            model="tiny",
+            messages=messages,
+            response_format=Answer,
+            temperature=1.0,
+            seed=seed,
+            max_tokens=100,
+            extra_body=extra,
+        )
+        assert out.choices[0].finish_reason == "stop"
+        assert isinstance(out.choices[0].message.parsed, Answer)
+    with c.chat.completions.stream(
+        model="tiny", messages=messages, response_format=Answer, max_tokens=100, extra_body=extra
+    ) as stream:
+        assert isinstance(stream.get_final_completion().choices[0].message.parsed, Answer)
+    wait_blocks_released(served.stub())
 
 
 def test_error_statuses(served):
