@@ -12,6 +12,7 @@ seeded sampling with penalties), count the migration by cause, and past
 from __future__ import annotations
 
 import asyncio
+import json
 
 import pytest
 from prometheus_client import REGISTRY
@@ -21,6 +22,7 @@ from proto.baton.v1 import inference_pb2 as pb
 from router.errors import RouterError
 from tests.router.test_router_flow import LONG_PREFIX, Cluster, collect, req, run
 from workers import LLM, SamplingParams
+from workers.protocol.structured_output import StructuredOutput
 
 SEEDED = dict(temperature=0.9, seed=5, repetition_penalty=1.2, frequency_penalty=0.3)
 
@@ -173,3 +175,41 @@ def test_the_migration_limit(model_dir):
     assert len(crashed) == 2 and error.code == "UNAVAILABLE"
     assert f"worker {crashed[1]} failed" in error.message
     assert error.message.endswith("(router.migration_limit=1); migrated 1 time already")
+
+
+@pytest.mark.parametrize("disaggregation", ["never", "always"])
+def test_a_migration_mid_json_still_yields_the_same_valid_json(model_dir, llm, disaggregation):
+    """A schema-constrained, seeded stream whose decode worker dies mid-object: the new
+    worker's request rebuilds the grammar from the tokens so far (the router resends
+    them), so the JSON is the undisturbed run's and parses."""
+    schema = {
+        "x-guidance": {"whitespace_flexible": False},
+        "type": "object",
+        "properties": {
+            "title": {"type": "string", "maxLength": 20},
+            "tags": {"type": "array", "items": {"enum": ["a", "b", "c"]}, "maxItems": 4},
+        },
+        "required": ["title", "tags"],
+        "additionalProperties": False,
+    }
+    structured = StructuredOutput.json_schema(schema)
+    params = SamplingParams(max_tokens=120, structured=structured, **SEEDED)
+    ref = llm.generate([LONG_PREFIX], params)[0]
+    assert len(ref.token_ids) > 8  # the crash below is mid-object
+    num_prefill = 1 if disaggregation == "always" else 0
+    cluster = Cluster(model_dir, num_prefill, 2, disaggregation=disaggregation)
+    crashed = crash_after(cluster, "decode", 5)
+
+    async def body(router):
+        request = seeded_req(LONG_PREFIX, 120)
+        request.stopping.ignore_eos = False
+        request.structured.json_schema = json.dumps(schema)
+        result = await collect(router, request)
+        await cluster.settled_except(crashed)
+        return result
+
+    tokens, text, final = run(cluster, body)
+    assert len(crashed) == 1
+    assert tokens == list(ref.token_ids) and text == ref.text
+    assert set(json.loads(text)) == {"title", "tags"}
+    assert final.finish_reason == pb.FINISH_REASON_STOP
