@@ -90,7 +90,7 @@ def test_greedy_tokens_equal_transformers_gguf_loading(arch, qtype, tie, tmp_pat
     path = write_gguf(tmp_path / f"tiny-{arch}.gguf", tiny_hf_model(arch, tie), arch, qtype)
     want = greedy_transformers(path, PROMPTS, 8)
     served = path
-    if qtype in (Q.Q4_0, Q.Q4_1):
+    if qtype in (Q.Q4_0, Q.Q4_1, Q.Q4_K):
         # Served as stored, on the int4 kernel (bfloat16 arithmetic: the next test);
         # what transformers computes is the file's dequantized tensors, as Baton reads them.
         served = _as_plain(derive_model_dir(path, tmp_path / "cache"), tmp_path)
@@ -136,9 +136,9 @@ def test_what_it_cannot_serve_is_refused_by_name(tmp_path):
         derive_model_dir(not_gguf, tmp_path / "cache")
 
 
-@pytest.mark.parametrize("qtype", [Q.Q4_0, Q.Q4_1], ids=lambda q: q.name)
+@pytest.mark.parametrize("qtype", [Q.Q4_0, Q.Q4_1, Q.Q4_K], ids=lambda q: q.name)
 def test_q4_blocks_are_served_as_int4_as_stored(qtype, tmp_path, monkeypatch):
-    """A Q4_0 / Q4_1 file's matrices load as the int4 kernel's weight as they are stored
+    """A Q4_0 / Q4_1 / Q4_K file's matrices load as the int4 kernel's weight as they are stored
     (its 4-bit values and per-32 scales, never rounded a second time), by default; the
     model computes what the dequantized file computes, to the int4 kernel's bfloat16
     arithmetic, far closer than quantizing the dequantized weights again."""
@@ -189,7 +189,10 @@ def test_q4_blocks_are_served_as_int4_as_stored(qtype, tmp_path, monkeypatch):
     # The int4 kernel computes in bfloat16 (activations, scales): about 1.7% off the
     # float32 logits here; rounding the dequantized weights to int4 again adds far more.
     assert direct < 0.02, direct
-    assert again > 3 * direct, (again, direct)
+    if qtype != Q.Q4_K:
+        # Q4_K's 6-bit sub-scales put this file's random groups on a grid that rounding to
+        # nearest finds again; its check is that nothing was quantized (above).
+        assert again > 3 * direct, (again, direct)
 
 
 def _as_plain(view, tmp_path):

@@ -30,14 +30,14 @@ def read_metadata(reader: Any) -> dict[str, Any]:
 
 
 # Tensor types (gguf's GGMLQuantizationType names) kept as they are, on the INT4 path.
-Q4_TYPES = ("Q4_0", "Q4_1")
+Q4_TYPES = ("Q4_0", "Q4_1", "Q4_K")
 
 
 def hf_config(
     meta: dict[str, Any], tensor_names: set[str], tensor_types: dict[str, str] | None = None
 ) -> dict[str, Any]:
     """``config.json`` for the model in a GGUF file; ValueError naming what is unsupported.
-    ``tensor_types`` (name -> type name): with Q4_0 / Q4_1 matrices in it, the config says
+    ``tensor_types`` (name -> type name): with Q4_0 / Q4_1 / Q4_K matrices in it, the config says
     ``quantization_config: {quant_method: gguf}``, so those load as int4, as stored
     (``workers/models/quant/formats.py``)."""
     arch = meta.get("general.architecture")

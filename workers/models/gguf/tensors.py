@@ -20,6 +20,11 @@ again (that second rounding would move every weight of a Q4_1 block whose minimu
 a whole number of steps): ``int4_weight`` reads its 4-bit values and per-32 scales.
 A block is 32 weights, ``w = d * q + m`` (Q4_1; Q4_0: ``d * (q - 8)``), ``d`` and ``m``
 half precision, then 16 bytes whose low nibbles are weights 0-15 and high nibbles 16-31.
+Q4_K (the bulk of a Q4_K_M file) maps onto the same path: a super-block of 256 weights is
+eight groups of 32, each ``w = d * sc_j * q - dmin * m_j`` with 6-bit ``sc_j`` and ``m_j``
+(12 bytes of packed scales after the half-precision ``d`` and ``dmin``), then 128 bytes
+where each 32 bytes hold two groups: low nibbles the first, high nibbles the second. Its
+per-32 scale ``d * sc_j`` and minimum ``dmin * m_j`` are what ``gguf`` computes, in float32.
 """
 
 from __future__ import annotations
@@ -32,12 +37,17 @@ from typing import Any
 import numpy as np
 import torch
 from gguf import GGMLQuantizationType, GGUFReader
-from gguf.quants import dequantize
+from gguf.quants import Q4_K, dequantize
 
 from workers.models.quant.int4 import Int4Weight
 
-Q4_BLOCK = 32  # weights per Q4_0 / Q4_1 block
-_Q4_TYPES = {GGMLQuantizationType.Q4_0: 18, GGMLQuantizationType.Q4_1: 20}  # bytes per block
+Q4_BLOCK = 32  # weights per Q4_0 / Q4_1 block, per Q4_K group
+# Bytes per block (Q4_0 / Q4_1: 32 weights; Q4_K: a super-block of 256).
+_Q4_TYPES = {
+    GGMLQuantizationType.Q4_0: 18,
+    GGMLQuantizationType.Q4_1: 20,
+    GGMLQuantizationType.Q4_K: 144,
+}
 
 _GLOBAL = {
     "token_embd.weight": "model.embed_tokens.weight",
@@ -95,20 +105,27 @@ class GGUFTensor:
 
     @property
     def is_q4(self) -> bool:
-        """A Q4_0 or Q4_1 tensor: ``int4_weight`` reads it as it is."""
+        """A Q4_0, Q4_1 or Q4_K tensor: ``int4_weight`` reads it as it is."""
         return self._tensor.tensor_type in _Q4_TYPES
 
     def int4_weight(self) -> Int4Weight:
-        """The Q4_0 / Q4_1 weight [out, in] as 4-bit values and per-32 (scale, zero point):
-        ``(q - zeros) * scales`` is ``gguf``'s dequantized value to float32 rounding."""
+        """The Q4_0 / Q4_1 / Q4_K weight [out, in] as 4-bit values and per-32 (scale, zero
+        point): ``(q - zeros) * scales`` is ``gguf``'s dequantized value to float32 rounding."""
         kind = self._tensor.tensor_type
         out_features, in_features = self.shape
         blocks = np.asarray(self._tensor.data).reshape(out_features, -1, _Q4_TYPES[kind])
-        d = blocks[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)
-        packed = blocks[..., -16:]
-        q = np.concatenate([packed & 0x0F, packed >> 4], axis=-1).reshape(out_features, in_features)
-        if kind == GGMLQuantizationType.Q4_1:
-            m = blocks[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32)
+        if kind == GGMLQuantizationType.Q4_K:
+            q, d, m = _q4_k_groups(blocks)
+            q = q.reshape(out_features, in_features)
+        else:
+            d = blocks[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)
+            packed = blocks[..., -16:]
+            q = np.concatenate([packed & 0x0F, packed >> 4], axis=-1)
+            q = q.reshape(out_features, in_features)
+            m = None
+            if kind == GGMLQuantizationType.Q4_1:
+                m = blocks[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32)
+        if m is not None:
             # w = d q + m = (q - zero) d with zero = -m / d; a block with d = 0 is all m:
             # a tiny step keeps it so (its zero point then carries m).
             d = np.where(d == 0, np.float32(1e-30), d)
@@ -136,6 +153,25 @@ class GGUFTensor:
 
     def __getitem__(self, key) -> torch.Tensor:
         return self.value()[key]
+
+
+def _q4_k_groups(blocks: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Q4_K super-blocks [out, n, 144] as (4-bit values [out, n * 256], per-32 scale
+    [out, n * 8], per-32 additive minimum [out, n * 8]: ``w = scale * q + minimum``)."""
+    out_features, num_blocks, _ = blocks.shape
+    flat = blocks.reshape(-1, 144)
+    d = flat[:, 0:2].copy().view(np.float16).astype(np.float32)  # [N, 1]
+    dmin = flat[:, 2:4].copy().view(np.float16).astype(np.float32)
+    sc, mins = Q4_K.get_scale_min(flat[:, 4:16].copy())  # [N, 8] each, 6-bit
+    scale = d * sc.astype(np.float32)
+    minimum = -(dmin * mins.astype(np.float32))
+    qs = flat[:, 16:].reshape(-1, 4, 1, 32) >> np.array([0, 4], dtype=np.uint8).reshape(1, 1, 2, 1)
+    q = (qs & np.uint8(0x0F)).reshape(-1, 256)  # groups in order: low nibbles, then high
+    return (
+        q.reshape(out_features, num_blocks * 256),
+        scale.reshape(out_features, num_blocks * 8),
+        minimum.reshape(out_features, num_blocks * 8),
+    )
 
 
 def _unpermute(weight: torch.Tensor, num_heads: int) -> torch.Tensor:
