@@ -10,6 +10,7 @@ request ends early is ``Pending``'s (``router/pending.py``).
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import AsyncIterator, Sequence
 
 from msgspec.structs import replace
@@ -53,7 +54,11 @@ class Attempts:
         num_tokens = len(token_ids) + len(outputs)
         self._expect(pending, num_tokens, decision.cached_tokens, decode, prefill)
         stream.stamps.decode_worker = decode.name
-        item = WorkItem(stream.request_id, tuple(token_ids), valid.params, "full")
+        params = valid.params
+        if outputs and params.prompt_logprobs is not None:
+            # Resumed after output went out: its prompt logprobs went with the first token.
+            params = dataclasses.replace(params, prompt_logprobs=None)
+        item = WorkItem(stream.request_id, tuple(token_ids), params, "full")
         if outputs:
             item = replace(item, output_token_ids=outputs)
         trace = pending.trace
@@ -99,8 +104,8 @@ class Attempts:
     async def _peer_prefix(self, pending: Pending, item: WorkItem, target: WorkerView) -> WorkItem:
         """Peer pull (G4): ``item`` with a peer's handles on its prompt's first blocks, when
         another worker holds enough more of it than ``target`` (router/peer_prefix.py)."""
-        if self.peers is None:
-            return item
+        if self.peers is None or item.params.prompt_logprobs is not None:
+            return item  # prompt logprobs: every prompt position is computed by the worker
         cfg = self.config
         workers = [*self.prefill, *self.decode]
         item = await self.peers.attach(item, target, workers, cfg.block_size, cfg.peer_min_blocks)

@@ -21,6 +21,10 @@ class Delta:
     token_ids: tuple[int, ...] = ()
     text: str = ""  # whole UTF-8 characters; stop strings withheld; "" without return_text
     logprobs: tuple[TokenLogprobs, ...] = ()  # one per new token, when asked for
+    # Once, on the request's first event with tokens, when output.prompt_logprobs asked:
+    # one per prompt token after the first (entry i scores prompt token i + 1).
+    prompt_logprobs: tuple[TokenLogprobs, ...] | None = None
+    prompt_token_ids: tuple[int, ...] = ()  # with prompt_logprobs: the whole prompt's ids
 
 
 @dataclass(frozen=True)

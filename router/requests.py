@@ -33,6 +33,8 @@ class SamplingOptions:
     # False: the decode worker does not speculate on this request (None: it may, when its
     # pool has decode.speculative on); the output is the same either way.
     speculative: bool | None = None
+    # OpenAI's logit_bias: (token id, bias in [-100, 100]) pairs added to the logits.
+    logit_bias: tuple[tuple[int, float], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -51,6 +53,8 @@ class OutputOptions:
     """What the output carries besides token ids."""
 
     logprobs: int | None = None  # top-k logprobs per generated token; None = none
+    # Logprobs of the prompt's tokens after the first, with top-k each; None = none.
+    prompt_logprobs: int | None = None
     return_text: bool = True  # deltas carry detokenized text
     return_timing: bool = False  # the finish carries a Timing
 

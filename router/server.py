@@ -31,6 +31,7 @@ from router.errors import ErrorCode, RouterError
 from router.metrics import RouterMetrics
 from router.router import Router
 from router.tls import TlsFiles
+from workers.protocol.logprobs import TokenLogprobs
 
 logger = logging.getLogger(__name__)
 
@@ -201,7 +202,10 @@ _FINISH_REASON = {
     "length": pb.FINISH_REASON_LENGTH,
     "abort": pb.FINISH_REASON_ABORT,
 }
-_SAMPLING_FIELDS = tuple(f.name for f in dataclasses.fields(requests.SamplingOptions))
+# The optional scalars (logit_bias is a map: converted on its own).
+_SAMPLING_FIELDS = tuple(
+    f.name for f in dataclasses.fields(requests.SamplingOptions) if f.name != "logit_bias"
+)
 
 
 def _optional(message, name: str):
@@ -246,7 +250,8 @@ def generate_request(req: pb.GenerateRequest) -> requests.GenerateRequest:
         request_id=req.request_id,
         model=req.model,
         sampling=requests.SamplingOptions(
-            **{name: _optional(sampling, name) for name in _SAMPLING_FIELDS}
+            **{name: _optional(sampling, name) for name in _SAMPLING_FIELDS},
+            logit_bias=tuple(sorted(sampling.logit_bias.items())),
         ),
         stopping=requests.StoppingOptions(
             max_tokens=_optional(stopping, "max_tokens"),
@@ -257,6 +262,7 @@ def generate_request(req: pb.GenerateRequest) -> requests.GenerateRequest:
         ),
         output=requests.OutputOptions(
             logprobs=_optional(output, "logprobs"),
+            prompt_logprobs=_optional(output, "prompt_logprobs"),
             return_text=output.return_text if output.HasField("return_text") else True,
             return_timing=output.return_timing,
         ),
@@ -312,17 +318,20 @@ def _delta(delta: events.Delta) -> pb.Delta:
     return pb.Delta(
         token_ids=delta.token_ids,
         text=delta.text,
-        logprobs=[
-            pb.TokenLogprob(
-                token_id=lp.token_id,
-                logprob=lp.logprob,
-                rank=lp.rank,
-                top=[
-                    pb.TopLogprob(token_id=t, logprob=v)
-                    for t, v in zip(lp.top_token_ids, lp.top_logprobs, strict=True)
-                ],
-            )
-            for lp in delta.logprobs
+        logprobs=[_token_logprob(lp) for lp in delta.logprobs],
+        prompt_logprobs=[_token_logprob(lp) for lp in delta.prompt_logprobs or ()],
+        prompt_token_ids=delta.prompt_token_ids,
+    )
+
+
+def _token_logprob(lp: TokenLogprobs) -> pb.TokenLogprob:
+    return pb.TokenLogprob(
+        token_id=lp.token_id,
+        logprob=lp.logprob,
+        rank=lp.rank,
+        top=[
+            pb.TopLogprob(token_id=t, logprob=v)
+            for t, v in zip(lp.top_token_ids, lp.top_logprobs, strict=True)
         ],
     )
 

@@ -61,6 +61,9 @@ class RequestStream:
         self.output_token_ids: list[int] = []  # sent to the client (a migration resumes here)
         self.num_cached_tokens = 0
         self.is_finished = False
+        # Prompt logprobs go to the client once (a migrated request's new worker is not
+        # asked again: Attempts strips them from a resumed request's params).
+        self.has_sent_prompt_logprobs = False
         self._detok = IncrementalDetokenizer(
             tokenizer, prompt_token_ids, params.stop, params.skip_special_tokens
         )
@@ -98,17 +101,20 @@ class RequestStream:
                 stop_string = step.stop_matched
                 break
         text = "".join(text_parts)
+        prompt = None
+        if event.prompt_logprobs is not None and not self.has_sent_prompt_logprobs:
+            prompt, self.has_sent_prompt_logprobs = event.prompt_logprobs, True
         if stop_string is not None:
-            delta = self._delta(token_ids, text, event.logprobs)
+            delta = self._delta(token_ids, text, event.logprobs, prompt)
             return self._final(delta, "stop", stop_string=stop_string)
         if event.finished:
             text += self._detok.flush()  # held back for a stop string that never came
             reason = event.finish_reason if event.finish_reason in _FINISH_REASONS else "abort"
-            delta = self._delta(token_ids, text, event.logprobs)
+            delta = self._delta(token_ids, text, event.logprobs, prompt)
             return self._final(delta, reason, stop_token_id=event.stop_token_id)  # type: ignore[arg-type]
         if not token_ids:
             return None
-        return GenerateEvent(self.public_id, self._delta(token_ids, text, event.logprobs))
+        return GenerateEvent(self.public_id, self._delta(token_ids, text, event.logprobs, prompt))
 
     def abort_event(self) -> GenerateEvent:
         """The last event of an output cut short by an abort (or a drain past its grace)."""
@@ -116,11 +122,19 @@ class RequestStream:
 
     # ---- building events --------------------------------------------------------------
     def _delta(
-        self, token_ids: list[int], text: str, logprobs: tuple[TokenLogprobs, ...] | None
+        self,
+        token_ids: list[int],
+        text: str,
+        logprobs: tuple[TokenLogprobs, ...] | None,
+        prompt_logprobs: tuple[TokenLogprobs, ...] | None = None,
     ) -> Delta:
         # A stop string can end the output before the event's last token: its logprobs go too.
         kept = tuple(logprobs[: len(token_ids)]) if logprobs is not None else ()
-        return Delta(tuple(token_ids), text if self.return_text else "", kept)
+        text = text if self.return_text else ""
+        if prompt_logprobs is None:
+            return Delta(tuple(token_ids), text, kept)
+        prompt = tuple(self.prompt_token_ids)
+        return Delta(tuple(token_ids), text, kept, prompt_logprobs, prompt)
 
     def _final(
         self,

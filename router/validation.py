@@ -33,12 +33,14 @@ _FIELD_PATHS = {
     "presence_penalty": "sampling.presence_penalty",
     "frequency_penalty": "sampling.frequency_penalty",
     "speculative": "sampling.speculative",
+    "logit_bias": "sampling.logit_bias",
     "max_tokens": "stopping.max_tokens",
     "min_tokens": "stopping.min_tokens",
     "stop": "stopping.stop",
     "stop_token_ids": "stopping.stop_token_ids",
     "ignore_eos": "stopping.ignore_eos",
     "logprobs": "output.logprobs",
+    "prompt_logprobs": "output.prompt_logprobs",
 }
 _MAX_STOP_STRINGS = 16
 _MAX_STOP_LEN = 256
@@ -153,6 +155,10 @@ def _sampling_params(req: GenerateRequest) -> SamplingParams:
         kwargs["min_tokens"] = stopping.min_tokens
     if req.output.logprobs is not None:
         kwargs["logprobs"] = req.output.logprobs
+    if req.output.prompt_logprobs is not None:
+        kwargs["prompt_logprobs"] = req.output.prompt_logprobs
+    if sampling.logit_bias:
+        kwargs["logit_bias"] = sampling.logit_bias
     # What the wire to the workers (msgpack) and the protobuf message (int32) carry; JSON's
     # integers have no bound, and top_k has none above in SamplingParams.
     if sampling.top_k is not None and sampling.top_k > _MAX_TOP_K:
@@ -241,5 +247,5 @@ def prompt_token_ids(
     try:
         valid.params.validate_for_model(vocab_size)
     except ValueError as exc:
-        raise InvalidRequest(f"stopping.stop_token_ids: {exc}") from None
+        raise InvalidRequest(_with_field_path(str(exc))) from None
     return token_ids

@@ -32,7 +32,7 @@ from router.requests import (
     StoppingOptions,
     StructuredOptions,
 )
-from router.validation import InvalidRequest, check_unicode
+from router.validation import InvalidRequest, check_unicode, clip
 from workers.protocol.logprobs import TokenLogprobs
 from workers.text.tokenizer import Tokenizer
 
@@ -45,6 +45,9 @@ class Plan:
     n: int  # choices per prompt
     names: dict[str, str]  # typed-request path -> OpenAI field, for error messages
     echo_texts: tuple[str, ...] = ()  # completions with echo: each choice's prompt text
+    # Completions with echo and max_tokens 0 (OpenAI's and vLLM's "the prompt only"): each
+    # choice asks the router for one token, which the answer leaves out.
+    echo_only: bool = False
     tools: ToolCalling | None = None  # chat with tools: how the output becomes calls
 
 
@@ -60,21 +63,29 @@ def completion_plan(body: CompletionRequest, request_id: str, tokenizer: Tokeniz
         raise bad_field("suffix", "not supported (no fill-in-the-middle)")
     if body.best_of is not None and body.best_of != body.n:
         raise bad_field("best_of", "only best_of == n is supported")
-    if body.logit_bias:
-        raise bad_field("logit_bias", "not supported")
-    if body.echo and body.logprobs is not None:
-        raise bad_field("echo", "echo with logprobs is not supported (no prompt logprobs)")
+    logit_bias = _logit_bias(body.logit_bias)
     prompts = _prompts(body.prompt)
     if len(prompts) * body.n > MAX_CHOICES:
         raise bad_field(
             "prompt",
             f"at most {MAX_CHOICES} choices per call (prompts x n), got {len(prompts)} x {body.n}",
         )
-    output = OutputOptions(logprobs=body.logprobs)
+    # echo + logprobs: the prompt's logprobs too (vLLM: prompt_logprobs = logprobs).
+    prompt_logprobs = body.logprobs if body.echo else None
+    output = OutputOptions(logprobs=body.logprobs, prompt_logprobs=prompt_logprobs)
+    echo_only = body.echo and body.max_tokens == 0
+    max_tokens = 1 if echo_only else body.max_tokens
     structured, source = structured_options(body)
     requests = tuple(
         _request(
-            body, prompt, f"{request_id}-{p * body.n + i}", i, body.max_tokens, output, structured
+            body,
+            prompt,
+            f"{request_id}-{p * body.n + i}",
+            i,
+            max_tokens,
+            output,
+            structured,
+            logit_bias,
         )
         for p, prompt in enumerate(prompts)
         for i in range(body.n)
@@ -84,8 +95,9 @@ def completion_plan(body: CompletionRequest, request_id: str, tokenizer: Tokeniz
         texts = [p if isinstance(p, str) else _echo_text(tokenizer, p) for p in prompts]
         echo = tuple(t for t in texts for _ in range(body.n))
     names = field_names("prompt", "max_tokens", "logprobs")
+    names["output.prompt_logprobs"] = "logprobs"
     names |= dict.fromkeys(STRUCTURED_PATHS, source) if source else {}
-    return Plan(requests, body.n, names, echo)
+    return Plan(requests, body.n, names, echo, echo_only)
 
 
 def chat_plan(
@@ -105,8 +117,9 @@ def chat_plan(
             "this model has no chat template (tokenizer_config.json 'chat_template' or "
             "chat_template.jinja); use /v1/completions",
         )
-    if body.logit_bias:
-        raise bad_field("logit_bias", "not supported")
+    logit_bias = _logit_bias(body.logit_bias)
+    if body.prompt_logprobs is not None and body.stream:
+        raise bad_field("prompt_logprobs", "not supported with stream (as in vLLM)")
     if body.top_logprobs is not None and not body.logprobs:
         raise bad_field("top_logprobs", "needs logprobs: true")
     structured, source = structured_options(body)
@@ -148,12 +161,13 @@ def chat_plan(
     if max_tokens is None:
         max_tokens, max_tokens_name = body.max_tokens, "max_tokens"
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
-    output = OutputOptions(logprobs=logprobs)
+    output = OutputOptions(logprobs=logprobs, prompt_logprobs=body.prompt_logprobs)
     requests = tuple(
-        _request(body, prompt, f"{request_id}-{i}", i, max_tokens, output, structured)
+        _request(body, prompt, f"{request_id}-{i}", i, max_tokens, output, structured, logit_bias)
         for i in range(body.n)
     )
     names = field_names("messages", max_tokens_name, "top_logprobs")
+    names["output.prompt_logprobs"] = "prompt_logprobs"
     names |= dict.fromkeys(STRUCTURED_PATHS, source) if source else {}
     return Plan(requests, body.n, names, tools=calling)
 
@@ -166,6 +180,7 @@ def _request(
     max_tokens: int | None,
     output: OutputOptions,
     structured: StructuredOptions | None = None,
+    logit_bias: tuple[tuple[int, float], ...] = (),
 ) -> GenerateRequest:
     stop = (body.stop,) if isinstance(body.stop, str) else tuple(body.stop or ())
     return GenerateRequest(
@@ -182,6 +197,7 @@ def _request(
             presence_penalty=body.presence_penalty,
             frequency_penalty=body.frequency_penalty,
             speculative=body.speculative,
+            logit_bias=logit_bias,
         ),
         stopping=StoppingOptions(
             max_tokens=max_tokens,
@@ -195,6 +211,19 @@ def _request(
         cache_salt=body.cache_salt or "",
         structured=structured,
     )
+
+
+def _logit_bias(bias: dict[str, float] | None) -> tuple[tuple[int, float], ...]:
+    """OpenAI's map (token ids as JSON object keys, so strings) as (id, bias) pairs; the
+    router judges the values and the ids against the vocabulary."""
+    if not bias:
+        return ()
+    pairs = []
+    for key, value in bias.items():
+        if not (key.isascii() and key.isdecimal()) or len(key) > 10:
+            raise bad_field("logit_bias", f"keys must be token ids, got {clip(key)}")
+        pairs.append((int(key), value))
+    return tuple(pairs)
 
 
 def _prompts(prompt: str | list) -> list[str | tuple[int, ...]]:

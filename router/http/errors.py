@@ -45,6 +45,7 @@ _COMMON_PATHS = {
     "stopping.stop": "stop",
     "stopping.stop_token_ids": "stop_token_ids",
     "stopping.ignore_eos": "ignore_eos",
+    "sampling.logit_bias": "logit_bias",
     "model": "model",
     "disaggregation": "disaggregation",
 }

@@ -8,6 +8,7 @@ an ``data: {"error": ...}`` event, then ``[DONE]``, as vLLM sends it.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -16,8 +17,8 @@ from dataclasses import dataclass, field
 from pydantic import BaseModel
 
 from router.errors import RouterError
-from router.events import Finish
-from router.http.convert import Plan, chat_logprobs, completion_logprobs
+from router.events import Delta, Finish
+from router.http.convert import Plan, chat_logprobs, completion_logprobs, token_text
 from router.http.errors import from_router_error
 from router.http.schemas import (
     AssistantMessage,
@@ -28,10 +29,12 @@ from router.http.schemas import (
     ChatDelta,
     CompletionChoice,
     CompletionChunk,
+    CompletionLogprobs,
     CompletionResponse,
     ErrorResponse,
     FunctionCall,
     FunctionCallDelta,
+    PromptLogprob,
     PromptTokensDetails,
     ToolCall,
     ToolCallDelta,
@@ -54,6 +57,7 @@ class _Choice:
     text: list[str] = field(default_factory=list)
     logprobs: list[TokenLogprobs] = field(default_factory=list)
     finish: Finish | None = None
+    prompt: Delta | None = None  # the delta that carried the prompt's logprobs
 
 
 @dataclass(frozen=True)
@@ -68,12 +72,13 @@ class Answer:
     created: int = field(default_factory=lambda: int(time.time()))
 
 
-def usage(finishes: list[Finish | None], n: int) -> UsageInfo:
-    """Usage of all choices; a prompt counts once however many choices it has."""
+def usage(finishes: list[Finish | None], n: int, echo_only: bool = False) -> UsageInfo:
+    """Usage of all choices; a prompt counts once however many choices it has. With
+    ``echo_only`` (echo, max_tokens 0) the token asked for is not part of the answer."""
     done = [f for f in finishes if f is not None]
     prompts = [f for i, f in enumerate(finishes) if f is not None and i % n == 0]
     prompt_tokens = sum(f.usage.prompt_tokens for f in prompts)
-    completion_tokens = sum(f.usage.completion_tokens for f in done)
+    completion_tokens = 0 if echo_only else sum(f.usage.completion_tokens for f in done)
     cached = sum(f.usage.cached_prompt_tokens for f in prompts)
     return UsageInfo(
         prompt_tokens=prompt_tokens,
@@ -95,6 +100,8 @@ async def _collect(choices: Choices, num: int) -> list[_Choice]:
         choice = out[index]
         choice.text.append(event.delta.text)
         choice.logprobs.extend(event.delta.logprobs)
+        if event.delta.prompt_logprobs is not None:
+            choice.prompt = event.delta
         if event.finish is not None:
             choice.finish = event.finish
     return out
@@ -110,16 +117,21 @@ async def completion_response(answer: Answer, choices: Choices) -> CompletionRes
     out = []
     for index, choice in enumerate(collected):
         echo = plan.echo_texts[index] if plan.echo_texts else ""
+        text = "" if plan.echo_only else "".join(choice.text)
         logprobs = None
         if plan.requests[index].output.logprobs is not None:
-            logprobs = completion_logprobs(answer.tokenizer, choice.logprobs, len(echo))
+            logprobs, offset = _prompt_part(answer.tokenizer, choice.prompt, len(echo))
+            if not plan.echo_only:
+                more = completion_logprobs(answer.tokenizer, choice.logprobs, offset)
+                logprobs = _joined(logprobs, more)
+        finish = _echo_only_finish(choice.finish) if plan.echo_only else choice.finish
         out.append(
             CompletionChoice(
                 index=index,
-                text=echo + "".join(choice.text),
+                text=echo + text,
                 logprobs=logprobs,
-                finish_reason=choice.finish.reason if choice.finish else None,
-                stop_reason=_stop_reason(choice.finish),
+                finish_reason=finish.reason if finish else None,
+                stop_reason=_stop_reason(finish),
             )
         )
     finishes = [c.finish for c in collected]
@@ -128,8 +140,42 @@ async def completion_response(answer: Answer, choices: Choices) -> CompletionRes
         created=answer.created,
         model=answer.model,
         choices=out,
-        usage=usage(finishes, plan.n),
+        usage=usage(finishes, plan.n, plan.echo_only),
     )
+
+
+def _prompt_part(
+    tokenizer: Tokenizer, prompt: Delta | None, offset: int
+) -> tuple[CompletionLogprobs, int]:
+    """An echo's logprobs of the prompt (OpenAI's and vLLM's shape: every prompt token, the
+    first with null logprob and null top_logprobs, text offsets from 0) and where the
+    output's offsets go on; without prompt logprobs, nothing and ``offset``."""
+    out = CompletionLogprobs()
+    if prompt is None or prompt.prompt_logprobs is None:
+        return out, offset
+    first = token_text(tokenizer, prompt.prompt_token_ids[0])
+    out.tokens.append(first)
+    out.token_logprobs.append(None)
+    out.top_logprobs.append(None)
+    out.text_offset.append(0)
+    out = _joined(out, completion_logprobs(tokenizer, prompt.prompt_logprobs, len(first)))
+    return out, out.text_offset[-1] + len(out.tokens[-1])
+
+
+def _joined(a: CompletionLogprobs, b: CompletionLogprobs) -> CompletionLogprobs:
+    return CompletionLogprobs(
+        tokens=a.tokens + b.tokens,
+        token_logprobs=a.token_logprobs + b.token_logprobs,
+        top_logprobs=a.top_logprobs + b.top_logprobs,
+        text_offset=a.text_offset + b.text_offset,
+    )
+
+
+def _echo_only_finish(finish: Finish | None) -> Finish | None:
+    """max_tokens 0 with echo: the answer generated nothing, so it ended by its length."""
+    if finish is None or finish.reason == "abort":
+        return finish
+    return dataclasses.replace(finish, reason="length", stop_string=None, stop_token_id=None)
 
 
 async def completion_events(answer: Answer, choices: Choices) -> AsyncIterator[bytes]:
@@ -142,16 +188,28 @@ async def completion_events(answer: Answer, choices: Choices) -> AsyncIterator[b
     try:
         async for index, event in choices.events():
             delta, finish = event.delta, event.finish
-            text = delta.text
-            if is_first[index] and plan.echo_texts:
+            text = "" if plan.echo_only else delta.text
+            first = is_first[index]
+            if first and plan.echo_texts:
                 text = plan.echo_texts[index] + text
             is_first[index] = False
+            if plan.echo_only:
+                finish = _echo_only_finish(finish)
+                if not (first or finish):
+                    continue  # the token asked for is not part of the answer
             if not (text or delta.logprobs or finish):
                 continue  # nothing to say yet (text withheld: a partial stop string)
             logprobs = None
             if plan.requests[index].output.logprobs is not None:
-                logprobs = completion_logprobs(answer.tokenizer, delta.logprobs, offsets[index])
-                offsets[index] += sum(len(t) for t in logprobs.tokens)
+                # The echo's first chunk: the prompt's logprobs (they came with it), then
+                # the output's.
+                logprobs = CompletionLogprobs()
+                if first:
+                    logprobs, offsets[index] = _prompt_part(answer.tokenizer, delta, offsets[index])
+                if not plan.echo_only:
+                    more = completion_logprobs(answer.tokenizer, delta.logprobs, offsets[index])
+                    offsets[index] += sum(len(t) for t in more.tokens)
+                    logprobs = _joined(logprobs, more)
             finishes[index] = finish
             choice = CompletionChoice(
                 index=index,
@@ -171,7 +229,7 @@ async def completion_events(answer: Answer, choices: Choices) -> AsyncIterator[b
                     created=answer.created,
                     model=answer.model,
                     choices=[],
-                    usage=usage(finishes, plan.n),
+                    usage=usage(finishes, plan.n, plan.echo_only),
                 )
             )
     except RouterError as exc:
@@ -215,13 +273,39 @@ async def chat_response(answer: Answer, choices: Choices) -> ChatCompletionRespo
             )
         )
     finishes = [c.finish for c in collected]
+    prompt = None
+    if plan.requests[0].output.prompt_logprobs is not None:
+        prompt = _vllm_prompt_logprobs(answer.tokenizer, collected[0].prompt)
     return ChatCompletionResponse(
         id=answer.id,
         created=answer.created,
         model=answer.model,
         choices=out,
         usage=usage(finishes, plan.n),
+        prompt_logprobs=prompt,
     )
+
+
+def _vllm_prompt_logprobs(
+    tokenizer: Tokenizer, prompt: Delta | None
+) -> list[dict[str, PromptLogprob] | None] | None:
+    """vLLM's ``prompt_logprobs``: null for the first token, then per position the prompt
+    token's own entry and the top-k's, keyed by token id."""
+    if prompt is None or prompt.prompt_logprobs is None:
+        return None
+    out: list[dict[str, PromptLogprob] | None] = [None]
+    for lp in prompt.prompt_logprobs:
+        top = zip(lp.top_token_ids, lp.top_logprobs, strict=True)
+        candidates = [(lp.token_id, lp.logprob, lp.rank)]
+        candidates += [(token_id, value, rank) for rank, (token_id, value) in enumerate(top, 1)]
+        entry: dict[str, PromptLogprob] = {}
+        for token_id, value, rank in candidates:
+            text = token_text(tokenizer, token_id)
+            entry.setdefault(
+                str(token_id), PromptLogprob(logprob=value, rank=rank, decoded_token=text)
+            )
+        out.append(entry)
+    return out
 
 
 async def chat_events(answer: Answer, choices: Choices) -> AsyncIterator[bytes]:

@@ -99,11 +99,12 @@ Prompt = StrictStr | list[StrictStr] | TokenIds | list[TokenIds]
 class CompletionRequest(_Sampling):
     prompt: Prompt
     max_tokens: StrictInt | None = 16  # OpenAI's default for completions
-    logprobs: StrictInt | None = None  # top-k per token (OpenAI allows at most 5; we allow 20)
-    echo: StrictBool = False
+    # top-k per token (OpenAI allows at most 5; we allow 20); with echo, the prompt's too
+    logprobs: StrictInt | None = None
+    echo: StrictBool = False  # the prompt first (max_tokens 0: only the prompt)
     suffix: StrictStr | None = None  # refused: no fill-in-the-middle
     best_of: StrictInt | None = None  # refused unless equal to n
-    logit_bias: dict[str, float] | None = None  # refused when non-empty
+    logit_bias: dict[str, float] | None = None  # token id (a decimal string) -> bias
 
 
 class TextPart(_Request):
@@ -162,7 +163,8 @@ class ChatCompletionRequest(_Sampling):
     tools: list[ToolDefinition] | None = None  # router/http/tools.py
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: StrictBool | None = None  # false: at most one call (required)
-    logit_bias: dict[str, float] | None = None  # refused when non-empty
+    logit_bias: dict[str, float] | None = None  # token id (a decimal string) -> bias
+    prompt_logprobs: StrictInt | None = None  # vLLM's extra: the prompt's, top-k each
     add_generation_prompt: StrictBool = True  # vLLM's extra: end with the assistant's header
 
 
@@ -260,6 +262,14 @@ class ChatChoice(BaseModel):
     stop_reason: int | str | None = None
 
 
+class PromptLogprob(BaseModel):
+    """vLLM's: one candidate token at a prompt position."""
+
+    logprob: float
+    rank: int
+    decoded_token: str
+
+
 class ChatCompletionResponse(BaseModel):
     id: str
     object: Literal["chat.completion"] = "chat.completion"
@@ -267,6 +277,16 @@ class ChatCompletionResponse(BaseModel):
     model: str
     choices: list[ChatChoice]
     usage: UsageInfo
+    # vLLM's, with the prompt_logprobs extra: per prompt token (null first), token id ->
+    # its logprob; the prompt's own token, then the top-k. Absent when not asked for.
+    prompt_logprobs: list[dict[str, PromptLogprob] | None] | None = None
+
+    @model_serializer(mode="wrap")
+    def _drop_unasked(self, handler):
+        body = handler(self)
+        if body.get("prompt_logprobs") is None:
+            body.pop("prompt_logprobs", None)
+        return body
 
 
 class FunctionCallDelta(BaseModel):

@@ -7,7 +7,9 @@ shared (they count as computed); with **KV tiers** (docs/kv-tiers.md) the hit co
 through the tiers below the pool (host memory, disk), and the blocks found there are
 onboarded into fresh blocks before the request's first chunk: they count as computed too,
 like a prefix hit. Fewer may arrive than were found (an unreadable block): the request
-computes from the first missing one.
+computes from the first missing one. A request that still needs its prompt logprobs
+(``Request.needs_prompt_logprobs``) takes no hit at all: every prompt position's logits
+are computed (vLLM skips the prefix cache for such requests too).
 
 Two paths, the same rules:
 
@@ -61,8 +63,11 @@ class Admission:
         tiers) and its first chunk of up to ``budget`` tokens; returns the tokens now
         computed (the chunk starts there), or NO_BLOCKS (nothing allocated)."""
         bm = self.block_manager
-        prefix = bm.find_prefix(req.token_ids, req.cache_root)
-        hit = self.tiers.find(req.token_ids, prefix, req.cache_root) if self.tiers else None
+        if req.needs_prompt_logprobs:  # every prompt position's logits are needed (as vLLM)
+            prefix, hit = PrefixHit((), ()), None
+        else:
+            prefix = bm.find_prefix(req.token_ids, req.cache_root)
+            hit = self.tiers.find(req.token_ids, prefix, req.cache_root) if self.tiers else None
         num_cached = (prefix.num_blocks + (hit.num_blocks if hit else 0)) * bm.block_size
         num_new = min(req.num_tokens - num_cached, budget)
         if not bm.allocate_slots(req.request_id, num_cached, num_new, prefix):

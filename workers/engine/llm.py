@@ -121,6 +121,7 @@ def _completion(prompt_ids: tuple[int, ...], deltas: list[StreamDelta]) -> Compl
     logprobs: tuple[TokenLogprobs, ...] | None = None
     if any(d.logprobs is not None for d in deltas):
         logprobs = tuple(lp for d in deltas for lp in (d.logprobs or ()))
+    prompt = next((d.prompt_logprobs for d in deltas if d.prompt_logprobs is not None), None)
     return CompletionOutput(
         request_id=last.request_id,
         prompt_token_ids=prompt_ids,
@@ -130,4 +131,5 @@ def _completion(prompt_ids: tuple[int, ...], deltas: list[StreamDelta]) -> Compl
         stop_reason=last.stop_reason,
         logprobs=logprobs,
         num_cached_tokens=last.num_cached_tokens,
+        prompt_logprobs=None if prompt is None else (None, *prompt),
     )

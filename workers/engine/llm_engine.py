@@ -36,6 +36,7 @@ from workers.engine.kv_cache import allocate_kv_cache
 from workers.engine.kv_tiers.build import build_kv_tiers, check_single_rank_tiers
 from workers.engine.model_runner import ModelRunner
 from workers.engine.outputs import StreamDelta
+from workers.engine.prompt_logprobs import prompt_logprobs
 from workers.engine.request import Request
 from workers.engine.resume import resume_outputs
 from workers.engine.sampler import Sampler, SamplerOutput, SamplingRow, make_generator
@@ -206,6 +207,10 @@ class LLMEngine:
         so far; the request continues after it exactly as it would have there (seeded
         sampling included), its KV recomputed here (``workers/engine/resume.py``).
 
+        ``params.prompt_logprobs``: the prompt is computed whole here (no prefix-cache,
+        KV-tier or peer hit) and the first delta with tokens carries its logprobs; not on a
+        decode worker (``remote_first_token``: its prefill worker sent them).
+
         ``params.structured``: compiled here (cached by constraint; ValueError naming what
         fails); the request's matcher is fed the tokens above, so a decode worker or a
         migrated request continues in the grammar where the other worker stood.
@@ -235,6 +240,10 @@ class LLMEngine:
         check_peer_prefix(
             peer_prefix_tokens, len(token_ids), self.block_manager.block_size, remote_first_token
         )
+        if peer_prefix_tokens and params.prompt_logprobs is not None:
+            raise ValueError(
+                "peer_prefix_tokens: a request with prompt_logprobs computes its prompt"
+            )
         max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
         req = Request(
             request_id=request_id,
@@ -372,15 +381,27 @@ class LLMEngine:
             if logits is None:
                 raise RuntimeError("the rank that schedules must run the last pipeline stage")
             t1 = time.perf_counter()
+            num_sampled = len(batch.inputs.sample_indices)
+            prompt_rows = logits[num_sampled:] if batch.inputs.prompt_logprob_indices else None
+            if prompt_rows is not None:
+                logits = logits[:num_sampled]
             live, logits = batch.live(self.scheduler.requests, logits)
             sampled, verified = self._sample(live, logits)
+            prompt: dict[str, list[TokenLogprobs]] = {}
+            if prompt_rows is not None:
+                requests = self.scheduler.requests
+                chunks = [
+                    (c, r if requests.get(c.request_id) is r else None)
+                    for c, r in zip(batch.sched.chunks, batch.requests, strict=True)
+                ]
+                prompt = prompt_logprobs(prompt_rows, chunks, self.vocab_size)
         except BaseException:
             self._in_flight.cancel(batch, self.scheduler)
             if self.spec is not None:
                 self.spec.cancelled(batch.requests)
             raise
         t2 = time.perf_counter()
-        deltas = self._outputs.update(live, sampled, verified, self.spec)
+        deltas = self._outputs.update(live, sampled, verified, self.spec, prompt)
         stages = (batch.schedule_s, batch.prepare_s, batch.prepare_s + t1 - t0, t2 - t1)
         stages += (time.perf_counter() - t2,)
         self.step_times.add(len(batch.sched.chunks), batch.sched.num_batched_tokens, stages)

@@ -4,8 +4,9 @@ Input preparation: the step's chunks (decodes first) become one run of token ids
 with their positions, the KV slot of every new token (``slot_mapping``), padded
 block tables, context lengths and ``cu_seqlens_q`` (a :class:`StepInputs`). Logits are
 computed only for the last token of chunks that sample (a prefill chunk that does not
-reach the end of its prompt produces none), and for every token of a speculative verify
-chunk. No policy decisions here.
+reach the end of its prompt produces none), for every token of a speculative verify
+chunk, and for the positions a chunk asks prompt logprobs of (``num_prompt_logprobs``;
+their rows follow the sampled ones). No policy decisions here.
 
 In a replica of several ranks, rank 0 hands each step's inputs to ``before_forward``
 (which sends them to the other ranks) and every rank then runs ``run`` on the same
@@ -57,6 +58,7 @@ class ModelRunner:
         seq_lens: list[int] = []
         query_start_loc = [0]
         sample_indices: list[int] = []
+        prompt_logprob_indices: list[int] = []
         num_decodes = 0
         offset = 0
         for i, chunk in enumerate(chunks):
@@ -77,6 +79,8 @@ class ModelRunner:
                 input_ids[offset : offset + n] = seq[start:end]
                 positions[offset : offset + n] = pos
                 slot_mapping[offset : offset + n] = table[pos // bs] * bs + pos % bs
+            if chunk.num_prompt_logprobs:
+                prompt_logprob_indices.extend(range(offset, offset + chunk.num_prompt_logprobs))
             offset += n
             seq_lens.append(end)
             query_start_loc.append(offset)
@@ -92,12 +96,13 @@ class ModelRunner:
             num_decodes=num_decodes,
             sample_indices=tuple(sample_indices),
             block_copies=tuple(sched.block_copies),
+            prompt_logprob_indices=tuple(prompt_logprob_indices),
         )
 
     def to_device(
         self, inputs: StepInputs
     ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor]:
-        """(input_ids, positions, metadata, sample_indices) as tensors on the device."""
+        """(input_ids, positions, metadata, logits_indices) as tensors on the device."""
         metadata = build_attention_metadata(
             inputs.query_lens,
             inputs.seq_lens,
@@ -110,7 +115,7 @@ class ModelRunner:
             as_device_tensor(inputs.input_ids, torch.int64, self.device),
             as_device_tensor(inputs.positions, torch.int64, self.device),
             metadata,
-            as_device_tensor(inputs.sample_indices, torch.int64, self.device),
+            as_device_tensor(inputs.logits_indices, torch.int64, self.device),
         )
 
     def launch(self, sched: SchedulerOutput, requests: Mapping[str, Request]) -> StepInputs:
@@ -123,11 +128,12 @@ class ModelRunner:
 
     @torch.inference_mode()
     def run(self, inputs: StepInputs) -> torch.Tensor | None:
-        """The forward pass of prepared inputs (every rank of a replica runs this); None on
-        a pipeline stage before the last, whose activations went to the next stage."""
+        """The forward pass of prepared inputs (every rank of a replica runs this): logits
+        of ``inputs.logits_indices`` (sampled rows, then prompt-logprob rows); None on a
+        pipeline stage before the last, whose activations went to the next stage."""
         copy_blocks(self.kv_cache, inputs.block_copies)
-        input_ids, positions, metadata, sample_indices = self.to_device(inputs)
+        input_ids, positions, metadata, logits_indices = self.to_device(inputs)
         hidden = self.model.forward(input_ids, positions, self.kv_cache, metadata)
         if hidden is None:
             return None
-        return self.model.compute_logits(hidden[sample_indices])
+        return self.model.compute_logits(hidden[logits_indices])

@@ -26,6 +26,10 @@ class StreamDelta:
     # ceil(num_prompt_tokens / block_size) blocks) until its hand-off frees them
     # (workers/engine/handoff.py).
     held_block_ids: tuple[int, ...] | None = None
+    # With ``params.prompt_logprobs``, on the request's first delta with tokens: one per
+    # prompt token after the first (entry i scores prompt token i + 1, from the raw logits
+    # at position i); None otherwise.
+    prompt_logprobs: tuple[TokenLogprobs, ...] | None = None
 
 
 @dataclass(frozen=True)
@@ -40,3 +44,6 @@ class CompletionOutput:
     stop_reason: str | int | None
     logprobs: tuple[TokenLogprobs, ...] | None
     num_cached_tokens: int
+    prompt_logprobs: tuple[TokenLogprobs | None, ...] | None = None
+    """With ``params.prompt_logprobs``: one per prompt token, the first None (nothing
+    precedes it), as vLLM's ``RequestOutput.prompt_logprobs``; None when not asked for."""

@@ -1,6 +1,7 @@
-"""Logits edits that depend on a row's token history: penalties and min_tokens.
+"""Logits edits before sampling: the logit bias, and those that depend on a row's token
+history: penalties and min_tokens.
 
-Both take the step's logits [num_rows, vocab_size] and the rows, touch only the rows that
+All take the step's logits [num_rows, vocab_size] and the rows, touch only the rows that
 ask for it, and return either the input unchanged (no row asked) or an edited copy, so
 the caller's logits (and the raw logits that logprobs are taken from) stay intact.
 """
@@ -17,6 +18,29 @@ import torch
 
 if TYPE_CHECKING:
     from workers.engine.sampler import SamplingRow
+
+
+def apply_logit_bias(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
+    """Adds each row's ``params.logit_bias`` (OpenAI's: token id -> bias) to its logits;
+    ids past the logits' width are skipped (``validate_for_model`` refuses them first)."""
+    row_ids: list[int] = []
+    token_ids: list[int] = []
+    biases: list[float] = []
+    vocab_size = logits.shape[1]
+    for i, row in enumerate(rows):
+        for token_id, bias in row.params.logit_bias:
+            if token_id < vocab_size:
+                row_ids.append(i)
+                token_ids.append(token_id)
+                biases.append(bias)
+    if not row_ids:
+        return logits
+    logits = logits.clone()
+    device = logits.device
+    index = (torch.tensor(row_ids, device=device), torch.tensor(token_ids, device=device))
+    values = torch.tensor(biases, dtype=logits.dtype, device=device)
+    logits.index_put_(index, values, accumulate=True)
+    return logits
 
 
 def apply_penalties(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:

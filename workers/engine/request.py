@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from workers.protocol.block_hashes import salt_root
+from workers.protocol.logprobs import TokenLogprobs
 from workers.protocol.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
@@ -85,6 +86,10 @@ class Request:
     # advanced with every output token by append_token, so that its state follows from
     # the output alone (a hand-off, a migration, a preemption carry nothing else).
     grammar: GrammarMatcher | None = None
+    # Prompt logprobs (params.prompt_logprobs): those of the prompt positions computed so
+    # far, one per prompt token after the first, until the first sampled delta takes them.
+    prompt_logprobs: list[TokenLogprobs] = field(default_factory=list)
+    has_sent_prompt_logprobs: bool = False
 
     def __post_init__(self) -> None:
         self.token_ids = list(self.prompt_token_ids)
@@ -109,6 +114,33 @@ class Request:
     @property
     def num_unscheduled_tokens(self) -> int:
         return len(self.token_ids) - self.num_scheduled_tokens
+
+    @property
+    def needs_prompt_logprobs(self) -> bool:
+        """Its prompt's logprobs are asked for and not sent yet, and its prompt is computed
+        here (a decode worker's request received it: the prefill worker sent them). While
+        true, every prompt position is computed (no prefix-cache or KV-tier hit)."""
+        return (
+            self.params.prompt_logprobs is not None
+            and not self.has_sent_prompt_logprobs
+            and not self.is_remote_prefill
+        )
+
+    def add_prompt_logprobs(self, start_pos: int, logprobs: list[TokenLogprobs]) -> None:
+        """A computed chunk's prompt logprobs, its first scoring prompt token
+        ``start_pos + 1``; a chunk computed again (after a preemption) replaces them."""
+        del self.prompt_logprobs[start_pos:]
+        assert len(self.prompt_logprobs) == start_pos, "prompt chunks computed out of order"
+        self.prompt_logprobs.extend(logprobs)
+
+    def take_prompt_logprobs(self) -> tuple[TokenLogprobs, ...] | None:
+        """For its first delta with tokens: the prompt's logprobs (then never again)."""
+        if not self.needs_prompt_logprobs:
+            return None
+        self.has_sent_prompt_logprobs = True
+        out, self.prompt_logprobs = tuple(self.prompt_logprobs), []
+        assert len(out) == self.num_prompt_tokens - 1, "prompt logprobs incomplete"
+        return out
 
     @property
     def num_tokens(self) -> int:

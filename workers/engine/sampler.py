@@ -2,9 +2,13 @@
 
 Stages, in order, each vectorized across rows and skipped when no row needs it:
 
-    penalties -> min_tokens suppression -> grammar masks -> greedy rows: argmax
-                                                         -> other rows: temperature -> top-k
-                                                            -> top-p -> min-p -> sample
+    logit bias -> penalties -> min_tokens suppression -> grammar masks -> greedy rows: argmax
+                                                            -> other rows: temperature
+                                                               -> top-k -> top-p -> min-p
+                                                               -> sample
+
+The logit bias comes first, before the penalties, as in vLLM (a repetition penalty scales
+the biased logit); the -inf of min_tokens and grammar masks are unaffected by any order.
 
 Top-k, top-p and min-p each come down to a per-row *threshold* on the probabilities
 `softmax(logits / temperature)`; a row keeps `{token: prob >= threshold}` (tokens tied at
@@ -32,7 +36,7 @@ import numpy as np
 import torch
 
 from workers.engine.grammar import GrammarMatcher, apply_grammar_masks
-from workers.engine.penalties import apply_penalties, suppress_stop_tokens
+from workers.engine.penalties import apply_logit_bias, apply_penalties, suppress_stop_tokens
 from workers.engine.request import Request
 from workers.protocol.logprobs import TokenLogprobs
 from workers.protocol.sampling_params import SamplingParams
@@ -140,8 +144,8 @@ class Sampler:
     def process(
         self, logits: torch.Tensor, rows: Sequence[SamplingRow]
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """(raw, x): the logits cut to the vocabulary as float32, and after penalties,
-        min_tokens suppression and grammar masks (greedy rows take x's argmax;
+        """(raw, x): the logits cut to the vocabulary as float32, and after the logit bias,
+        penalties, min_tokens suppression and grammar masks (greedy rows take x's argmax;
         ``filtered_probs`` goes on)."""
         num_rows = len(rows)
         if logits.dim() != 2 or logits.shape[0] != num_rows or logits.shape[1] < self.vocab_size:
@@ -150,7 +154,7 @@ class Sampler:
                 f"got {list(logits.shape)}"
             )
         raw = logits[:, : self.vocab_size].float()  # [num_rows, vocab_size]
-        x = apply_penalties(raw, rows)
+        x = apply_penalties(apply_logit_bias(raw, rows), rows)
         x = suppress_stop_tokens(x, rows, copy=x is raw)
         return raw, apply_grammar_masks(x, raw, rows)
 
@@ -295,19 +299,32 @@ def compute_logprobs(
     out: list[TokenLogprobs | None] = [None] * len(params)
     if not wanted:
         return out
-    logprobs = raw[wanted].log_softmax(dim=-1)  # [n, V]
-    sampled = logprobs.gather(1, token_ids[wanted].unsqueeze(1))  # [n, 1]
-    ranks = ((logprobs > sampled).sum(dim=-1) + 1).tolist()
-    num_top = max(params[i].logprobs or 0 for i in wanted)
-    top_values, top_ids = logprobs.topk(num_top, dim=-1)
+    ks = [params[i].logprobs or 0 for i in wanted]
+    ids = [token_id_list[i] for i in wanted]
+    for i, lp in zip(wanted, token_logprobs(raw[wanted], token_ids[wanted], ids, ks), strict=True):
+        out[i] = lp
+    return out
+
+
+def token_logprobs(
+    raw: torch.Tensor, token_ids: torch.Tensor, token_id_list: list[int], ks: list[int]
+) -> list[TokenLogprobs]:
+    """Per row of ``raw`` [n, V] (float32 logits): the logprob and rank of ``token_ids[i]``
+    and the row's ``ks[i]`` most likely tokens, from ``log_softmax(raw)``."""
+    logprobs = raw.log_softmax(dim=-1)  # [n, V]
+    chosen = logprobs.gather(1, token_ids.unsqueeze(1))  # [n, 1]
+    ranks = ((logprobs > chosen).sum(dim=-1) + 1).tolist()
+    top_values, top_ids = logprobs.topk(max(ks), dim=-1)
     top_values, top_ids = top_values.tolist(), top_ids.tolist()
-    for j, (i, logprob) in enumerate(zip(wanted, sampled.squeeze(1).tolist(), strict=True)):
-        k = params[i].logprobs or 0
-        out[i] = TokenLogprobs(
-            token_id=token_id_list[i],
+    return [
+        TokenLogprobs(
+            token_id=token_id,
             logprob=logprob,
             rank=ranks[j],
             top_token_ids=tuple(top_ids[j][:k]),
             top_logprobs=tuple(top_values[j][:k]),
         )
-    return out
+        for j, (token_id, logprob, k) in enumerate(
+            zip(token_id_list, chosen.squeeze(1).tolist(), ks, strict=True)
+        )
+    ]

@@ -74,6 +74,9 @@ class ScheduledChunk:
     # Speculative verify: the chunk's last num_spec tokens are proposals (req.spec_token_ids),
     # and every one of its 1 + num_spec positions is sampled.
     num_spec: int = 0
+    # Prompt logprobs (params.prompt_logprobs): the chunk's first num_prompt_logprobs
+    # positions get logits too, each scoring the prompt token after it.
+    num_prompt_logprobs: int = 0
 
     @property
     def num_sample_rows(self) -> int:
@@ -380,12 +383,16 @@ class Scheduler:
         req.num_in_flight_tokens += num_new
         if start < req.num_prompt_tokens:
             req.num_prefill_chunks += 1
+        num_prompt_logprobs = 0
+        if req.needs_prompt_logprobs:  # positions before the prompt's last score a prompt token
+            num_prompt_logprobs = max(0, min(start + num_new, req.num_prompt_tokens - 1) - start)
         return ScheduledChunk(
             request_id=req.request_id,
             start_pos=start,
             num_tokens=num_new,
             block_ids=tuple(self.block_manager.block_table(req.request_id)),
             needs_sample=start + num_new == req.num_tokens,
+            num_prompt_logprobs=num_prompt_logprobs,
         )
 
     def _preempt(self, req: Request) -> None:

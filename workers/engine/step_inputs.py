@@ -33,6 +33,7 @@ class StepMsg(msgspec.Struct, frozen=True, array_like=True, forbid_unknown_field
     num_decodes: int
     sample_indices: tuple[int, ...]
     block_copies: tuple[tuple[int, int], ...]
+    prompt_logprob_indices: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -49,6 +50,16 @@ class StepInputs:
     num_decodes: int  # the first num_decodes sequences have one query token each
     sample_indices: tuple[int, ...]  # flat positions whose logits are sampled
     block_copies: tuple[tuple[int, int], ...] = ()  # (src, dst) copy-on-write, before the step
+    # Flat positions whose logits score the next prompt token (prompt logprobs); their
+    # rows follow the sampled ones. Empty unless a request asked for prompt_logprobs.
+    prompt_logprob_indices: tuple[int, ...] = ()
+
+    @property
+    def logits_indices(self) -> tuple[int, ...]:
+        """Every flat position whose logits are computed: sampled rows, then prompt rows."""
+        if not self.prompt_logprob_indices:
+            return self.sample_indices
+        return self.sample_indices + self.prompt_logprob_indices
 
     @property
     def num_tokens(self) -> int:
@@ -72,6 +83,7 @@ class StepInputs:
             self.num_decodes,
             self.sample_indices,
             self.block_copies,
+            self.prompt_logprob_indices,
         )
 
     @classmethod
@@ -92,6 +104,7 @@ class StepInputs:
             num_decodes=msg.num_decodes,
             sample_indices=msg.sample_indices,
             block_copies=msg.block_copies,
+            prompt_logprob_indices=msg.prompt_logprob_indices,
         )
         if (
             inputs.positions.shape[0] != num_tokens

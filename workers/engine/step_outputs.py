@@ -47,12 +47,14 @@ class StepOutputs:
         sampled: SamplerOutput,
         verified: list[Verified],
         spec: SpeculativeDecoder | None,
+        prompt_logprobs: dict[str, list[TokenLogprobs]] | None = None,
     ) -> list[StreamDelta]:
         """After a batch ran and was sampled: advance each chunk's request (the scheduler's
         ``update_computed`` / ``update_verified``) and append its sampled tokens
         (``after_tokens``); returns the deltas of the chunks that sampled. ``sampled``
         has one row per plain sampling chunk, in order; ``verified`` one result per
-        verify chunk (``num_spec``), in order (``spec`` sampled them)."""
+        verify chunk (``num_spec``), in order (``spec`` sampled them); ``prompt_logprobs``
+        the prompt logprobs of the chunks that computed some, by request id."""
         deltas = []
         row = 0
         results = iter(verified)
@@ -67,6 +69,8 @@ class StepOutputs:
                     spec.after_verify(req, chunk, res.num_accepted)  # type: ignore[union-attr]
                 deltas.append(delta)
                 continue
+            if chunk.num_prompt_logprobs and prompt_logprobs:
+                req.add_prompt_logprobs(chunk.start_pos, prompt_logprobs[req.request_id])
             req = self.scheduler.update_computed(chunk)
             if not chunk.needs_sample:
                 continue
@@ -102,8 +106,9 @@ class StepOutputs:
         new_logprobs = None
         if logprobs[0] is not None:
             new_logprobs = tuple(lp for lp in logprobs[: len(emitted)] if lp is not None)
+        prompt = req.take_prompt_logprobs()  # the first delta with tokens carries them
         if reason is None and req.is_prefill_only:
-            return self.hold(req, new_ids[0], text, new_logprobs)
+            return self.hold(req, new_ids[0], text, new_logprobs, prompt)
         if reason is None:
             return StreamDelta(
                 req.request_id,
@@ -113,10 +118,11 @@ class StepOutputs:
                 finished=False,
                 num_prompt_tokens=req.num_prompt_tokens,
                 num_cached_tokens=req.num_cached_tokens,
+                prompt_logprobs=prompt,
             )
         req.stop_reason = stop_reason
         self.scheduler.finish(req, reason)
-        return self.final_delta(req, new_ids, text, new_logprobs)
+        return self.final_delta(req, new_ids, text, new_logprobs, prompt)
 
     def hold(
         self,
@@ -124,6 +130,7 @@ class StepOutputs:
         token_id: int,
         text: str,
         logprobs: tuple[TokenLogprobs, ...] | None,
+        prompt_logprobs: tuple[TokenLogprobs, ...] | None = None,
     ) -> StreamDelta:
         """Prefill role: end the stream here but keep the blocks with the prompt's KV.
 
@@ -143,6 +150,7 @@ class StepOutputs:
             num_prompt_tokens=req.num_prompt_tokens,
             num_cached_tokens=req.num_cached_tokens,
             held_block_ids=self.handoff.held_block_ids(req.request_id),
+            prompt_logprobs=prompt_logprobs,
         )
 
     def final_delta(
@@ -151,6 +159,7 @@ class StepOutputs:
         token_ids: tuple[int, ...],
         text: str,
         logprobs: tuple[TokenLogprobs, ...] | None,
+        prompt_logprobs: tuple[TokenLogprobs, ...] | None = None,
     ) -> StreamDelta:
         detok = self.detokenizers.pop(req.request_id, None)
         if detok is not None and (req.stop_reason is None or isinstance(req.stop_reason, int)):
@@ -165,4 +174,5 @@ class StepOutputs:
             stop_reason=req.stop_reason,
             num_prompt_tokens=req.num_prompt_tokens,
             num_cached_tokens=req.num_cached_tokens,
+            prompt_logprobs=prompt_logprobs,
         )

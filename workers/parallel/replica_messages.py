@@ -23,7 +23,8 @@ import msgspec
 
 from workers.engine.step_inputs import StepInputs, StepMsg
 
-REPLICA_WIRE_VERSION = 3  # 3: msgspec structs, ``[kind, version, [fields...]]``
+# 3: msgspec structs, ``[kind, version, [fields...]]``; 4: StepMsg.prompt_logprob_indices.
+REPLICA_WIRE_VERSION = 4
 
 
 class _Message(msgspec.Struct, frozen=True, array_like=True, forbid_unknown_fields=True):

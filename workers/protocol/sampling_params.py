@@ -10,13 +10,17 @@ from __future__ import annotations
 
 import math
 import numbers
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
 from workers.protocol.structured_output import StructuredOutput
 
 _GREEDY_EPS = 1e-5
 _MAX_LOGPROBS = 20
+# OpenAI's range for one bias; the entries' bound keeps the per-step scatter small (a
+# client-sized map is applied to every sampled row of the request).
+_MAX_LOGIT_BIAS = 100.0
+MAX_LOGIT_BIAS_ENTRIES = 1024
 # What `torch.Generator.manual_seed` accepts; anything else would fail later, in the engine.
 _SEED_MIN, _SEED_END = -(2**63), 2**64
 _FLOAT_FIELDS = (
@@ -27,8 +31,8 @@ _FLOAT_FIELDS = (
     "presence_penalty",
     "frequency_penalty",
 )
-_INT_FIELDS = ("max_tokens", "min_tokens", "top_k", "seed", "logprobs")
-_OPTIONAL_FIELDS = ("max_tokens", "seed", "logprobs")
+_INT_FIELDS = ("max_tokens", "min_tokens", "top_k", "seed", "logprobs", "prompt_logprobs")
+_OPTIONAL_FIELDS = ("max_tokens", "seed", "logprobs", "prompt_logprobs")
 
 
 @dataclass(frozen=True)
@@ -68,6 +72,14 @@ class SamplingParams:
     """Keep generating past EOS."""
     logprobs: int | None = None
     """Return the sampled token's logprob plus this many top logprobs per token; None = off."""
+    prompt_logprobs: int | None = None
+    """Return the logprob of every prompt token after the first (given the tokens before
+    it) plus this many top logprobs per position (0 = the token's own only); None = off.
+    Such a request computes its whole prompt: it takes no prefix-cache or KV-tier hit."""
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    """(token id, bias) pairs, OpenAI's ``logit_bias``: each bias in [-100, 100] is added to
+    the token's logit before sampling (before penalties, as vLLM); logprobs stay the raw
+    model's. A mapping or any iterable of pairs is accepted and stored sorted by id."""
     cache_salt: str = ""
     """Prefix-cache isolation: the request's block hashes are chained from this salt's root
     (block_hashes.salt_root), so it shares cached KV only with requests of the same salt.
@@ -98,6 +110,7 @@ class SamplingParams:
                 object.__setattr__(self, name, _as_int(name, value))
         object.__setattr__(self, "stop", _normalise_stop(self.stop))
         object.__setattr__(self, "stop_token_ids", _normalise_ids(self.stop_token_ids))
+        object.__setattr__(self, "logit_bias", _normalise_bias(self.logit_bias))
         self._check_ranges()
 
     def _check_ranges(self) -> None:
@@ -127,6 +140,10 @@ class SamplingParams:
                 raise ValueError(f"{name} must be in [-2, 2], got {value}")
         if self.logprobs is not None and not 0 <= self.logprobs <= _MAX_LOGPROBS:
             raise ValueError(f"logprobs must be in [0, {_MAX_LOGPROBS}], got {self.logprobs}")
+        if self.prompt_logprobs is not None and not 0 <= self.prompt_logprobs <= _MAX_LOGPROBS:
+            raise ValueError(
+                f"prompt_logprobs must be in [0, {_MAX_LOGPROBS}], got {self.prompt_logprobs}"
+            )
         for name in ("ignore_eos", "skip_special_tokens", "speculative"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
@@ -136,11 +153,17 @@ class SamplingParams:
             )
 
     def validate_for_model(self, vocab_size: int) -> None:
-        """Checks what needs the model: every stop token id is inside the vocabulary."""
+        """Checks what needs the model: every stop token id and logit_bias id is inside
+        the vocabulary."""
         for token_id in self.stop_token_ids:
             if token_id >= vocab_size:
                 raise ValueError(
                     f"stop_token_ids must be below the vocabulary size {vocab_size}, got {token_id}"
+                )
+        for token_id, _ in self.logit_bias:
+            if token_id >= vocab_size:
+                raise ValueError(
+                    f"logit_bias token id {token_id} is not below the vocabulary size {vocab_size}"
                 )
 
     @property
@@ -192,3 +215,38 @@ def _normalise_ids(ids: Iterable[int] | None) -> tuple[int, ...]:
         if token_id < 0:
             raise ValueError(f"stop_token_ids must be non-negative, got {token_id}")
     return out
+
+
+def _normalise_bias(bias: object) -> tuple[tuple[int, float], ...]:
+    """A mapping or iterable of (token id, bias) pairs, checked, as pairs sorted by id."""
+    if bias is None:
+        return ()
+    if isinstance(bias, Mapping):
+        pairs = list(bias.items())
+    elif isinstance(bias, (str, bytes)) or not isinstance(bias, Iterable):
+        raise ValueError(f"logit_bias must map token ids to biases, got {bias!r}")
+    else:
+        pairs = list(bias)
+    if len(pairs) > MAX_LOGIT_BIAS_ENTRIES:
+        raise ValueError(
+            f"logit_bias holds at most {MAX_LOGIT_BIAS_ENTRIES} entries, got {len(pairs)}"
+        )
+    out: dict[int, float] = {}
+    for pair in pairs:
+        if isinstance(pair, (str, bytes)) or not isinstance(pair, Iterable) or len(pair) != 2:
+            raise ValueError(f"logit_bias must hold (token id, bias) pairs, got {pair!r}")
+        token_id, value = pair
+        if isinstance(token_id, bool) or not isinstance(token_id, numbers.Integral):
+            raise ValueError(f"logit_bias token ids must be ints, got {token_id!r}")
+        if token_id < 0:
+            raise ValueError(f"logit_bias token ids must be non-negative, got {token_id}")
+        if isinstance(value, bool) or not isinstance(value, numbers.Real):
+            raise ValueError(f"logit_bias biases must be numbers, got {value!r}")
+        if not -_MAX_LOGIT_BIAS <= value <= _MAX_LOGIT_BIAS:  # NaN fails too
+            raise ValueError(
+                f"logit_bias biases must be in [-100, 100], got {value!r} for token {int(token_id)}"
+            )
+        if int(token_id) in out:
+            raise ValueError(f"logit_bias gives token id {int(token_id)} twice")
+        out[int(token_id)] = float(value)
+    return tuple(sorted(out.items()))

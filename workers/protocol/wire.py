@@ -30,8 +30,9 @@ from workers.protocol.trace import SpanRecord
 # 4: WorkerReport carries the speculative-decoding counters; 5: the KV tiers' events and
 # stats; 6: msgspec structs, ``[kind, version, [fields...]]`` and typed fields; 7: trace
 # context in the work item, span records in the final event (workers/protocol/trace.py);
-# 8: SamplingParams.cache_salt; 9: SamplingParams.structured (structured outputs).
-WIRE_VERSION = 9
+# 8: SamplingParams.cache_salt; 9: SamplingParams.structured (structured outputs);
+# 10: SamplingParams.prompt_logprobs and logit_bias, TokenEvent.prompt_logprobs.
+WIRE_VERSION = 10
 MODES = ("full", "prefill", "decode")
 T = TypeVar("T")
 
@@ -75,6 +76,10 @@ class TokenEvent(_Message):
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0
     logprobs: tuple[TokenLogprobs, ...] | None = None
+    # On the request's first event with tokens, when its params ask for prompt_logprobs:
+    # one per prompt token after the first (entry i scores prompt token i + 1). A prefill
+    # worker computes them and its handle event carries them; a decode worker sends none.
+    prompt_logprobs: tuple[TokenLogprobs, ...] | None = None
     kv_handles: tuple[bytes, ...] = ()  # prefill: the request's KV is held; one per rank
     kv_transfer_seconds: float = 0.0  # decode: the hand-off of this request's KV
     kv_transfer_bytes: int = 0

@@ -25,6 +25,7 @@ def token_event(
         num_prompt_tokens=delta.num_prompt_tokens,
         num_cached_tokens=delta.num_cached_tokens,
         logprobs=delta.logprobs,
+        prompt_logprobs=delta.prompt_logprobs,
         kv_handles=kv_handles,
         kv_transfer_seconds=transfer[0],
         kv_transfer_bytes=transfer[1],
