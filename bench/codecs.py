@@ -51,8 +51,6 @@ def _output_batch() -> wire.OutputBatch:
         kv_blocks_used=1800,
         kv_blocks_cached=250,
         num_held=0,
-        hashes_version=77,
-        cached_hashes=None,
     )
     return wire.OutputBatch(events, report)
 

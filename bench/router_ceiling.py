@@ -49,9 +49,8 @@ import threading
 import time
 from collections import defaultdict
 from pathlib import Path
-from statistics import median
-from types import SimpleNamespace
 
+from bench.cache_report import cache_report
 from bench.http_vs_grpc import cpu_s
 from bench.serving_cluster import Host
 from bench.serving_stats import dist_ms, median_run
@@ -108,9 +107,8 @@ class ScriptedEngine:
     def run(self, sender) -> None:
         running: dict[str, list] = {}  # rid -> [prompt length, max tokens, tokens sent]
         aborted: set[str] = set()
-        report = WorkerReport(self.name, "decode", True, 0, 0, 4096, 0, 0, 0, 0, ())
+        report = WorkerReport(self.name, "decode", True, 0, 0, 4096, 0, 0, 0)
         sender.send(OutputBatch((), report))
-        report = WorkerReport(self.name, "decode", True, 0, 0, 4096, 0, 0, 0, 0, None)
         ids, sent_at = self.output_ids, time.monotonic()
         while not self.is_stopped:
             try:
@@ -483,104 +481,6 @@ def low_load(args, streams: int) -> dict:
 
 
 # ---- the cache report -------------------------------------------------------------------------
-def _filled(num_cached: int, block_size: int = 16):
-    """A BlockManager with ``num_cached`` cached blocks (distinct prefixes, freed requests)."""
-    import random
-
-    from workers.engine.block_manager import BlockManager
-
-    bm = BlockManager(num_cached + 1024, block_size)
-    rng = random.Random(0)
-    per_req = 64
-    for r in range(-(-num_cached // per_req)):
-        n = min(per_req, num_cached - r * per_req)
-        tokens = [rng.randrange(32000) for _ in range(n * block_size)]
-        bm.allocate_slots(f"r{r}", 0, len(tokens))
-        bm.commit_computed(f"r{r}", tokens, len(tokens))
-        bm.free(f"r{r}")
-    assert bm.num_cached_blocks == num_cached
-    return bm
-
-
-def _per_call_us(fn, min_s: float) -> float:
-    """Median over 5 batches of the mean cost of ``fn()`` in microseconds."""
-    num, t = 1, 0.0
-    while t < min_s / 5:  # calls per batch
-        start = time.perf_counter()
-        for _ in range(num):
-            fn()
-        t = time.perf_counter() - start
-        num *= 2
-    costs = []
-    for _ in range(5):
-        start = time.perf_counter()
-        for _ in range(num):
-            fn()
-        costs.append((time.perf_counter() - start) / num)
-    return 1e6 * median(costs)
-
-
-def cache_report(num_cached: int, step_rate: float, min_s: float) -> dict:
-    from router.workers import WorkerView
-    from workers.serving import worker_report
-    from workers.serving.worker_report import ReportBuilder
-
-    bm = _filled(num_cached)
-    engine = SimpleNamespace(  # ReportBuilder reads these of an LLMEngine
-        scheduler=SimpleNamespace(running=[], waiting=[]),
-        block_manager=bm,
-        spec_stats=SimpleNamespace(num_steps=0, num_draft_tokens=0, num_accepted_tokens=0),
-        num_receiving=0,
-        num_held=0,
-        kv_tiers=None,
-    )
-    builder = ReportBuilder(engine, "decode-0", "decode")
-    builder.refresh_hashes()
-    builder.next(healthy=True)
-    event = (TokenEvent("r", (7,), False),)
-
-    def step() -> bytes:  # what every step pays: a refresh not due, the report, the frame
-        builder.refresh_hashes()
-        return encode(OutputBatch(event, builder.next(healthy=True)))
-
-    def refresh() -> None:  # due every HASHES_EVERY_S
-        builder._checked_at = -worker_report.HASHES_EVERY_S
-        builder.refresh_hashes()
-
-    def refresh_changed() -> None:  # a block came or went since (decode commits them)
-        if bm._hash_to_block.pop(-1, None) is None:
-            bm._hash_to_block[-1] = 0
-        refresh()
-
-    def shipped() -> bytes:
-        builder.resend_hashes()
-        return encode(OutputBatch(event, builder.next(healthy=True)))
-
-    view = WorkerView(SimpleNamespace(name="decode-0", role="decode"))
-    plain, full = step(), shipped()
-
-    def router_apply(payload: bytes):
-        return lambda: view.update(decode_as(payload, OutputBatch).report)
-
-    out = {
-        "cached_blocks": num_cached,
-        "step_us": _per_call_us(step, min_s),
-        "refresh_unchanged_us": _per_call_us(refresh, min_s),
-        "refresh_changed_us": _per_call_us(refresh_changed, min_s),
-        "ship_hashes_us": _per_call_us(shipped, min_s),
-        "ship_hashes_bytes": len(full),
-        "router_batch_us": _per_call_us(router_apply(plain), min_s),
-        "router_batch_with_hashes_us": _per_call_us(router_apply(full), min_s),
-    }
-    # Under decode the set changes between refreshes: every refresh changes and ships.
-    steps_per_refresh = max(1.0, step_rate * worker_report.HASHES_EVERY_S)
-    worker_extra = out["refresh_changed_us"] + out["ship_hashes_us"] - out["step_us"]
-    router_extra = out["router_batch_with_hashes_us"] - out["router_batch_us"]
-    out["worker_us_per_step"] = out["step_us"] + worker_extra / steps_per_refresh
-    out["router_us_per_batch"] = out["router_batch_us"] + router_extra / steps_per_refresh
-    return out
-
-
 # ---- the machine, and main ------------------------------------------------------------------
 def machine() -> dict:
     lscpu = subprocess.run(["lscpu"], capture_output=True, text=True).stdout

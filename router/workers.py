@@ -5,8 +5,9 @@ worker (``workers.serving.ray_worker.RayWorkerClient`` in production, in-process
 tests). Each worker pushes its token events and :class:`~workers.protocol.wire.WorkerReport` to the
 router, which dispatches them as they arrive (``Router._on_batch``);
 :class:`WorkerView` keeps the latest report and the worker's cached block hashes for the
-routing policy: its pool's (G1) from the report's full set, its lower tiers' by applying
-the report's numbered stored / removed events (``WorkerReport.kv_events``). ``abort_on``
+routing policy, its pool's (G1) and its lower tiers' alike, by applying the reports'
+numbered stored / removed events (``WorkerReport.kv_events``; the pool's source is
+"pool"). ``abort_on``
 and ``decline`` are the two calls the router makes to end a request's work on a worker.
 """
 
@@ -21,6 +22,8 @@ from router.policy import WorkerState
 from workers.protocol.wire import OutputBatch, WorkerReport, WorkItem
 
 logger = logging.getLogger(__name__)
+
+POOL = "pool"  # the KV events' source name of a worker's own pool (G1)
 
 
 class WorkerClient(Protocol):
@@ -70,10 +73,11 @@ class WorkerView:
 
     client: WorkerClient
     report: WorkerReport | None = None
-    hashes: frozenset[int] = frozenset()
-    # The tiers below the pool: name -> hashes held, in the worker's lookup order; kept by
-    # applying its events, numbered up to ``kv_events_seq``. After a gap they are empty
-    # (the worker counts as holding nothing there) until the next snapshot.
+    # The hashes the worker's pool (G1) holds, and the tiers' below it (name -> hashes, in
+    # the worker's lookup order); kept by applying its events (source "pool" and the
+    # tiers'), numbered up to ``kv_events_seq``. After a gap both are empty (the worker
+    # counts as holding nothing) until the next snapshot.
+    hashes: set[int] = field(default_factory=set)
     tier_hashes: dict[str, set[int]] = field(default_factory=dict)
     kv_events_seq: int = 0
     tiers_in_sync: bool = True
@@ -87,15 +91,15 @@ class WorkerView:
         return self.client.name
 
     def update(self, report: WorkerReport) -> None:
-        if report.cached_hashes is not None:
-            self.hashes = frozenset(report.cached_hashes)
-        self._apply_tier_events(report)
+        self._apply_events(report)
         self.report = report
 
-    def _apply_tier_events(self, report: WorkerReport) -> None:
+    def _apply_events(self, report: WorkerReport) -> None:
         seq = report.kv_events_seq
         if report.kv_events_snapshot:  # the whole truth, whatever came before
-            self.tier_hashes = {ev.tier: set(ev.stored) for ev in report.kv_events}
+            held = {ev.tier: set(ev.stored) for ev in report.kv_events}
+            self.hashes = held.pop(POOL, set())
+            self.tier_hashes = held
             self.kv_events_seq, self.tiers_in_sync = seq, True
             return
         if seq == self.kv_events_seq or not self.tiers_in_sync:
@@ -104,15 +108,15 @@ class WorkerView:
             # A report with events never arrived (or this is a restarted worker's first
             # after its snapshot was lost): what is known is wrong by an unknown amount.
             logger.warning(
-                "%s: KV tier events %d..%d missing; ignoring its tiers until a snapshot",
+                "%s: KV events %d..%d missing; ignoring its cache until a snapshot",
                 self.name,
                 self.kv_events_seq + 1,
                 seq - 1,
             )
-            self.tier_hashes, self.tiers_in_sync = {}, False
+            self.hashes, self.tier_hashes, self.tiers_in_sync = set(), {}, False
             return
         for ev in report.kv_events:
-            held = self.tier_hashes.setdefault(ev.tier, set())
+            held = self.hashes if ev.tier == POOL else self.tier_hashes.setdefault(ev.tier, set())
             held.update(ev.stored)
             held.difference_update(ev.removed)
         self.kv_events_seq = seq

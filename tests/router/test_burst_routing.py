@@ -61,7 +61,7 @@ class ManualWorker:
     async def decline(self, handles) -> None: ...
 
     def send(self, *events: TokenEvent) -> None:
-        report = WorkerReport(self.name, self.role, True, 0, 0, 64, 0, 0, 0, 0, (), "")
+        report = WorkerReport(self.name, self.role, True, 0, 0, 64, 0, 0, 0, "")
         self.on_batch(OutputBatch(events, report))
 
 

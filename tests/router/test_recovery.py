@@ -43,7 +43,7 @@ class FakeClient:
         self.report(healthy=True)
 
     def report(self, healthy: bool, error: str = "") -> None:
-        report = WorkerReport(self.name, self.role, healthy, 0, 0, 64, 0, 0, 0, 0, (), error)
+        report = WorkerReport(self.name, self.role, healthy, 0, 0, 64, 0, 0, 0, error)
         self.on_batch(OutputBatch((), report))
 
     def close(self) -> None:

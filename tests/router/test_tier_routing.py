@@ -92,7 +92,6 @@ def report(seq: int, *events: KVEvents, snapshot: bool = False) -> WorkerReport:
     return WorkerReport(
         name="decode-0", role="decode", healthy=True, num_running=0, num_waiting=0,
         kv_blocks_total=8, kv_blocks_used=0, kv_blocks_cached=0, num_held=0,
-        hashes_version=0, cached_hashes=None,
         kv_events_seq=seq, kv_events_snapshot=snapshot, kv_events=events,
     )  # fmt: skip
 
@@ -124,6 +123,19 @@ def test_a_gap_forgets_the_tiers_until_the_next_snapshot(caplog):
     view.update(report(5, KVEvents("host", (1, 2, 5, 6)), snapshot=True))
     view.update(report(6, KVEvents("host", (7,), (1,))))
     assert held(view) == {"host": {2, 5, 6, 7}}
+
+
+def test_the_pools_own_events_keep_its_g1_hashes_apart_from_the_tiers(caplog):
+    view = WorkerView(Client())
+    view.update(report(1, KVEvents("pool", (1, 2)), KVEvents("host", (3,)), snapshot=True))
+    assert view.state().cached_hashes == {1, 2} and held(view) == {"host": {3}}
+    view.update(report(2, KVEvents("pool", (4,), (1,))))
+    assert view.state().cached_hashes == {2, 4}
+    with caplog.at_level(logging.WARNING, logger="router.workers"):
+        view.update(report(4, KVEvents("pool", (5,))))  # report 3 never came
+    assert view.state().cached_hashes == set() and held(view) == {}
+    view.update(report(5, KVEvents("pool", (2, 4, 5)), snapshot=True))
+    assert view.state().cached_hashes == {2, 4, 5}
 
 
 def test_a_restarted_workers_snapshot_replaces_the_dead_ones_tiers():

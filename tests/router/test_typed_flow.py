@@ -77,7 +77,7 @@ class ScriptedWorker:
         self.declined.append(handles)
 
     def _send(self, events) -> None:
-        report = WorkerReport(self.name, self.role, True, 0, 0, 64, 0, 0, 0, 0, (), "")
+        report = WorkerReport(self.name, self.role, True, 0, 0, 64, 0, 0, 0, "")
         self.on_batch(OutputBatch(tuple(events), report))
 
     def _event(self, item: WorkItem, token_ids=(), **fields) -> TokenEvent:

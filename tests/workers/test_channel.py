@@ -4,7 +4,7 @@ What must hold: batches arrive intact and in order (those sent before the router
 first); only a worker that is expected and knows the token gets in; a closed or silent
 worker, a frame that claims to be huge or one that is not a batch is reported once, with
 why, rather than hanging; an EngineService with a sink pushes its buffered events, a
-report with the block hashes, then heartbeats without them.
+report with a snapshot of the block hashes, then heartbeats with events only on change.
 """
 
 from __future__ import annotations
@@ -23,12 +23,19 @@ from cluster.tools.make_model import make_model
 from workers import SamplingParams
 from workers.engine.config import EngineConfig
 from workers.engine.llm_engine import LLMEngine
-from workers.protocol.wire import WIRE_VERSION, OutputBatch, TokenEvent, WorkerReport, WorkItem
+from workers.protocol.wire import (
+    WIRE_VERSION,
+    KVEvents,
+    OutputBatch,
+    TokenEvent,
+    WorkerReport,
+    WorkItem,
+)
 from workers.serving.channel import ChannelListener, ChannelSender
 from workers.serving.service import EngineService
 
 
-def _report(version: int = 3, hashes: tuple[int, ...] | None = (7, 8)) -> WorkerReport:
+def _report(seq: int = 3, hashes: tuple[int, ...] = (7, 8)) -> WorkerReport:
     return WorkerReport(
         name="w",
         role="decode",
@@ -39,8 +46,8 @@ def _report(version: int = 3, hashes: tuple[int, ...] | None = (7, 8)) -> Worker
         kv_blocks_used=2,
         kv_blocks_cached=1,
         num_held=0,
-        hashes_version=version,
-        cached_hashes=hashes,
+        kv_events_seq=seq,
+        kv_events=(KVEvents("pool", hashes),) if hashes else (),
     )
 
 
@@ -69,7 +76,7 @@ class _Collector:
 
 def _batch(i: int) -> OutputBatch:
     event = TokenEvent(f"r{i}", (i, i + 1), finished=i == 2, finish_reason="length")
-    return OutputBatch((event,), _report(i, None if i else (1, 2, 3)))
+    return OutputBatch((event,), _report(i, () if i else (1, 2, 3)))
 
 
 def test_batches_arrive_intact_in_order_and_the_close_is_reported():
@@ -189,11 +196,12 @@ def test_service_pushes_events_then_heartbeats(engine):
     assert len(tokens) == 4
     assert batches[0].events[-1].finished
     assert all(not b.events for b in batches[1:])  # then heartbeats
-    # Block hashes go out in the first report and again only when they change.
+    # Block hashes go out as the pool's events: the first report is a snapshot (the two
+    # full blocks of the 23 tokens), later ones carry events only when something changed.
     reports = [b.report for b in batches]
-    assert reports[0].cached_hashes is not None
+    assert reports[0].kv_events_snapshot
+    (pool,) = [e for e in reports[0].kv_events if e.tier == "pool"]
+    assert len(pool.stored) == 2
     for before, after in itertools.pairwise(reports):
-        changed = after.hashes_version != before.hashes_version
-        assert (after.cached_hashes is not None) == changed
-    # The two full blocks of the 23 tokens are cached.
-    assert len([r.cached_hashes for r in reports if r.cached_hashes is not None][-1]) == 2
+        assert after.kv_events_seq in (before.kv_events_seq, before.kv_events_seq + 1)
+        assert bool(after.kv_events) == (after.kv_events_seq != before.kv_events_seq)

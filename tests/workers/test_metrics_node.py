@@ -31,8 +31,7 @@ WRITER = textwrap.dedent(
     m.transferred(0.5, 4096)
     m.report(WorkerReport(name=sys.argv[2], role="decode", healthy=True, num_running=3,
                           num_waiting=1, kv_blocks_total=10, kv_blocks_used=4,
-                          kv_blocks_cached=0, num_held=0, hashes_version=0,
-                          cached_hashes=None, spec_num_steps=3, spec_num_draft_tokens=12,
+                          kv_blocks_cached=0, num_held=0, spec_num_steps=3, spec_num_draft_tokens=12,
                           spec_num_accepted_tokens=7))
     print("ready", flush=True)
     sys.stdin.readline()  # stay alive until told

@@ -10,6 +10,7 @@ from types import SimpleNamespace
 
 import torch
 
+from workers.engine.block_manager import BlockManager
 from workers.engine.kv_tiers.tier import TierEvents, TierStats
 from workers.protocol.wire import KVEvents, OutputBatch, decode_as, encode
 from workers.serving import tier_report
@@ -178,12 +179,9 @@ def test_a_big_snapshot_goes_out_in_chunks_that_skip_blocks_removed_meanwhile(mo
 
 
 def _engine(kv_tiers) -> SimpleNamespace:
-    bm = SimpleNamespace(
-        num_blocks=16, num_used_blocks=2, num_cached_blocks=3, cached_block_hashes=lambda: [11]
-    )
     return SimpleNamespace(
         scheduler=SimpleNamespace(running=[], waiting=[]),
-        block_manager=bm,
+        block_manager=BlockManager(16, 4),
         spec_stats=SimpleNamespace(num_steps=0, num_draft_tokens=0, num_accepted_tokens=0),
         num_receiving=0,
         num_held=0,
@@ -195,26 +193,51 @@ def test_reports_carry_the_tiers_over_the_wire():
     host, disk = ListTier("host", 8, block_bytes=128), ListTier("disk", 32, block_bytes=128)
     host.put(3)
     builder = ReportBuilder(_engine(SimpleNamespace(tiers=(host, disk))), "decode-0", "decode")
-    builder.refresh_hashes()
+    builder.refresh()
     first = decode_as(encode(OutputBatch((), builder.next(healthy=True))), OutputBatch).report
     assert first.kv_events_snapshot and first.kv_events_seq == 1
-    assert [(e.tier, e.stored) for e in first.kv_events] == [("host", (3,)), ("disk", ())]
+    assert [(e.tier, e.stored) for e in first.kv_events] == [
+        ("pool", ()),
+        ("host", (3,)),
+        ("disk", ()),
+    ]
     assert [t.name for t in first.kv_tiers] == ["host", "disk"]
     status = first.kv_tiers[0]
     assert (status.blocks, status.bytes, status.capacity_blocks) == (1, 128, 8)
     assert status.capacity_bytes == 8 * 128 and status.offload_bytes == 7 * 128
     disk.put(9)
     builder._checked_at = -1.0  # the next refresh is due now
-    builder.refresh_hashes()
+    builder.refresh()
     second = decode_as(encode(OutputBatch((), builder.next(healthy=True))), OutputBatch).report
     assert not second.kv_events_snapshot and second.kv_events_seq == 2
     assert [(e.tier, e.stored, e.removed) for e in second.kv_events] == [("disk", (9,), ())]
 
 
-def test_a_worker_without_tiers_reports_none():
-    builder = ReportBuilder(_engine(None), "prefill-0", "prefill")
-    report = builder.next(healthy=True)
-    assert (report.kv_events_seq, report.kv_events, report.kv_tiers) == (0, (), ())
+def test_a_worker_without_tiers_reports_its_pool_only():
+    engine = _engine(None)
+    builder = ReportBuilder(engine, "prefill-0", "prefill")
+    report = builder.next(healthy=True)  # the snapshot: the pool, empty so far
+    assert (report.kv_events_seq, report.kv_events, report.kv_tiers) == (
+        1,
+        (KVEvents("pool", (), ()),),
+        (),
+    )
+    assert builder.next(healthy=True).kv_events == ()  # nothing new: no events
+    bm = engine.block_manager
+    assert bm.allocate_slots("r", 0, 8)
+    bm.commit_computed("r", list(range(8)), 8)  # two full blocks: two hashes
+    builder._checked_at = -1.0
+    builder.refresh()
+    stored = builder.next(healthy=True)
+    assert stored.kv_events_seq == 2 and not stored.kv_events_snapshot
+    (event,) = stored.kv_events
+    assert event.tier == "pool" and set(event.stored) == bm.hashes() and len(event.stored) == 2
+    bm.free("r")
+    bm.evict()  # the cached blocks go: their hashes are removed
+    builder._checked_at = -1.0
+    builder.refresh()
+    (gone,) = builder.next(healthy=True).kv_events
+    assert gone.tier == "pool" and set(gone.removed) == set(event.stored) and not gone.stored
 
 
 def test_a_snapshot_also_goes_out_every_snapshot_every_s(monkeypatch):

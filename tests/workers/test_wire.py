@@ -39,8 +39,9 @@ EVENT = TokenEvent(
 )
 TIER = TierStatus("host", 3, 192, 16, 1024, 5, 2, 0, 320, 0.01, 640, 0.02, 1, 0)
 REPORT = WorkerReport(
-    "decode-0", "decode", True, 1, 2, 64, 8, 5, 0, 7, (11, 2**63 + 5), kv_events_seq=4,
-    kv_events=(KVEvents("host", (1, 2), (3,)),), kv_tiers=(TIER,),
+    "decode-0", "decode", True, 1, 2, 64, 8, 5, 0, kv_events_seq=4,
+    kv_events=(KVEvents("pool", (11, 2**63 + 5)), KVEvents("host", (1, 2), (3,))),
+    kv_tiers=(TIER,),
 )  # fmt: skip
 INFO = WorkerInfo("decode-0", "LlamaForCausalLM", "bfloat16", 256, 512, 16, 64, "cpu")
 
@@ -105,7 +106,7 @@ def _with(msg, path: tuple, value) -> bytes:
         (EVENT, (7, 0, 1), "x", "Expected `float`, got `str`"),  # a logprob
         (OutputBatch((EVENT,), REPORT), (0, 0, 0), 5, "Expected `str`, got `int`"),
         (OutputBatch((EVENT,), REPORT), (1, 3), "1", "Expected `int`, got `str`"),
-        (OutputBatch((EVENT,), REPORT), (1, 18, 0, 1), 1.5, "Expected `int`, got `float`"),
+        (OutputBatch((EVENT,), REPORT), (1, 16, 0, 1), 1.5, "Expected `int`, got `float`"),
     ],
 )
 def test_scalars_of_the_wrong_type_are_refused(msg, path, value, error):

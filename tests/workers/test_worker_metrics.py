@@ -30,8 +30,6 @@ def _report(steps: int, proposed: int, accepted: int) -> WorkerReport:
         kv_blocks_used=2,
         kv_blocks_cached=0,
         num_held=0,
-        hashes_version=0,
-        cached_hashes=None,
         spec_num_steps=steps,
         spec_num_draft_tokens=proposed,
         spec_num_accepted_tokens=accepted,

@@ -31,6 +31,7 @@ from __future__ import annotations
 from collections import OrderedDict, deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import NamedTuple
 
 from workers.protocol.block_hashes import NONE_HASH, hash_block_tokens
 
@@ -52,6 +53,13 @@ class PrefixHit:
     @property
     def num_blocks(self) -> int:
         return len(self.block_ids)
+
+
+class HashEvents(NamedTuple):
+    """Hashes the pool started / stopped holding (the tiers' ``TierEvents``, torch-free)."""
+
+    stored: tuple[int, ...]
+    removed: tuple[int, ...]
 
 
 class BlockManager:
@@ -77,6 +85,12 @@ class BlockManager:
         # still intact: the KV tiers copy it down before the id is handed out and
         # overwritten (workers/engine/kv_tiers/manager.py). Still pure Python here.
         self.on_evict: Callable[[int, int], None] | None = None
+        # Hashes this pool started / stopped holding since the last ``drain_events``, kept
+        # once a reporter asks (``record_events``): a worker's reports carry these changes
+        # rather than the whole set (workers/serving/worker_report.py). Off, nothing grows.
+        self.record_events = False
+        self._stored_events: set[int] = set()
+        self._removed_events: set[int] = set()
 
     # ---- queries -------------------------------------------------------------------
     @property
@@ -109,6 +123,23 @@ class BlockManager:
     def cached_block_hashes(self) -> set[int]:
         """Hashes whose KV this worker holds (in use or cached), for KV-aware routing."""
         return set(self._hash_to_block)
+
+    # The pool as a source of KV events, as the tiers below it are (kv_tiers/tier.py).
+    name = "pool"
+
+    def contains(self, block_hash: int) -> bool:
+        return block_hash in self._hash_to_block
+
+    def hashes(self) -> frozenset[int]:
+        """Every hash held now (a snapshot for a new receiver; O(blocks))."""
+        return frozenset(self._hash_to_block)
+
+    def drain_events(self) -> HashEvents:
+        """Hashes stored / removed since the previous call (``record_events`` on)."""
+        events = HashEvents(tuple(self._stored_events), tuple(self._removed_events))
+        self._stored_events.clear()
+        self._removed_events.clear()
+        return events
 
     def committed_blocks(self) -> list[tuple[int, int]]:
         """(block id, hash) of every block holding a committed prefix's KV, most recently
@@ -211,6 +242,9 @@ class BlockManager:
             if block.block_hash is None and parent not in self._hash_to_block:
                 block.block_hash = parent
                 self._hash_to_block[parent] = block.block_id
+                if self.record_events:
+                    self._stored_events.add(parent)
+                    self._removed_events.discard(parent)
             # else: an identical block is already cached (computed twice by two requests
             # admitted together); this copy stays unhashed and is freed, not cached.
 
@@ -313,6 +347,9 @@ class BlockManager:
         block = self._blocks[block_id]
         if block.block_hash is not None:
             del self._hash_to_block[block.block_hash]
+            if self.record_events:
+                self._removed_events.add(block.block_hash)
+                self._stored_events.discard(block.block_hash)
             block.block_hash = None
 
     def check_integrity(self) -> None:

@@ -31,8 +31,9 @@ from workers.protocol.trace import SpanRecord
 # stats; 6: msgspec structs, ``[kind, version, [fields...]]`` and typed fields; 7: trace
 # context in the work item, span records in the final event (workers/protocol/trace.py);
 # 8: SamplingParams.cache_salt; 9: SamplingParams.structured (structured outputs);
-# 10: SamplingParams.prompt_logprobs and logit_bias, TokenEvent.prompt_logprobs.
-WIRE_VERSION = 10
+# 10: SamplingParams.prompt_logprobs and logit_bias, TokenEvent.prompt_logprobs;
+# 11: the pool's hashes as KV events ("pool"), not a whole set per change.
+WIRE_VERSION = 11
 MODES = ("full", "prefill", "decode")
 T = TypeVar("T")
 
@@ -94,11 +95,11 @@ class TokenEvent(_Message):
 
 
 class KVEvents(_Message):
-    """Block hashes one KV tier below the pool started (``stored``) and stopped
+    """Block hashes the pool or one KV tier below it started (``stored``) and stopped
     (``removed``) holding since the previous report that carried events; in a snapshot
     report, ``stored`` is everything the tier holds (Dynamo-style KV events)."""
 
-    tier: str  # "host" | "disk" (workers/engine/kv_tiers/tier.py TierStats.name)
+    tier: str  # "pool" (G1, the block manager) | "host" | "disk" (kv_tiers TierStats.name)
     stored: tuple[int, ...] = ()
     removed: tuple[int, ...] = ()
     kind: ClassVar[str] = "kv_events"
@@ -137,8 +138,6 @@ class WorkerReport(_Message):
     kv_blocks_used: int
     kv_blocks_cached: int
     num_held: int  # prefill: requests whose KV waits for a decode worker
-    hashes_version: int  # changes whenever the cached block hashes change
-    cached_hashes: tuple[int, ...] | None  # None: unchanged since the channel's last batch
     error: str = ""  # the engine loop died of this: the worker is gone for good
     # Speculative decoding since the engine started (LLMEngine.spec_stats; 0 while off).
     # Totals rather than increments: any one report is the whole truth, for the status
@@ -146,8 +145,9 @@ class WorkerReport(_Message):
     spec_num_steps: int = 0  # verify steps
     spec_num_draft_tokens: int = 0  # tokens proposed
     spec_num_accepted_tokens: int = 0  # proposed tokens the target accepted
-    # The KV tiers below the pool, in lookup order (docs/kv-tiers.md, "Events, routing and
-    # metrics"). ``kv_events_seq`` numbers the reports that carry ``kv_events`` (1, 2, ...
+    # The block hashes the worker holds: its pool's ("pool", G1) and the KV tiers' below
+    # it, in lookup order (docs/kv-tiers.md, "Events, routing and metrics"), as stored /
+    # removed events. ``kv_events_seq`` numbers the reports that carry ``kv_events`` (1, 2, ...
     # per worker process); a report without events repeats the last number, so a receiver
     # that missed one sees a gap. A snapshot (the first report on a new channel, and one
     # every ``SNAPSHOT_EVERY_S``) replaces what the receiver knew, gap or not.

@@ -169,7 +169,7 @@ class EngineService:
                     did_work = bool(deltas or started or self.engine.scheduler.running)
                 # Every rank has answered (this step's offers too).
                 self._publish(self.transport.offered())
-                self._reports.refresh_hashes()
+                self._reports.refresh()
                 if self._sink is not None and time.monotonic() - self._sent_at >= HEARTBEAT_S:
                     self._send(())
                 if not did_work:
@@ -216,7 +216,7 @@ class EngineService:
                 self._decline(handles)
             case Attach(sink):
                 self._sink = sink
-                self._reports.resend_hashes()  # a new receiver knows none yet
+                self._reports.resend()  # a new receiver knows none yet
                 events, self._events = self._events, []
                 self._send(events)
             case _:

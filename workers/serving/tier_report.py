@@ -1,6 +1,8 @@
-"""What a worker's reports say about its KV tiers below the pool (G2 host, G3 disk).
+"""What a worker's reports say about the KV it holds: its pool (G1) and the tiers below it
+(G2 host, G3 disk).
 
-Each tier publishes the hashes it started / stopped holding (``KVTier.drain_events``);
+The pool's block manager and each tier publish the hashes they started / stopped holding
+(``drain_events``);
 :class:`TierReporter` gathers them between reports and hands the router *events*
 (``stored`` / ``removed`` per tier, as NVIDIA Dynamo's KV events) rather than whole hash
 sets: a disk tier holds tens of thousands of blocks, and most reports change a few.
@@ -42,6 +44,16 @@ class HasTiers(Protocol):
     tiers: tuple[KVTier, ...]  # lookup order: host, then disk
 
 
+class EventSource(Protocol):
+    """What events are read from: a tier, or the pool itself (``BlockManager``)."""
+
+    name: str
+
+    def drain_events(self): ...
+    def contains(self, block_hash: int) -> bool: ...
+    def hashes(self) -> frozenset[int]: ...
+
+
 def tier_status(tier: KVTier) -> TierStatus:
     """A tier's stats as the report carries them."""
     st = tier.stats()
@@ -64,22 +76,24 @@ def tier_status(tier: KVTier) -> TierStatus:
 
 
 class TierReporter:
-    """The tiers' part of one worker's reports: latest stats, and numbered events."""
+    """The KV part of one worker's reports: the tiers' latest stats, and numbered events
+    of the pool (``pool``: its block manager, event source "pool") and of the tiers."""
 
-    def __init__(self, tiers: Sequence[KVTier]):
-        self.tiers = tuple(tiers)
+    def __init__(self, tiers: Sequence[KVTier], pool: EventSource | None = None):
+        self.stat_tiers = tuple(tiers)
+        self.sources: tuple[EventSource, ...] = (*((pool,) if pool is not None else ()), *tiers)
         self.seq = 0  # the number of the last report that carried events
-        self.status: tuple[TierStatus, ...] = tuple(tier_status(t) for t in self.tiers)
+        self.status: tuple[TierStatus, ...] = tuple(tier_status(t) for t in self.stat_tiers)
         # Per tier: hashes stored / removed since the last report that carried events.
-        self._stored: list[set[int]] = [set() for _ in self.tiers]
-        self._removed: list[set[int]] = [set() for _ in self.tiers]
-        self._backlog: list[list[int]] = [[] for _ in self.tiers]  # a snapshot's rest
+        self._stored: list[set[int]] = [set() for _ in self.sources]
+        self._removed: list[set[int]] = [set() for _ in self.sources]
+        self._backlog: list[list[int]] = [[] for _ in self.sources]  # a snapshot's rest
         self._snapshot_due = True  # nobody has heard of these tiers yet
         self._snapshot_at = time.monotonic()
 
     def refresh(self) -> None:
         """Collect the tiers' events and stats (the engine loop, every few steps)."""
-        for i, tier in enumerate(self.tiers):
+        for i, tier in enumerate(self.sources):
             events = tier.drain_events()
             stored, removed = set(events.stored), set(events.removed)
             for block_hash in stored & removed:  # which came last: the tier knows
@@ -88,7 +102,7 @@ class TierReporter:
             self._stored[i] |= stored
             self._removed[i] -= stored
             self._removed[i] |= removed
-        self.status = tuple(tier_status(t) for t in self.tiers)
+        self.status = tuple(tier_status(t) for t in self.stat_tiers)
         if time.monotonic() - self._snapshot_at >= SNAPSHOT_EVERY_S:
             self._snapshot_due = True
 
@@ -103,7 +117,7 @@ class TierReporter:
             self._snapshot_due = False
             self._snapshot_at = time.monotonic()
             events = []
-            for i, tier in enumerate(self.tiers):
+            for i, tier in enumerate(self.sources):
                 tier.drain_events()  # what they said is in hashes() now (or comes next)
                 self._stored[i].clear()
                 self._removed[i].clear()
@@ -113,7 +127,7 @@ class TierReporter:
             self.seq += 1
             return self.seq, True, tuple(events)
         events = []
-        for i, tier in enumerate(self.tiers):
+        for i, tier in enumerate(self.sources):
             if self._backlog[i]:
                 chunk = self._backlog[i][:SNAPSHOT_CHUNK]
                 del self._backlog[i][:SNAPSHOT_CHUNK]
