@@ -3,7 +3,7 @@
 ``POST /v1/completions``, ``POST /v1/chat/completions``, ``GET /v1/models``, ``GET /health``
 (503 while draining), ``GET /version``. Each generation route converts its body into the
 router's typed requests (``convert.py``), runs them through ``Router.generate`` like the
-gRPC servicer does (``streams.Choices``) and renders the events (``render.py``). Every
+gRPC servicer does (``streams.Choices``) and renders the events (``render.py``, ``render_chat.py``). Every
 error is OpenAI's shape (``errors.py``): a body pydantic refuses, malformed JSON, a body
 over the size limit and unknown routes included.
 
@@ -28,7 +28,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from router.auth import ANONYMOUS, ApiKeys
 from router.errors import ErrorCode, RouterError
-from router.http import render
+from router.http import render, render_chat
 from router.http.chat_template import ChatTemplate
 from router.http.convert import Plan, chat_plan, completion_plan
 from router.http.errors import OpenAIError, from_router_error, model_not_found
@@ -177,9 +177,9 @@ def create_app(
             # Refusals come before the status line: every choice's first event first.
             await unless_disconnected(request.receive, choices.start())
             if stream:
-                events = render.chat_events if chat else render.completion_events
+                events = render_chat.chat_events if chat else render.completion_events
                 return EventStreamResponse(events(answer, choices))
-            respond = render.chat_response if chat else render.completion_response
+            respond = render_chat.chat_response if chat else render.completion_response
             try:
                 body = await unless_disconnected(request.receive, respond(answer, choices))
             finally:
