@@ -35,7 +35,7 @@ from router.http.schemas import (
     ToolCallDelta,
 )
 from router.http.streams import Choices
-from router.http.tools import ParsedCall, ToolCalling
+from router.http.tools import AutoStream, ParsedCall, ToolCalling
 from workers.text.tokenizer import Tokenizer
 
 
@@ -117,9 +117,11 @@ async def chat_events(answer: Answer, choices: Choices) -> AsyncIterator[bytes]:
         for index in range(num):
             yield chunk(ChatChunkChoice(index=index, delta=ChatDelta(role="assistant", content="")))
         tools = plan.tools
-        # Tool calls other than a named one are read from the whole output: held until
-        # its end (a named call's arguments are the output, and stream as they come).
-        held = [Collected() for _ in range(num)] if tools and tools.mode != "named" else None
+        # A named call's arguments are the output, and stream as they come; an auto
+        # choice streams its text up to where a call may begin (AutoStream); required
+        # calls are read from the whole output, held until its end.
+        held = [Collected() for _ in range(num)] if tools and tools.mode == "required" else None
+        auto = [AutoStream(tools) for _ in range(num)] if tools and tools.mode == "auto" else None
         named_ids = [""] * num
         async for index, event in choices.events():
             delta, finish = event.delta, event.finish
@@ -130,6 +132,12 @@ async def chat_events(answer: Answer, choices: Choices) -> AsyncIterator[bytes]:
                     continue
                 finishes[index] = finish
                 yield chunk(_held_choice(answer, index, held[index], finish))
+                continue
+            if auto is not None:
+                finishes[index] = finish
+                piece = _auto_choice(answer, index, auto[index], delta, finish)
+                if piece is not None:
+                    yield chunk(piece)
                 continue
             if not (delta.text or delta.logprobs or finish):
                 continue
@@ -164,6 +172,39 @@ async def chat_events(answer: Answer, choices: Choices) -> AsyncIterator[bytes]:
     finally:
         await choices.aclose()
     yield DONE
+
+
+def _auto_choice(
+    answer: Answer, index: int, stream: AutoStream, delta: Delta, finish: Finish | None
+) -> ChatChunkChoice | None:
+    """An auto tool choice's next chunk: the content that may go out, and at the end the
+    calls, whole; None when there is nothing to say yet."""
+    content = stream.feed(delta.text)
+    calls: list[ParsedCall] = []
+    if finish is not None:
+        rest, calls = stream.finish()
+        content += rest
+    logprobs = None
+    if answer.plan.requests[index].output.logprobs is not None and delta.logprobs:
+        logprobs = chat_logprobs(answer.tokenizer, delta.logprobs)
+    if not (content or logprobs or finish):
+        return None
+    deltas = [
+        ToolCallDelta(
+            index=i,
+            id=call.id,
+            type="function",
+            function=FunctionCallDelta(name=call.name, arguments=call.arguments),
+        )
+        for i, call in enumerate(calls)
+    ]
+    return ChatChunkChoice(
+        index=index,
+        delta=ChatDelta(content=content or None, tool_calls=deltas or None),
+        logprobs=logprobs,
+        finish_reason=_chat_finish_reason(finish, bool(calls)),
+        stop_reason=stop_reason(finish),
+    )
 
 
 def _chat_finish_reason(finish: Finish | None, called: bool) -> str | None:

@@ -10,7 +10,8 @@ them), and the output becomes OpenAI's ``tool_calls``:
 - ``auto`` (OpenAI's default when tools are given): the model decides, unconstrained, and
   its calls are parsed from the text in the template's own format: Hermes/Qwen's
   ``<tool_call>{json}</tool_call>`` blocks when the template writes them, else a bare JSON
-  object ``{"name", "arguments" | "parameters"}`` (Llama 3's). A template that does not
+  object ``{"name", "arguments" | "parameters"}`` (Llama 3's). Streamed, the text before a
+  call goes out as it comes (``AutoStream``); the calls come whole at the end. A template that does not
   render ``tools`` cannot tell the model about them: ``auto`` is refused there (as vLLM
   refuses it without a parser), naming the choices that work with any model.
 - ``none``: the tools are not rendered, the output is text.
@@ -35,6 +36,7 @@ from router.requests import StructuredOptions
 
 MAX_TOOLS = 128
 _NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")  # OpenAI's rule for function names
+_OPEN = "<tool_call>"
 _HERMES = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
 _ANY_OBJECT: dict[str, Any] = {"type": "object"}
 
@@ -75,6 +77,55 @@ class ToolCalling:
             return content or None, found
         call = _from_text(text.strip(), self.names)
         return (text, []) if call is None else (None, [call])
+
+
+class AutoStream:
+    """One streamed choice under ``tool_choice: auto``: its text goes out as content up to
+    where a call may begin (Hermes: a ``<tool_call>`` tag, or the part of one the text ends
+    with; JSON: an output that starts with ``{``), and what follows is held and read as
+    calls at the end. A reply without calls streams as any reply does."""
+
+    def __init__(self, calling: ToolCalling):
+        self.calling = calling
+        self.text = ""
+        self.sent = 0  # characters of text already out as content
+        self.holding = False
+        self.is_plain = False  # json: the output did not start with "{": no call can come
+
+    def feed(self, piece: str) -> str:
+        """Append ``piece``; returns the content that may go out now."""
+        self.text += piece
+        if self.holding:
+            return ""
+        rest = self.text[self.sent :]
+        if self.calling.parser == "hermes":
+            at = rest.find(_OPEN)
+            if at >= 0:
+                self.holding, out = True, rest[:at]
+            else:  # keep back an ending that may be the start of the tag
+                keep = next(
+                    (n for n in range(len(_OPEN) - 1, 0, -1) if rest.endswith(_OPEN[:n])), 0
+                )
+                out = rest[: len(rest) - keep]
+        elif self.is_plain:
+            out = rest
+        else:
+            stripped = self.text.lstrip()
+            if not stripped:
+                return ""  # only whitespace so far: it cannot tell yet
+            self.holding = stripped[0] == "{"
+            self.is_plain = not self.holding
+            out = "" if self.holding else rest
+        self.sent += len(out)
+        return out
+
+    def finish(self) -> tuple[str, list[ParsedCall]]:
+        """(the content not sent yet, the calls) at the output's end."""
+        rest = self.text[self.sent :]
+        if not self.holding:
+            return rest, []
+        content, calls = self.calling.parse(rest)
+        return content or "", calls
 
 
 def tool_calling(

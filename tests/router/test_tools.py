@@ -151,14 +151,64 @@ def test_auto_reads_hermes_blocks_and_keeps_the_rest_as_content(tokenizer):
     assert json.loads(call.function.arguments) == {"city": "Paris"}
 
 
-def test_auto_without_a_call_is_plain_content(tokenizer):
-    served, n = answering(tokenizer, "It is sunny.")
+def test_auto_without_a_call_is_plain_content_and_streams(tokenizer):
+    served, n = answering(tokenizer, "It is sunny today in the city.")
     with served as s:
-        out = client(s).chat.completions.create(
-            model="tiny", messages=ASK, tools=[WEATHER], max_tokens=n
+        c = client(s)
+        out = c.chat.completions.create(model="tiny", messages=ASK, tools=[WEATHER], max_tokens=n)
+        chunks = list(
+            c.chat.completions.create(
+                model="tiny", messages=ASK, tools=[WEATHER], max_tokens=n, stream=True
+            )
         )
-    assert out.choices[0].message.content == "It is sunny."
+    assert out.choices[0].message.content == "It is sunny today in the city."
     assert out.choices[0].message.tool_calls is None
+    pieces = [ch.choices[0].delta.content for ch in chunks if ch.choices[0].delta.content]
+    assert "".join(pieces) == "It is sunny today in the city."
+    assert len(pieces) > 3  # streamed as it came, not held for a call that never came
+
+
+def test_auto_streams_the_text_before_a_call_then_the_call_whole(tokenizer):
+    text = 'Let me look.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
+    served, n = answering(tokenizer, text)
+    with served as s:
+        chunks = list(
+            client(s).chat.completions.create(
+                model="tiny", messages=ASK, tools=[WEATHER], max_tokens=n, stream=True
+            )
+        )
+    deltas = [ch.choices[0].delta for ch in chunks]
+    content = "".join(d.content or "" for d in deltas)
+    assert content.strip() == "Let me look." and "<tool" not in content
+    first_call = next(i for i, d in enumerate(deltas) if d.tool_calls)
+    assert any(d.content for d in deltas[:first_call])  # the text went out before the call
+    (call,) = deltas[first_call].tool_calls
+    assert call.function.name == "get_weather"
+    assert json.loads(call.function.arguments) == {"city": "Paris"}
+
+
+@pytest.mark.parametrize(
+    ("parser", "pieces", "content", "names"),
+    [
+        (
+            "hermes",
+            ["Hi <tool", "_ca", "ll>", '{"name": "t", "arguments": {}}</tool_call>'],
+            "Hi ",
+            ["t"],
+        ),
+        ("hermes", ["a <to", "ast>"], "a <toast>", []),  # a tag's start that was not one
+        ("json", ["  ", '{"name": "t", ', '"parameters": {"x": 1}}'], "", ["t"]),
+        ("json", [" ", "Sure", "{"], " Sure{", []),
+    ],
+)
+def test_auto_stream_holds_only_what_may_be_a_call(parser, pieces, content, names):
+    from router.http.tools import AutoStream, ToolCalling
+
+    stream = AutoStream(ToolCalling("auto", ("t",), parser))
+    out = "".join(stream.feed(p) for p in pieces)
+    rest, calls = stream.finish()
+    assert out + rest == content
+    assert [c.name for c in calls] == names
 
 
 def test_a_round_trip_renders_the_tools_the_call_and_its_result(tokenizer):
