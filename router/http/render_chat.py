@@ -5,7 +5,6 @@ share (usage, collecting, the stream's framing) is in ``render.py``.
 
 from __future__ import annotations
 
-import uuid
 from collections.abc import AsyncIterator
 
 from router.errors import RouterError
@@ -35,7 +34,7 @@ from router.http.schemas import (
     ToolCallDelta,
 )
 from router.http.streams import Choices
-from router.http.tools import AutoStream, ParsedCall, ToolCalling
+from router.http.tools import AutoStream, ParsedCall, ToolCalling, new_call_id
 from workers.text.tokenizer import Tokenizer
 
 
@@ -189,18 +188,9 @@ def _auto_choice(
         logprobs = chat_logprobs(answer.tokenizer, delta.logprobs)
     if not (content or logprobs or finish):
         return None
-    deltas = [
-        ToolCallDelta(
-            index=i,
-            id=call.id,
-            type="function",
-            function=FunctionCallDelta(name=call.name, arguments=call.arguments),
-        )
-        for i, call in enumerate(calls)
-    ]
     return ChatChunkChoice(
         index=index,
-        delta=ChatDelta(content=content or None, tool_calls=deltas or None),
+        delta=ChatDelta(content=content or None, tool_calls=_whole_calls(calls)),
         logprobs=logprobs,
         finish_reason=_chat_finish_reason(finish, bool(calls)),
         stop_reason=stop_reason(finish),
@@ -214,6 +204,19 @@ def _chat_finish_reason(finish: Finish | None, called: bool) -> str | None:
     return "tool_calls" if called and finish.reason == "stop" else finish.reason
 
 
+def _whole_calls(calls: list[ParsedCall]) -> list[ToolCallDelta] | None:
+    """Calls read from a whole output, each in one streamed piece (None: no call)."""
+    return [
+        ToolCallDelta(
+            index=i,
+            id=call.id,
+            type="function",
+            function=FunctionCallDelta(name=call.name, arguments=call.arguments),
+        )
+        for i, call in enumerate(calls)
+    ] or None
+
+
 def _tool_call(call: ParsedCall) -> ToolCall:
     return ToolCall(id=call.id, function=FunctionCall(name=call.name, arguments=call.arguments))
 
@@ -223,7 +226,7 @@ def _named_delta(
 ) -> list[ToolCallDelta] | None:
     """The next piece of a named call: its id and name first, then its arguments."""
     if not ids[index]:
-        ids[index] = f"call_{uuid.uuid4().hex[:24]}"
+        ids[index] = new_call_id()
         name = FunctionCallDelta(name=tools.names[0], arguments=text)
         return [ToolCallDelta(index=0, id=ids[index], type="function", function=name)]
     if not text:
@@ -238,18 +241,9 @@ def _held_choice(answer: Answer, index: int, held: Collected, finish: Finish) ->
     logprobs = None
     if answer.plan.requests[index].output.logprobs is not None:
         logprobs = chat_logprobs(answer.tokenizer, held.logprobs)
-    deltas = [
-        ToolCallDelta(
-            index=i,
-            id=call.id,
-            type="function",
-            function=FunctionCallDelta(name=call.name, arguments=call.arguments),
-        )
-        for i, call in enumerate(calls)
-    ]
     return ChatChunkChoice(
         index=index,
-        delta=ChatDelta(content=content, tool_calls=deltas or None),
+        delta=ChatDelta(content=content, tool_calls=_whole_calls(calls)),
         logprobs=logprobs,
         finish_reason=_chat_finish_reason(finish, bool(calls)),
         stop_reason=stop_reason(finish),

@@ -216,8 +216,13 @@ def _compact(schema: dict[str, Any]) -> dict[str, Any]:
     return {**schema, "x-guidance": {"whitespace_flexible": False}}
 
 
+def new_call_id() -> str:
+    """A call's id, in OpenAI's shape (``call_`` and 24 hex digits)."""
+    return f"call_{uuid.uuid4().hex[:24]}"
+
+
 def _call(name: str, arguments: str) -> ParsedCall:
-    return ParsedCall(f"call_{uuid.uuid4().hex[:24]}", name, arguments)
+    return ParsedCall(new_call_id(), name, arguments)
 
 
 def _from_object(item: Any, names: tuple[str, ...]) -> ParsedCall | None:
