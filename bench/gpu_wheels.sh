@@ -13,8 +13,13 @@ set -eu
 PY="${1:-.venv/bin/python}"
 grep -qx '/.whl/' .git/info/exclude 2>/dev/null || echo '/.whl/' >> .git/info/exclude
 mkdir -p .whl
+# grpcio too: the image's is older than the one our generated stubs were made with (they
+# refuse to import under it). Found missing on the first loan: llguidance, OpenTelemetry,
+# cryptography, jsonschema and their own needs.
 NAMES="gguf pydantic pydantic_core annotated-types typing-inspection fastapi starlette uvicorn
-httptools grpcio-health-checking grpcio-reflection protobuf msgspec filelock"
+httptools grpcio grpcio-health-checking grpcio-reflection protobuf msgspec filelock llguidance
+opentelemetry-api opentelemetry-sdk opentelemetry-semantic-conventions cryptography cffi
+pycparser jsonschema jsonschema-specifications referencing rpds-py typing_extensions"
 pins=()
 for name in $NAMES; do
   pin=$("$PY" -m pip freeze 2>/dev/null | grep -i -E "^${name//[-_]/[-_]}==" || true)
@@ -22,6 +27,8 @@ for name in $NAMES; do
   pins+=("$pin")
 done
 "$PY" -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 \
-  --implementation cp --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 \
-  --platform manylinux2014_x86_64 --platform manylinux1_x86_64 -d .whl "${pins[@]}"
+  --implementation cp --platform manylinux_2_17_x86_64 --platform manylinux_2_24_x86_64 \
+  --platform manylinux_2_27_x86_64 --platform manylinux_2_28_x86_64 --platform manylinux_2_31_x86_64 \
+  --platform manylinux_2_34_x86_64 --platform manylinux2014_x86_64 --platform manylinux1_x86_64 \
+  -d .whl "${pins[@]}"
 du -sh .whl

@@ -58,7 +58,11 @@ def quantize_rows(x: torch.Tensor, static_scale: float | None = None) -> torch.T
     packed_row_bytes(head_dim)
     x32 = x.float()
     if static_scale is None:
-        scale = (x32.abs().amax(dim=-1, keepdim=True) / FP8_MAX).clamp_min(MIN_SCALE)
+        amax = x32.abs().amax(dim=-1, keepdim=True)
+        # A tensor divisor, not the number: CUDA torch divides by a Python scalar as a product
+        # with its reciprocal (1 ulp off IEEE division at times), CPU torch and the Triton
+        # kernel (div_rn) divide; the scale bytes must be one format on every device.
+        scale = (amax / torch.full_like(amax, FP8_MAX)).clamp_min(MIN_SCALE)
     else:
         scale = torch.full((*x.shape[:-1], 1), float(static_scale), device=x.device)
     # Clamp first: torch's cast to e4m3fn turns out-of-range values into NaN, not +-448.

@@ -24,7 +24,7 @@ def test_dry_run_runs_every_step_and_writes_its_results(tmp_path):
         cwd=ROOT, env=env, capture_output=True, text=True, timeout=600,
     )  # fmt: skip
     steps = [json.loads(line) for line in (tmp_path / "steps.jsonl").read_text().splitlines()]
-    assert [s["step"] for s in steps] == ["setup", "kernel_tests", "gpu_tests", "kernels", "engine"]
+    assert [s["step"] for s in steps] == ["setup", "kernels", "engine", "kernel_tests", "gpu_tests"]
     failed = {
         s["step"]: (tmp_path / f"{s['step']}.log").read_text()[-2000:] for s in steps if s["rc"]
     }

@@ -61,12 +61,15 @@ def test_int4_model_on_the_triton_op_set_matches_the_reference(tmp_path):
     ids = torch.arange(1, 12)
     logits = {}
     for use_triton in (False, True):
-        ops = get_kernel_ops("cpu", use_triton=use_triton)
-        model, config = load_model(path, torch.float32, torch.device("cpu"), ops=ops)
+        # the Triton side on the GPU where there is one (compiled kernels take no CPU tensor)
+        device = DEVICE if use_triton else torch.device("cpu")
+        ops = get_kernel_ops(device, use_triton=use_triton)
+        model, config = load_model(path, torch.float32, device, ops=ops)
         gate_up = model.model.layers[0].mlp.gate_up_proj
         assert gate_up.weight.dtype == (torch.int32 if use_triton else torch.uint8)
         with bf16_dots_in_interpreter():
-            logits[use_triton] = PagedRunner(model, config, [len(ids)]).step([0], [ids], [11])[0]
+            step = PagedRunner(model, config, [len(ids)]).step([0], [ids], [11])
+            logits[use_triton] = step[0].cpu()
     # the CPU kernel rounds activations to bfloat16; the Triton kernel runs float32 (ieee)
     scale = logits[False].abs().max().item()
     torch.testing.assert_close(logits[True], logits[False], rtol=0, atol=3e-2 * scale)

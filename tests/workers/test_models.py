@@ -97,6 +97,7 @@ class PagedRunner:
 
     def __init__(self, model, config: ArchConfig, total_lens: list[int]):
         self.model = model
+        self.device = model.model.norm.weight.device  # CPU here; CUDA for the Triton op set
         gen = torch.Generator().manual_seed(1)
         num_blocks = sum(-(-n // BLOCK_SIZE) for n in total_lens) + 5
         self.block_tables = random_block_tables(total_lens, BLOCK_SIZE, num_blocks, gen)
@@ -111,6 +112,7 @@ class PagedRunner:
             ),
             1e6,
             dtype=model.model.norm.weight.dtype,  # the model's dtype (norms are never packed)
+            device=self.device,
         )
 
     def step(self, seqs: list[int], new_ids: list[torch.Tensor], seq_lens: list[int]):
@@ -122,11 +124,13 @@ class PagedRunner:
         ):
             num_decodes += 1
         tables = [self.block_tables[s] for s in seqs]
-        metadata = build_metadata(query_lens, seq_lens, tables, BLOCK_SIZE, num_decodes)
+        metadata = build_metadata(
+            query_lens, seq_lens, tables, BLOCK_SIZE, num_decodes, device=self.device
+        )
+        ids = torch.cat(new_ids).to(self.device)
+        positions = positions_for(query_lens, seq_lens).to(self.device)
         with torch.inference_mode():
-            hidden = self.model(
-                torch.cat(new_ids), positions_for(query_lens, seq_lens), self.kv_cache, metadata
-            )
+            hidden = self.model(ids, positions, self.kv_cache, metadata)
             logits = self.model.compute_logits(hidden)
         assert logits.dtype == torch.float32
         return list(logits.split(query_lens))
