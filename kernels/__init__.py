@@ -22,6 +22,7 @@ from kernels import batch_invariant, cpu_extension, cpu_paged_decode
 from kernels.activation import silu_and_mul
 from kernels.attention_metadata import AttentionMetadata
 from kernels.kv_store import store_kv
+from kernels.moe import fused_moe
 from kernels.paged_attention import paged_attention
 from kernels.rms_norm import fused_add_rms_norm, rms_norm
 from kernels.rotary import apply_rotary
@@ -52,6 +53,9 @@ class KernelOps:
     silu_and_mul: Callable[[torch.Tensor], torch.Tensor]
     store_kv: Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], None]
     paged_attention: Callable[[torch.Tensor, torch.Tensor, AttentionMetadata, float], torch.Tensor]
+    # Mixture-of-Experts layers (kernels/moe.py has the layouts); one op for every set until a
+    # set brings its own (the Triton fused kernel on CUDA).
+    fused_moe: Callable[..., torch.Tensor] = fused_moe
     is_triton: bool = False  # the Triton set (CUDA, or its interpreter in tests)
     # The C++ CPU set (kernels/csrc): its norms, SiLU and decode attention are the ones the
     # C++ layer stack (workers/models/fused_decode.py) computes with, so the two agree bitwise.
