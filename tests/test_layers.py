@@ -41,10 +41,12 @@ MAY_IMPORT: dict[str, set[str]] = {
     # and the router agree on (protocol), the tokenizer, and the gRPC types.
     "router": {"proto", "workers.protocol", "workers.text"},
     "cluster.tools": set(),
+    "cluster.planner": set(),
     "cluster.loadgen": {"cluster", "proto"},
     "cluster": {
         "cluster.loadgen",
         "cluster.tools",
+        "cluster.planner",
         "router",
         "proto",
         "workers",

@@ -1,0 +1,128 @@
+"""What a step costs: online least-squares fits of a worker's step time from its step records.
+
+The planner (``cluster/planner/policy.py``) predicts latency for pool sizes it has not run,
+so it needs each pool's step time as a function of the work in the step, not a mean:
+
+- prefill: ``seconds = a + b * tokens + c * attention_work`` where ``tokens`` are the
+  step's prompt tokens computed and ``attention_work`` is the sum over its chunks of
+  ``chunk_len * context_len / 1000`` (the quadratic part of a long prompt);
+- decode: ``seconds = a + b * batch + c * kv_tokens / 1000`` (weights read once per step,
+  plus each sequence's KV read).
+
+``OnlineFit`` keeps the normal equations of a least-squares fit with exponential forgetting
+(a factor per record), so the fit follows a model or machine change without a window of
+records, and costs O(features^2) per record. A new worker's first ``warmup_steps`` records
+are left out (``StepModel.observe``): cold caches, compilation and the first allocations
+make them slow, and counting them over-scales the pool (Dynamo #12430).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class OnlineFit:
+    """Least squares ``y ~ x . coef`` over records weighted by ``forgetting ** age``."""
+
+    num_features: int
+    forgetting: float = 0.999
+    ridge: float = 1e-9  # keeps the system solvable before every feature has varied
+    _xtx: list[list[float]] = field(init=False)
+    _xty: list[float] = field(init=False)
+    num_records: int = field(init=False, default=0)
+
+    def __post_init__(self) -> None:
+        n = self.num_features
+        self._xtx = [[0.0] * n for _ in range(n)]
+        self._xty = [0.0] * n
+
+    def add(self, x: tuple[float, ...], y: float) -> None:
+        if len(x) != self.num_features:
+            raise ValueError(f"{len(x)} features, the fit has {self.num_features}")
+        f = self.forgetting
+        for i in range(self.num_features):
+            self._xty[i] = f * self._xty[i] + x[i] * y
+            row = self._xtx[i]
+            for j in range(self.num_features):
+                row[j] = f * row[j] + x[i] * x[j]
+        self.num_records += 1
+
+    def coefficients(self) -> tuple[float, ...]:
+        """The fitted coefficients (Gaussian elimination with partial pivoting)."""
+        n = self.num_features
+        a = [[*row, self._xty[i]] for i, row in enumerate(self._xtx)]
+        for i in range(n):
+            a[i][i] += self.ridge * (1.0 + a[i][i])
+        for col in range(n):
+            pivot = max(range(col, n), key=lambda r: abs(a[r][col]))
+            a[col], a[pivot] = a[pivot], a[col]
+            if a[col][col] == 0.0:
+                continue
+            for r in range(n):
+                if r != col and a[r][col]:
+                    factor = a[r][col] / a[col][col]
+                    a[r] = [vr - factor * vc for vr, vc in zip(a[r], a[col], strict=True)]
+        return tuple(a[i][n] / a[i][i] if a[i][i] else 0.0 for i in range(n))
+
+
+@dataclass(frozen=True)
+class PrefillStep:
+    """One prefill step as a worker reports it."""
+
+    worker_id: str
+    seconds: float
+    tokens: int  # prompt tokens computed in the step
+    attention_work: float  # sum over its chunks of chunk_len * context_len / 1000
+
+
+@dataclass(frozen=True)
+class DecodeStep:
+    """One decode step as a worker reports it."""
+
+    worker_id: str
+    seconds: float
+    batch: int  # sequences that got a token
+    kv_tokens: int  # their context lengths, summed
+
+
+class StepModel:
+    """Fits of both pools' step times, fed with the workers' step records."""
+
+    def __init__(self, warmup_steps: int = 20, forgetting: float = 0.999) -> None:
+        self.warmup_steps = warmup_steps
+        self.prefill = OnlineFit(3, forgetting)
+        self.decode = OnlineFit(3, forgetting)
+        self._seen: dict[str, int] = {}
+
+    def _past_warmup(self, worker_id: str) -> bool:
+        count = self._seen.get(worker_id, 0) + 1
+        self._seen[worker_id] = count
+        return count > self.warmup_steps
+
+    def observe(self, step: PrefillStep | DecodeStep) -> bool:
+        """Add a step record; False when it was left out (the worker's warm-up)."""
+        if not self._past_warmup(step.worker_id):
+            return False
+        if isinstance(step, PrefillStep):
+            self.prefill.add((1.0, float(step.tokens), step.attention_work), step.seconds)
+        else:
+            self.decode.add((1.0, float(step.batch), step.kv_tokens / 1000.0), step.seconds)
+        return True
+
+    def forget_worker(self, worker_id: str) -> None:
+        """A worker left the pool: a new one under the same id warms up again."""
+        self._seen.pop(worker_id, None)
+
+    @property
+    def is_ready(self) -> bool:
+        """Both pools have enough records for a fit worth planning on."""
+        return self.prefill.num_records >= 8 and self.decode.num_records >= 8
+
+    def prefill_seconds(self, tokens: int, attention_work: float) -> float:
+        a, b, c = self.prefill.coefficients()
+        return max(a + b * tokens + c * attention_work, 1e-6)
+
+    def decode_seconds(self, batch: int, kv_tokens: int) -> float:
+        a, b, c = self.decode.coefficients()
+        return max(a + b * batch + c * kv_tokens / 1000.0, 1e-6)

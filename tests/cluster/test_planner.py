@@ -1,0 +1,150 @@
+"""The SLA planner's core as pure functions (cluster/planner/): the step-time fits, the pool
+simulation, and the policy's rules (no reversal at constant load, replicas monotone in load,
+never below the minimums, manual changes respected, reaction to a load step, warm-up records
+left out)."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+
+from cluster.planner.policy import Observation, Planner, PlannerConfig
+from cluster.planner.simulator import PoolLimits, SimRequest, percentile, simulate
+from cluster.planner.step_model import DecodeStep, OnlineFit, PrefillStep, StepModel
+
+# A machine where a prefill step costs 20 ms + 0.5 ms per token and a decode step
+# 10 ms + 1 ms per sequence + 0.2 ms per thousand KV tokens.
+PREFILL = (0.020, 0.0005, 0.0)
+DECODE = (0.010, 0.001, 0.0002)
+
+
+def trained_model(warmup_steps: int = 0) -> StepModel:
+    model = StepModel(warmup_steps=warmup_steps)
+    for i in range(40):
+        tokens, work = 64 + 37 * i, 0.0
+        model.observe(PrefillStep("p0", PREFILL[0] + PREFILL[1] * tokens, tokens, work))
+        batch, kv = 1 + i % 16, 500 * (1 + i)
+        seconds = DECODE[0] + DECODE[1] * batch + DECODE[2] * kv / 1000
+        model.observe(DecodeStep("d0", seconds, batch, kv))
+    return model
+
+
+def workload(rate: float, seconds: float, prompt: int = 200, output: int = 20, start=0.0):
+    count = int(rate * seconds)
+    return tuple(SimRequest(start + i / rate, prompt, output) for i in range(count))
+
+
+def test_online_fit_recovers_coefficients_and_forgets_old_ones():
+    fit = OnlineFit(2, forgetting=0.9)
+    for x in range(50):
+        fit.add((1.0, float(x)), 3.0 + 2.0 * x)
+    assert fit.coefficients() == pytest.approx((3.0, 2.0), rel=1e-6)
+    for x in range(200):  # the machine changed: the fit follows
+        fit.add((1.0, float(x % 50)), 1.0 + 4.0 * (x % 50))
+    assert fit.coefficients() == pytest.approx((1.0, 4.0), rel=1e-4)
+
+
+def test_a_new_workers_warmup_steps_are_left_out():
+    model = StepModel(warmup_steps=3)
+    slow = [PrefillStep("new", 5.0, 100, 0.0) for _ in range(3)]
+    assert [model.observe(step) for step in slow] == [False, False, False]
+    assert model.observe(PrefillStep("new", 0.07, 100, 0.0)) is True
+    assert model.prefill.num_records == 1
+    model.forget_worker("new")
+    assert model.observe(PrefillStep("new", 5.0, 100, 0.0)) is False
+
+
+def test_simulation_queues_under_load_and_a_second_worker_helps():
+    model = trained_model()
+    service = PREFILL[0] + PREFILL[1] * 200  # 0.12 s per 200-token prompt alone
+    sparse = simulate(workload(1.0, 30), 1, 1, model, PoolLimits(max_batched_tokens=256))
+    assert sparse.ttft_p90 == pytest.approx(service, rel=0.01)
+    busy = simulate(workload(9.0, 30), 1, 1, model, PoolLimits(max_batched_tokens=256))
+    two = simulate(workload(9.0, 30), 2, 1, model, PoolLimits(max_batched_tokens=256))
+    assert busy.ttft_p90 > 3 * service  # 9/s x 0.12 s > 1: the queue grows
+    assert two.ttft_p90 < busy.ttft_p90 / 3
+    # decode: every token of a lone sequence costs one single-sequence step
+    assert len(sparse.itl_s) == 30 * 19
+    assert max(sparse.itl_s) == pytest.approx(DECODE[0] + DECODE[1] + DECODE[2] * 0.22, 0.05)
+    assert percentile([1, 2, 3, 4, 5, 6, 7, 8, 9, 10], 0.9) == 9
+
+
+def test_long_prompts_span_chunks():
+    model = trained_model()
+    limits = PoolLimits(max_batched_tokens=100)
+    result = simulate((SimRequest(0.0, 250, 2),), 1, 1, model, limits)
+    steps = 3 * PREFILL[0] + PREFILL[1] * 250  # 100 + 100 + 50 tokens
+    assert result.ttft_s[0] == pytest.approx(steps, rel=1e-3)
+
+
+def _planner(**overrides) -> Planner:
+    config = PlannerConfig(ttft_p90_ms=400, itl_p90_ms=60, max_workers=8, cooldown_s=30,
+                           limits=PoolLimits(max_batched_tokens=256), **overrides)  # fmt: skip
+    return Planner(config, trained_model())
+
+
+def _run(planner: Planner, rates: list[float], window: float = 10.0, start=(1, 1)):
+    sizes, decisions = start, []
+    for tick, rate in enumerate(rates):
+        obs = Observation(
+            tick * window, *sizes, window, workload(rate, window, start=tick * window)
+        )
+        decision = planner.tick(obs)
+        decisions.append(decision)
+        sizes = (decision.prefill, decision.decode)
+    return decisions
+
+
+def test_constant_load_never_reverses():
+    decisions = _run(_planner(), [12.0] * 30)
+    prefill = [d.prefill for d in decisions]
+    ups = [i for i in range(1, 30) if prefill[i] > prefill[i - 1]]
+    downs = [i for i in range(1, 30) if prefill[i] < prefill[i - 1]]
+    assert not (ups and downs and min(downs) > min(ups)), prefill
+    # 12/s of 200-token prompts passes one worker's ~8.6/s (256-token steps of 0.148 s)
+    assert prefill[-1] >= 2
+    assert len({(d.prefill, d.decode) for d in decisions[2:]}) == 1  # settled, then held
+
+
+def test_replicas_are_monotone_in_load_and_never_below_the_minimums():
+    sizes = []
+    for rate in (0.5, 2.0, 5.0, 9.0, 14.0):
+        decision = _run(_planner(), [rate] * 3)[-1]
+        sizes.append((decision.prefill, decision.decode))
+        assert decision.prefill >= 1 and decision.decode >= 1
+        assert decision.prefill + decision.decode <= 8
+    assert [p for p, _ in sizes] == sorted(p for p, _ in sizes)
+    assert sizes[0] == (1, 1) and sizes[-1][0] > sizes[0][0]
+
+
+def test_reacts_within_two_ticks_of_a_load_step_and_shrinks_after_the_cooldown():
+    decisions = _run(_planner(), [1.0] * 4 + [9.0] * 6 + [1.0] * 12)
+    assert decisions[3].prefill == 1
+    assert max(d.prefill for d in decisions[4:6]) >= 2  # the step at tick 4
+    peak = max(d.prefill for d in decisions)
+    assert decisions[-1].prefill < peak  # quiet again: shrunk, one at a time
+    prefill = [d.prefill for d in decisions]
+    assert all(b >= a - 1 for a, b in itertools.pairwise(prefill))
+    assert all(d.reason for d in decisions)
+
+
+def test_a_manual_change_wins():
+    planner = _planner()
+    first = planner.tick(Observation(0.0, 1, 1, 10.0, workload(1.0, 10)))
+    assert (first.prefill, first.decode) == (1, 1)
+    # an operator sets 4 prefill workers at a load one handles: held through the cooldown
+    held = planner.tick(Observation(10.0, 4, 1, 10.0, workload(1.0, 10, start=10)))
+    assert (held.prefill, held.reason) == (4, "hold: manual change respected")
+    later = planner.tick(Observation(20.0, 4, 1, 10.0, workload(1.0, 10, start=20)))
+    assert later.prefill == 4
+    after = planner.tick(Observation(45.0, 4, 1, 10.0, workload(1.0, 10, start=45)))
+    assert after.prefill == 3 and "scale down" in after.reason
+
+
+def test_no_decision_before_the_fits_have_records_and_bad_configs_refused():
+    planner = Planner(PlannerConfig(), StepModel())
+    decision = planner.tick(Observation(0.0, 2, 3, 10.0, workload(5.0, 10)))
+    assert (decision.prefill, decision.decode, decision.is_change) == (2, 3, False)
+    with pytest.raises(ValueError, match="max_workers \\(1\\) is below"):
+        PlannerConfig(max_workers=1)
