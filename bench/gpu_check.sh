@@ -14,9 +14,10 @@
 # steps that need them fail and say so in their logs; the kernel steps need none.
 #
 # Steps (limit in seconds), the figures first (a loan that ends early still brings them
-# back; on the first H200 loan they took 19 s and 26 s): setup 60; kernel figures 90;
-# engine figures 150; kernel tests compiled 200 (8 pytest workers: compiling the Triton
-# kernels cold for one worker took over 150 s); GPU-marked tests 100. 10 minutes at most,
+# back; on the first H200 loan they took 19 s and 26 s, before the MoE rows): setup 60;
+# kernel figures 120; engine figures 150; kernel tests compiled 200 (8 pytest workers:
+# compiling the Triton kernels cold for one worker took over 150 s); GPU-marked tests 70
+# (30 s on the first loan). 10 minutes at most,
 # inside a 15-minute loan with room to start the machine; `STEPS="kernels engine"` runs a
 # subset.
 set -u
@@ -65,14 +66,14 @@ if [ "$DRY_RUN" = 1 ]; then
   # collected (they skip without CUDA), the figures' scripts in their CPU forms.
   step setup 60 bash -c setup
   # Compiled for sm_90 without a device (Triton's own compiler; no interpreter here).
-  step kernels 90 env -u TRITON_INTERPRET "$PY" -m bench.gpu_kernels --compile-only --arch 90
+  step kernels 120 env -u TRITON_INTERPRET "$PY" -m bench.gpu_kernels --compile-only --arch 90
   step engine 150 "$PY" -m bench.gpu_engine --dry-run --json "$OUT/engine.json"
   step kernel_tests 200 env TRITON_INTERPRET=1 "$PY" -m pytest -q -x tests/kernels/test_triton_rms_norm.py
-  step gpu_tests 100 env TRITON_INTERPRET=1 "$PY" -m pytest -q -m gpu --co tests/kernels
+  step gpu_tests 70 env TRITON_INTERPRET=1 "$PY" -m pytest -q -m gpu --co tests/kernels
 else
   export PYTHONPATH="/tmp/site:$PWD${PYTHONPATH:+:$PYTHONPATH}"
   step setup 60 bash -c setup
-  step kernels 90 "$PY" -m bench.gpu_kernels --json "$OUT/kernels.json"
+  step kernels 120 "$PY" -m bench.gpu_kernels --json "$OUT/kernels.json"
   step engine 150 "$PY" -m bench.gpu_engine --json "$OUT/engine.json"
   # Collection errors do not stop the rest: ray and nixl cannot travel (their wheels pass
   # the 64 MiB a call carries), so the tests that import them are reported, not run.
@@ -80,7 +81,7 @@ else
     --continue-on-collection-errors tests/kernels -k triton
   # The GPU-marked tests live in tests/kernels (the first loan: 9 passed; collecting the
   # whole tree only added errors for the modules that cannot travel).
-  step gpu_tests 100 "$PY" -m pytest -q -p no:cacheprovider -rf -m gpu tests/kernels
+  step gpu_tests 70 "$PY" -m pytest -q -p no:cacheprovider -rf -m gpu tests/kernels
 fi
 
 # The summary: each step's status, and the tail of each failed step's log.

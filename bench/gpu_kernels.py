@@ -9,7 +9,9 @@ rate (8192^3) — and the same op through PyTorch as a peer:
   ``bmm``), and ``scaled_dot_product_attention`` on KV already gathered into contiguous
   [batch, Hkv, ctx, D] tensors (the gather not timed: a lower bound for any PyTorch path);
 - prefill attention: SDPA (causal, GQA) on contiguous K/V, i.e. PyTorch's flash kernel;
-- KV store, RMSNorm (+ residual), RoPE, SiLU-and-mul: the plain-PyTorch references.
+- KV store, RMSNorm (+ residual), RoPE, SiLU-and-mul: the plain-PyTorch references;
+- fused MoE (Mixtral-8x7B-like layer: 8 experts, top-2): the reference (``kernels/moe.py``:
+  one pair of matmuls per active expert).
 
 Bytes count each tensor read or written once (the minimum traffic); FLOPs count the
 matmuls only (4 * q_len * kv_len * head_dim per head; causal pairs for prefill).
@@ -36,6 +38,7 @@ import torch.nn.functional as F
 
 NUM_HEADS, NUM_KV_HEADS, HEAD_DIM = 32, 8, 128  # Llama-3-8B attention shape
 HIDDEN, INTERMEDIATE = 4096, 14336
+NUM_EXPERTS, TOP_K = 8, 2  # Mixtral-8x7B's MoE layer (its H and I are Llama's above)
 
 
 @dataclass
@@ -250,6 +253,39 @@ def elementwise_rows(dtype, device, block_size, num_tokens: int = 4096) -> list[
     return rows
 
 
+def moe_rows(dtype, device) -> list[Row]:
+    """The fused MoE layer at a decode-sized and a prefill-sized batch. Bytes: the active
+    experts' weights once, the activations in and out; FLOPs: both matmuls of every pair."""
+    gen = torch.Generator(device=device).manual_seed(0)
+    shape = (NUM_EXPERTS, 2 * INTERMEDIATE, HIDDEN)
+    w13 = torch.randn(shape, dtype=dtype, device=device, generator=gen) * HIDDEN**-0.5
+    shape = (NUM_EXPERTS, HIDDEN, INTERMEDIATE)
+    w2 = torch.randn(shape, dtype=dtype, device=device, generator=gen) * INTERMEDIATE**-0.5
+    return [moe_row(t, w13, w2, gen) for t in (64, 4096)]
+
+
+def moe_row(num_tokens: int, w13: torch.Tensor, w2: torch.Tensor, gen) -> Row:
+    from kernels.moe import fused_moe as reference
+    from kernels.moe import select_experts
+    from kernels.triton_moe import fused_moe
+
+    x = torch.randn(num_tokens, HIDDEN, dtype=w13.dtype, device=w13.device, generator=gen)
+    logits = torch.randn(num_tokens, NUM_EXPERTS, device=w13.device, generator=gen)
+    weights, ids = select_experts(logits, TOP_K, renormalize=True)
+    check_close(fused_moe(x, w13, w2, weights, ids), reference(x, w13, w2, weights, ids))
+    num_active = ids.unique().numel()
+    item = x.element_size()
+    return Row(
+        "fused_moe",
+        f"T={num_tokens} E={NUM_EXPERTS} top{TOP_K} H={HIDDEN} I={INTERMEDIATE}",
+        bench_us(lambda: fused_moe(x, w13, w2, weights, ids)),
+        num_active * (w13[0].numel() + w2[0].numel()) * item + 2 * x.numel() * item,
+        6 * num_tokens * TOP_K * HIDDEN * INTERMEDIATE,
+        "torch reference (per expert)",
+        bench_us(lambda: reference(x, w13, w2, weights, ids)),
+    )
+
+
 def _compile_only(arch: int) -> None:
     from bench.kernels_compile import compile_only
 
@@ -290,6 +326,7 @@ def main() -> None:
     ]
     rows += [prefill_row(t, dtype, device, bs) for t in (4096, 16384)]
     rows += elementwise_rows(dtype, device, bs)
+    rows += moe_rows(dtype, device)
     name = torch.cuda.get_device_name(device)
     print(f"device: {name}; torch {torch.__version__}; triton {triton.__version__}; {args.dtype}")
     print(f"copy bandwidth: {copy_bw / 1e9:.0f} GB/s; bf16 matmul: {mm_rate / 1e12:.0f} TFLOP/s\n")

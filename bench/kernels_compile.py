@@ -29,6 +29,7 @@ def compile_only(arch: int, hidden: int) -> None:
     from kernels import triton_decode_reduce as red
     from kernels import triton_int4_linear as int4
     from kernels import triton_kv_store as kv
+    from kernels import triton_moe as moe
     from kernels import triton_paged_decode as dec
     from kernels import triton_prefill_attention as pre
     from kernels import triton_rms_norm as norm
@@ -47,7 +48,9 @@ def compile_only(arch: int, hidden: int) -> None:
         int_pointers = {"block_tables_ptr": "*i32", "seq_lens_ptr": "*i32"}
         int_pointers |= {"query_start_loc_ptr": "*i32", "slot_mapping_ptr": "*i64"}
         int_pointers |= {"positions_ptr": "*i64", "qweight_ptr": "*i32"}
+        int_pointers |= {"sorted_pair_ids_ptr": "*i32", "block_experts_ptr": "*i32"}
         fp32_pointers = {"partial_out_ptr", "partial_lse_ptr", "scales_ptr", "zeros_ptr"}
+        fp32_pointers |= {"topk_weights_ptr", "pair_out_ptr"}
         signature = {}
         for name in names:
             if name in constants:
@@ -62,7 +65,11 @@ def compile_only(arch: int, hidden: int) -> None:
                 signature[name] = f"*{dtype}"
             else:
                 signature[name] = "fp32" if name in floats else "i32"
-        aligned = [i for i, n in enumerate(names) if n.endswith("_ptr") or n.startswith("stride_")]
+        aligned = [
+            i
+            for i, n in enumerate(names)
+            if n not in constants and (n.endswith("_ptr") or n.startswith("stride_"))
+        ]
         src = ASTSource(
             fn,
             signature,
@@ -149,3 +156,16 @@ def compile_only(arch: int, hidden: int) -> None:
         config = f"{bi.BLOCK_M}x{bi.BLOCK_N}x{bi.BLOCK_K} (deterministic)"
         result = usage(bi._linear_kernel, dtype, constants, 4, 2)
         print(f"| batch-invariant linear | {dtype} | {config} | {result} |")
+        # MoE (Mixtral-8x7B-like, 8 experts): the decode and the prefill tiles. The unit
+        # strides (a row's last axis) are constants, as Triton specializes a 1 at run time.
+        for num_pairs in (16, 8192):
+            cfg = moe.launch_config(num_pairs, 8, torch_dtype, is_cuda=True)
+            tiles = dict(BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k)
+            config = f"{cfg.block_m}x{cfg.block_n}x{cfg.block_k} warps={cfg.num_warps}"
+            config += f" stages={cfg.num_stages}"
+            constants = dict(stride_hk=1, stride_wk=1, TOP_K=2, DOT_PRECISION=precision, **tiles)
+            result = usage(moe._moe_gate_up_kernel, dtype, constants, cfg.num_warps, cfg.num_stages)
+            print(f"| moe gate_up + silu | {dtype} | {config} | {result} |")
+            constants = dict(stride_wk=1, DOT_PRECISION=precision, **tiles)
+            result = usage(moe._moe_down_kernel, dtype, constants, cfg.num_warps, cfg.num_stages)
+            print(f"| moe down | {dtype} | {config} | {result} |")

@@ -86,6 +86,7 @@ def triton_kernel_ops() -> KernelOps:
             triton_activation,
             triton_attention,
             triton_kv_store,
+            triton_moe,
             triton_rms_norm,
             triton_rotary,
         )
@@ -101,6 +102,7 @@ def triton_kernel_ops() -> KernelOps:
         silu_and_mul=triton_activation.silu_and_mul,
         store_kv=triton_kv_store.store_kv,
         paged_attention=triton_attention.paged_attention,
+        fused_moe=triton_moe.fused_moe,
         is_triton=True,
     )
 
