@@ -9,7 +9,7 @@ import argparse
 from pathlib import Path
 
 # Literals, not imports from workers: building the parser must not load torch.
-ARCHS = ("llama", "qwen2", "qwen3", "mistral")
+ARCHS = ("llama", "qwen2", "qwen3", "mistral", "mixtral", "qwen2-moe", "qwen3-moe")
 SIZES = ("tiny", "small")
 DTYPES = ("float32", "bfloat16", "float16")
 # workers/models/quant/export.py SCHEMES (not imported here: the parser loads no torch)
@@ -48,6 +48,8 @@ def run_make_model(args: argparse.Namespace) -> int:
     from cluster.tools.make_model import make_config, make_model, num_parameters
 
     config = make_config(args.arch, args.size, dtype=args.dtype)
+    if args.quantize is not None and args.arch in ("mixtral", "qwen2-moe", "qwen3-moe"):
+        raise ValueError(f"--quantize: {args.arch} is a MoE model, which loads unquantized only")
     out = make_model(
         args.dir,
         args.arch,

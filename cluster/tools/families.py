@@ -64,4 +64,12 @@ _MISTRAL = Family(
     tokenizer_bos="<s>",
     tokenizer_eos="</s>",
 )
-FAMILIES = {"llama": _LLAMA3, "qwen2": _QWEN, "qwen3": _QWEN, "mistral": _MISTRAL}
+FAMILIES = {
+    "llama": _LLAMA3,
+    "qwen2": _QWEN,
+    "qwen3": _QWEN,
+    "mistral": _MISTRAL,
+    "mixtral": _MISTRAL,
+    "qwen2-moe": _QWEN,
+    "qwen3-moe": _QWEN,
+}

@@ -30,7 +30,7 @@ from tqdm import tqdm
 from cluster.tools.corpus import corpus_lines
 from cluster.tools.families import FAMILIES, Family
 
-ARCHS = ("llama", "qwen2", "qwen3", "mistral")
+ARCHS = ("llama", "qwen2", "qwen3", "mistral", "mixtral", "qwen2-moe", "qwen3-moe")
 SIZES = ("tiny", "small")
 DTYPES = ("float32", "bfloat16", "float16")
 
@@ -55,11 +55,14 @@ class _Shape:
     max_position_embeddings: int
     qwen3_head_dim: int  # qwen3 sets head_dim explicitly, unlike hidden_size / heads
     dtype: str  # default dtype of the written weights
+    moe_intermediate_size: int  # each expert's (Mixtral: its intermediate_size)
+    num_experts: int = 8  # MoE architectures: 8 experts, top-2
+    num_experts_per_tok: int = 2
 
 
 _SHAPES = {
-    "tiny": _Shape(64, 2, 4, 2, 128, 1024, 2048, qwen3_head_dim=32, dtype="float32"),
-    "small": _Shape(768, 10, 12, 4, 2048, 8192, 4096, qwen3_head_dim=128, dtype="bfloat16"),
+    "tiny": _Shape(64, 2, 4, 2, 128, 1024, 2048, 32, "float32", moe_intermediate_size=64),
+    "small": _Shape(768, 10, 12, 4, 2048, 8192, 4096, 128, "bfloat16", moe_intermediate_size=256),
 }
 
 
@@ -84,8 +87,9 @@ def make_model(
     dtype: str | None = None,
     progress: bool = False,
 ) -> Path:
-    """Write a random-weight model of ``arch`` ("llama", "qwen2", "qwen3", "mistral") and
-    ``size`` ("tiny": hidden 64, 2 layers; "small": about 80M parameters) to ``out_dir``.
+    """Write a random-weight model of ``arch`` (one of ``ARCHS``) and ``size`` ("tiny":
+    hidden 64, 2 layers; "small": about 80M parameters; MoE: 8 experts, top-2) to
+    ``out_dir``.
 
     The same arguments always give byte-identical files. ``dtype`` of the weights defaults
     to float32 for tiny and bfloat16 for small. An existing non-empty ``out_dir`` is
@@ -108,7 +112,7 @@ def make_model(
     tokenizer.save(str(out / "tokenizer.json"))
     _write_json(out / "tokenizer_config.json", _tokenizer_config(tokenizer, family, config))
     _write_json(out / "config.json", config)
-    _write_json(out / "generation_config.json", _generation_config(config))
+    _write_json(out / "generation_config.json", _generation_config(config, family))
     tensors = _random_weights(config, seed, progress)
     save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
     return out
@@ -140,7 +144,7 @@ def make_config(arch: str, size: str, dtype: str | None = None) -> dict[str, Any
         "initializer_range": 0.02,
         "intermediate_size": shape.intermediate_size,
         "max_position_embeddings": shape.max_position_embeddings,
-        "model_type": arch,
+        "model_type": arch.replace("-", "_"),
         "num_attention_heads": shape.num_attention_heads,
         "num_hidden_layers": shape.num_hidden_layers,
         "num_key_value_heads": shape.num_key_value_heads,
@@ -169,7 +173,7 @@ def make_config(arch: str, size: str, dtype: str | None = None) -> dict[str, Any
                 "rope_type": "llama3",
             },
         }
-    elif arch in ("qwen2", "qwen3"):
+    elif arch in ("qwen2", "qwen3", "qwen2-moe", "qwen3-moe"):
         config |= {
             "layer_types": ["full_attention"] * shape.num_hidden_layers,
             "max_window_layers": shape.num_hidden_layers,
@@ -177,11 +181,45 @@ def make_config(arch: str, size: str, dtype: str | None = None) -> dict[str, Any
             "tie_word_embeddings": True,
             "use_sliding_window": False,
         }
-        if arch == "qwen3":
+        if arch in ("qwen3", "qwen3-moe"):
             config |= {"attention_bias": False, "head_dim": shape.qwen3_head_dim}
-    else:  # mistral: plain; no sliding window
+    else:  # mistral, mixtral: plain; no sliding window
         config |= {"head_dim": default_head_dim, "rms_norm_eps": 1e-5, "sliding_window": None}
-    return dict(sorted(config.items()))
+    return dict(sorted((config | _moe_config(arch, shape)).items()))
+
+
+def _moe_config(arch: str, shape: _Shape) -> dict[str, Any]:
+    """The MoE keys, as transformers 5 saves them (Qwen3-MoE's experts: num_local_experts);
+    untied, as the real MoE checkpoints are."""
+    if arch == "mixtral":
+        return {
+            "intermediate_size": shape.moe_intermediate_size,
+            "num_experts_per_tok": shape.num_experts_per_tok,
+            "num_local_experts": shape.num_experts,
+            "output_router_logits": False,
+            "router_aux_loss_coef": 0.001,
+            "router_jitter_noise": 0.0,
+        }
+    if arch not in ("qwen2-moe", "qwen3-moe"):
+        return {}
+    config = {
+        "decoder_sparse_step": 1,
+        "mlp_only_layers": [],
+        "moe_intermediate_size": shape.moe_intermediate_size,
+        "norm_topk_prob": arch == "qwen3-moe",  # as Qwen3-30B-A3B / Qwen1.5-MoE-A2.7B
+        "num_experts_per_tok": shape.num_experts_per_tok,
+        "output_router_logits": False,
+        "router_aux_loss_coef": 0.001,
+        "tie_word_embeddings": False,
+    }
+    if arch == "qwen3-moe":
+        return config | {"num_local_experts": shape.num_experts}
+    return config | {
+        "num_experts": shape.num_experts,
+        "qkv_bias": True,
+        "shared_expert_intermediate_size": 2 * shape.moe_intermediate_size,
+        "sliding_window": 0,  # Qwen2MoeConfig's "off" when not use_sliding_window
+    }
 
 
 _ARCHITECTURES = {
@@ -189,6 +227,9 @@ _ARCHITECTURES = {
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
     "mistral": "MistralForCausalLM",
+    "mixtral": "MixtralForCausalLM",
+    "qwen2-moe": "Qwen2MoeForCausalLM",
+    "qwen3-moe": "Qwen3MoeForCausalLM",
 }
 
 
@@ -230,7 +271,8 @@ def build_tokenizer(arch: str, vocab_size: int, lines: Iterable[str] | None = No
 
 
 def num_parameters(config: Mapping[str, Any]) -> int:
-    """Parameter count of a llama/qwen2/qwen3/mistral config.json (as loaded, tied once)."""
+    """Parameter count of a config.json of one of ``ARCHS`` (as loaded, tied once; every
+    expert counted)."""
     return sum(math.prod(shape) for _, shape, _ in _param_specs(config))
 
 
@@ -244,6 +286,7 @@ def _param_specs(config: Mapping[str, Any]) -> list[tuple[str, tuple[int, ...], 
     vocab = config["vocab_size"]
     arch = config["model_type"]
     q_size, kv_size = num_heads * head_dim, num_kv_heads * head_dim
+    mlp = ("gate_proj", "up_proj", "down_proj") if arch != "mixtral" else ("w1", "w3", "w2")
 
     specs = [("model.embed_tokens.weight", (vocab, hidden), "embed")]
     for i in range(config["num_hidden_layers"]):
@@ -255,17 +298,18 @@ def _param_specs(config: Mapping[str, Any]) -> list[tuple[str, tuple[int, ...], 
             (p + "self_attn.v_proj.weight", (kv_size, hidden), "linear"),
             (p + "self_attn.o_proj.weight", (hidden, q_size), "attn_out"),
             (p + "post_attention_layernorm.weight", (hidden,), "norm"),
-            (p + "mlp.gate_proj.weight", (inter, hidden), "linear"),
-            (p + "mlp.up_proj.weight", (inter, hidden), "linear"),
-            (p + "mlp.down_proj.weight", (hidden, inter), "mlp_out"),
         ]
-        if arch == "qwen2":
+        if arch in ("mixtral", "qwen2_moe", "qwen3_moe"):
+            specs += _moe_specs(config, p, mlp)
+        else:
+            specs += _mlp_specs(p + "mlp.", mlp, inter, hidden)
+        if arch in ("qwen2", "qwen2_moe"):
             specs += [
                 (p + "self_attn.q_proj.bias", (q_size,), "bias"),
                 (p + "self_attn.k_proj.bias", (kv_size,), "bias"),
                 (p + "self_attn.v_proj.bias", (kv_size,), "bias"),
             ]
-        if arch == "qwen3":
+        if arch in ("qwen3", "qwen3_moe"):
             specs += [
                 (p + "self_attn.q_norm.weight", (head_dim,), "norm"),
                 (p + "self_attn.k_norm.weight", (head_dim,), "norm"),
@@ -273,6 +317,39 @@ def _param_specs(config: Mapping[str, Any]) -> list[tuple[str, tuple[int, ...], 
     specs.append(("model.norm.weight", (hidden,), "norm"))
     if not config["tie_word_embeddings"]:
         specs.append(("lm_head.weight", (vocab, hidden), "lm_head"))
+    return specs
+
+
+def _mlp_specs(
+    prefix: str, names: tuple[str, str, str], inter: int, hidden: int
+) -> list[tuple[str, tuple[int, ...], str]]:
+    gate, up, down = names
+    return [
+        (f"{prefix}{gate}.weight", (inter, hidden), "linear"),
+        (f"{prefix}{up}.weight", (inter, hidden), "linear"),
+        (f"{prefix}{down}.weight", (hidden, inter), "mlp_out"),
+    ]
+
+
+def _moe_specs(
+    config: Mapping[str, Any], p: str, names: tuple[str, str, str]
+) -> list[tuple[str, tuple[int, ...], str]]:
+    """A sparse MoE block, per expert, as the Hub's checkpoints and save_pretrained name
+    it; the router's std 1/sqrt(hidden) spreads its logits over a few units, so tokens
+    go to different experts."""
+    hidden = config["hidden_size"]
+    num_experts = config.get("num_experts") or config["num_local_experts"]
+    if config["model_type"] == "mixtral":
+        block, inter = p + "block_sparse_moe.", config["intermediate_size"]
+    else:
+        block, inter = p + "mlp.", config["moe_intermediate_size"]
+    specs = [(block + "gate.weight", (num_experts, hidden), "linear")]
+    for e in range(num_experts):
+        specs += _mlp_specs(f"{block}experts.{e}.", names, inter, hidden)
+    shared = config.get("shared_expert_intermediate_size", 0)
+    if shared:  # Qwen2-MoE
+        specs += _mlp_specs(block + "shared_expert.", names, shared, hidden)
+        specs.append((block + "shared_expert_gate.weight", (1, hidden), "linear"))
     return specs
 
 
@@ -343,8 +420,7 @@ def _tokenizer_config(tokenizer: Tokenizer, family: Family, config: Mapping[str,
     }
 
 
-def _generation_config(config: Mapping[str, Any]) -> dict[str, Any]:
-    family = FAMILIES[config["model_type"]]
+def _generation_config(config: Mapping[str, Any], family: Family) -> dict[str, Any]:
     eos_ids = [family.special_tokens.index(token) for token in family.eos]
     return {
         "bos_token_id": config["bos_token_id"],

@@ -20,9 +20,14 @@ if TYPE_CHECKING:
 SUPPORTED_ARCHITECTURES = (
     "LlamaForCausalLM",
     "MistralForCausalLM",
+    "MixtralForCausalLM",
     "Qwen2ForCausalLM",
+    "Qwen2MoeForCausalLM",
     "Qwen3ForCausalLM",
+    "Qwen3MoeForCausalLM",
 )
+# Mixture-of-Experts architectures (workers/models/moe.py): their MoE keys are read.
+_MOE_ARCHITECTURES = ("MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM")
 
 # By name: the serving driver reads the architecture (bring-up's layout checks) without
 # loading torch; `torch_dtype` turns the name into a dtype for the engine's side.
@@ -49,6 +54,23 @@ class ArchConfig:
     mlp_bias: bool  # bias on gate/up/down (Llama's ``mlp_bias``)
     sliding_window: int | None  # None when every layer attends to the full context
     dtype_name: str | None  # the checkpoint's dtype ("bfloat16", ...), if config.json names one
+    # Mixture of experts (workers/models/moe.py); num_experts 0: every layer is dense.
+    num_experts: int = 0  # routed experts per MoE layer (Mixtral: num_local_experts)
+    num_experts_per_tok: int = 0  # top-k
+    moe_intermediate_size: int = 0  # each routed expert's (Mixtral: intermediate_size)
+    norm_topk_prob: bool = False  # renormalise the top-k weights to 1 (Mixtral: always)
+    decoder_sparse_step: int = 1  # layer i is MoE when (i + 1) % step == 0 ...
+    mlp_only_layers: tuple[int, ...] = ()  # ... and i is not listed here (dense MLP)
+    shared_expert_intermediate_size: int = 0  # Qwen2-MoE's gated shared expert; 0: none
+
+    def is_moe_layer(self, layer_idx: int) -> bool:
+        """Whether decoder layer ``layer_idx`` (the model's numbering) has routed experts,
+        as Qwen-MoE decides it; every other layer has a dense MLP of intermediate_size."""
+        return (
+            self.num_experts > 0
+            and layer_idx not in self.mlp_only_layers
+            and (layer_idx + 1) % self.decoder_sparse_step == 0
+        )
 
     @property
     def torch_dtype(self) -> torch.dtype | None:
@@ -91,12 +113,57 @@ class ArchConfig:
             rope_scaling=rope_scaling,
             max_position_embeddings=cfg.get("max_position_embeddings", 2048),
             tie_word_embeddings=cfg.get("tie_word_embeddings", False),
-            # Qwen2 hard-codes q/k/v bias; its config has no attention_bias key.
-            attention_bias=architecture == "Qwen2ForCausalLM" or cfg.get("attention_bias", False),
+            attention_bias=_parse_attention_bias(architecture, cfg),
             mlp_bias=cfg.get("mlp_bias", False),
             sliding_window=_parse_sliding_window(architecture, cfg),
             dtype_name=_parse_dtype(cfg.get("dtype") or cfg.get("torch_dtype")),
+            **_parse_moe(architecture, cfg),
         )
+
+
+def _parse_attention_bias(architecture: str, cfg: dict[str, Any]) -> bool:
+    if architecture == "Qwen2ForCausalLM":  # hard-coded; its config has no attention_bias key
+        return True
+    if architecture == "Qwen2MoeForCausalLM":  # transformers 5's qkv_bias, on by default
+        return bool(cfg.get("qkv_bias", True))
+    return bool(cfg.get("attention_bias", False))
+
+
+def _parse_moe(architecture: str, cfg: dict[str, Any]) -> dict[str, Any]:
+    """The MoE fields of a MoE architecture (none for a dense one); ValueError for a top-k
+    the experts cannot give."""
+    if architecture not in _MOE_ARCHITECTURES:
+        return {}
+    if architecture == "MixtralForCausalLM":
+        moe = {
+            "num_experts": cfg["num_local_experts"],
+            "moe_intermediate_size": cfg["intermediate_size"],
+            "norm_topk_prob": True,
+        }
+    else:
+        # Hub configs say num_experts; transformers 5 saves Qwen3-MoE's as num_local_experts.
+        num_experts = cfg.get("num_experts", cfg.get("num_local_experts"))
+        moe = {
+            "num_experts": num_experts,
+            "moe_intermediate_size": cfg["moe_intermediate_size"],
+            "norm_topk_prob": bool(cfg.get("norm_topk_prob", False)),
+            "decoder_sparse_step": cfg.get("decoder_sparse_step", 1),
+            "mlp_only_layers": tuple(cfg.get("mlp_only_layers") or ()),
+            "shared_expert_intermediate_size": cfg.get("shared_expert_intermediate_size", 0)
+            if architecture == "Qwen2MoeForCausalLM"
+            else 0,
+        }
+    top_k = cfg.get("num_experts_per_tok")
+    if not isinstance(moe["num_experts"], int) or moe["num_experts"] < 0:
+        raise ValueError(f"{architecture}: bad number of experts {moe['num_experts']!r}")
+    if moe["num_experts"] and (not isinstance(top_k, int) or not 1 <= top_k <= moe["num_experts"]):
+        raise ValueError(
+            f"{architecture}: num_experts_per_tok={top_k} must be in 1..{moe['num_experts']} "
+            "(the number of experts)"
+        )
+    if moe.get("decoder_sparse_step", 1) < 1:
+        raise ValueError(f"{architecture}: decoder_sparse_step must be >= 1")
+    return moe | {"num_experts_per_tok": top_k or 0}
 
 
 def _parse_rope(cfg: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
@@ -115,10 +182,8 @@ def _parse_rope(cfg: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
 
 
 def _parse_sliding_window(architecture: str, cfg: dict[str, Any]) -> int | None:
-    # Qwen2/Qwen3 configs carry a sliding_window value that is off unless use_sliding_window.
-    if architecture in ("Qwen2ForCausalLM", "Qwen3ForCausalLM") and not cfg.get(
-        "use_sliding_window", False
-    ):
+    # Qwen configs carry a sliding_window value that is off unless use_sliding_window.
+    if architecture.startswith("Qwen") and not cfg.get("use_sliding_window", False):
         return None
     if architecture == "LlamaForCausalLM":
         return None

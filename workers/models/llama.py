@@ -11,6 +11,7 @@ Qwen2 and Qwen3 reuse these classes with their own attention (see qwen2.py, qwen
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import TYPE_CHECKING, ClassVar
 
 import torch
@@ -33,6 +34,10 @@ from workers.models.parallel import ParallelContext
 
 if TYPE_CHECKING:
     from workers.models.fused_decode import FusedDecode
+
+
+# (config, layer index in the model, parallel, ops) -> that decoder layer's MLP.
+MlpFactory = Callable[[ArchConfig, int, ParallelContext, KernelOps], nn.Module]
 
 
 class PPMissingLayer(nn.Module):
@@ -132,10 +137,12 @@ class LlamaDecoderLayer(nn.Module):
         ops: KernelOps,
         attention_cls: type[LlamaAttention],
         rotary_emb: RotaryEmbedding,
+        mlp: nn.Module | None = None,
     ) -> None:
         super().__init__()
         self.self_attn = attention_cls(config, layer_idx, parallel, ops, rotary_emb)
-        self.mlp = LlamaMLP(config, parallel, ops)
+        # Dense unless given (a MoE model's sparse block: LlamaForCausalLM.make_mlp).
+        self.mlp = LlamaMLP(config, parallel, ops) if mlp is None else mlp
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops)
 
@@ -166,6 +173,7 @@ class LlamaModel(nn.Module):
         parallel: ParallelContext,
         ops: KernelOps,
         attention_cls: type[LlamaAttention],
+        make_mlp: MlpFactory | None = None,
     ) -> None:
         super().__init__()
         self.parallel = parallel
@@ -187,7 +195,13 @@ class LlamaModel(nn.Module):
         # The stage's KV cache holds its layers only: layer i is its cache's layer i - start.
         self.layers = nn.ModuleList(
             LlamaDecoderLayer(
-                config, i - self.start_layer, parallel, ops, attention_cls, self.rotary_emb
+                config,
+                i - self.start_layer,
+                parallel,
+                ops,
+                attention_cls,
+                self.rotary_emb,
+                mlp=None if make_mlp is None else make_mlp(config, i, parallel, ops),
             )
             if self.start_layer <= i < self.end_layer
             else PPMissingLayer()
@@ -239,6 +253,9 @@ class LlamaForCausalLM(nn.Module):
     """The ``CausalLM`` the engine runs (see base.py)."""
 
     attention_cls: ClassVar[type[LlamaAttention]] = LlamaAttention
+    # Each decoder layer's MLP; None: the dense LlamaMLP. MoE models set a staticmethod
+    # (workers/models/moe.py).
+    make_mlp: ClassVar[MlpFactory | None] = None
     # (fused parameter, checkpoint name, shard_id): how the loader packs HF tensors.
     packed_modules_mapping: ClassVar[tuple[tuple[str, str, str | int], ...]] = (
         ("qkv_proj", "q_proj", "q"),
@@ -251,7 +268,7 @@ class LlamaForCausalLM(nn.Module):
     def __init__(self, config: ArchConfig, parallel: ParallelContext, ops: KernelOps) -> None:
         super().__init__()
         self.config = config
-        self.model = LlamaModel(config, parallel, ops, self.attention_cls)
+        self.model = LlamaModel(config, parallel, ops, self.attention_cls, self.make_mlp)
         self.lm_head = (
             ParallelLMHead(config.vocab_size, config.hidden_size, parallel)
             if parallel.is_last_stage

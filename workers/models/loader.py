@@ -4,7 +4,9 @@ GGUF file a derived directory links to: ``workers/models/gguf``).
 Tensors are read one at a time (``safe_open``), so peak host memory is one tensor, and
 each goes through its parameter's ``weight_loader``, which checks the shape, takes this
 rank's shard and converts the dtype. HF's separate q/k/v and gate/up tensors are packed
-into ``qkv_proj`` / ``gate_up_proj`` through the model's ``packed_modules_mapping``.
+into ``qkv_proj`` / ``gate_up_proj`` through the model's ``packed_modules_mapping``, and
+a MoE model's expert tensors (per expert, or stacked) into its stacked experts through its
+``expert_names`` (``workers/models/moe.py``).
 """
 
 from __future__ import annotations
@@ -75,6 +77,11 @@ def load_model(
     """
     config = ArchConfig.from_model_dir(model_dir)
     spec = quant.resolve_spec(model_dir, quantization)
+    if spec is not None and config.num_experts:
+        raise ValueError(
+            f"{config.architecture}: quantized weights ({spec.method}) are not supported for "
+            "Mixture-of-Experts models yet; serve the checkpoint unquantized"
+        )
     model_cls = get_model_class(config.architecture)
     files = _weight_files(Path(model_dir))
     device = torch.device(device)
@@ -136,6 +143,7 @@ def load_weights(
     params = dict(model.named_parameters())
     packed: tuple[tuple[str, str, str | int], ...] = getattr(model, "packed_modules_mapping", ())
     is_other_stage = getattr(model, "is_other_stage_weight", lambda name: False)
+    experts = getattr(model, "expert_names", None)  # MoE models: workers/models/moe.py
     # A last pipeline stage without the first one: its LM head is loaded from the tied
     # embedding (the checkpoint's only copy).
     tied_head_alone = (
@@ -157,7 +165,12 @@ def load_weights(
             name = "lm_head.weight"
         elif is_other_stage(name):
             continue  # never read: CheckpointTensor reads lazily
-        param_name, shard_id = _to_param_name(name, packed)
+        mapped = None if experts is None else experts.to_param(name)
+        if mapped is None:
+            param_name, shard_id = _to_param_name(name, packed)
+            covered: tuple[str, ...] = (name,)
+        else:  # a stacked experts tensor counts as every per-expert tensor it holds
+            param_name, shard_id, covered = mapped
         param = params.get(param_name)
         if param is None:
             unexpected.append(name)
@@ -166,8 +179,11 @@ def load_weights(
             param.weight_loader(param, tensor, shard_id)  # type: ignore[attr-defined]
         except ValueError as e:
             raise ValueError(f"checkpoint tensor {name!r}: {e}") from None
-        loaded.add(name)
-    missing = sorted(_expected_names(params, packed) - loaded)
+        loaded.update(covered)
+    expected = _expected_names(params, packed)
+    if experts is not None:
+        expected = experts.expected(expected)
+    missing = sorted(expected - loaded)
     problems = []
     if missing:
         problems.append(f"missing tensors: {_short_list(missing)}")

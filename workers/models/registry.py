@@ -8,15 +8,21 @@ from torch import nn
 
 from workers.models.arch_config import SUPPORTED_ARCHITECTURES
 from workers.models.llama import LlamaForCausalLM, MistralForCausalLM
+from workers.models.mixtral import MixtralForCausalLM
 from workers.models.qwen2 import Qwen2ForCausalLM
+from workers.models.qwen2_moe import Qwen2MoeForCausalLM
 from workers.models.qwen3 import Qwen3ForCausalLM
+from workers.models.qwen3_moe import Qwen3MoeForCausalLM
 
 MODEL_CLASSES: MappingProxyType[str, type[nn.Module]] = MappingProxyType(
     {
         "LlamaForCausalLM": LlamaForCausalLM,
         "MistralForCausalLM": MistralForCausalLM,
+        "MixtralForCausalLM": MixtralForCausalLM,
         "Qwen2ForCausalLM": Qwen2ForCausalLM,
+        "Qwen2MoeForCausalLM": Qwen2MoeForCausalLM,
         "Qwen3ForCausalLM": Qwen3ForCausalLM,
+        "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,
     }
 )
 

@@ -1,0 +1,276 @@
+"""The sparse Mixture-of-Experts block of Mixtral and Qwen2/Qwen3-MoE, after Hugging Face's
+``MixtralSparseMoeBlock`` / ``Qwen2MoeSparseMoeBlock``, and how checkpoints name its experts.
+
+A router (``gate``, a replicated linear H -> num_experts) picks each token's top-k experts
+(softmax over all experts, ``kernels.moe.select_experts``); the experts, held as two
+stacked parameters, run through ``ops.fused_moe`` (the PyTorch reference, or a fused kernel
+where the op set has one). Qwen2-MoE adds a dense shared expert scaled by
+``sigmoid(shared_expert_gate(x))``.
+
+Parallelism. Tensor parallel: every expert's intermediate dimension is split over the TP
+ranks, as the dense MLP's is (gate/up rows and down columns; the router is replicated), so
+each rank's ``fused_moe`` is a partial sum. Expert parallel (to come): a rank holds experts
+``first_expert .. first_expert + num_local_experts - 1`` only, and experts held elsewhere
+add nothing to its sum. Either way the ranks' partial sums are added up in one place,
+``SparseMoeBlock.combine``, a no-op on a single rank.
+
+Checkpoint layouts (``ExpertNames`` maps both onto ``w13`` / ``w2``):
+- per expert, as on the Hub and as transformers' ``save_pretrained`` writes them:
+  ``{block}.experts.{e}.{gate|up|down}.weight``, [I, H] / [I, H] / [H, I] (Mixtral:
+  block ``block_sparse_moe``, w1 / w3 / w2; Qwen: block ``mlp``, gate_proj / up_proj /
+  down_proj), and the router ``{block}.gate.weight``;
+- stacked, as transformers 5 holds them in memory (``save_original_format=False``):
+  ``mlp.experts.gate_up_proj`` [E, 2I, H] (gate rows over up rows) and
+  ``mlp.experts.down_proj`` [E, H, I], the router ``mlp.gate.weight``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from kernels import KernelOps
+from kernels.moe import select_experts
+from workers.models.arch_config import ArchConfig
+from workers.models.layers import _check_shape, default_weight_loader, new_param
+from workers.models.llama import LlamaForCausalLM, LlamaMLP
+from workers.models.parallel import ParallelContext, divide
+
+
+class ReplicatedLinear(nn.Module):
+    """``y = x W^T``, the whole weight on every rank (a router: small, and every rank
+    needs all of its output)."""
+
+    def __init__(self, input_size: int, output_size: int) -> None:
+        super().__init__()
+        self.weight = new_param((output_size, input_size), default_weight_loader)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight)  # [num_tokens, output_size]
+
+
+# A shard_id of FusedExperts.weight_loader: (piece, global expert id); expert None: the
+# stacked tensor of every expert ("gate_up" [E, 2I, H], "down" [E, H, I]).
+ExpertShard = tuple[str, int | None]
+
+
+class FusedExperts(nn.Module):
+    """The routed experts of one layer held here: ``w13`` [E_local, 2 * I_tp, H] (each
+    expert's gate rows over its up rows) and ``w2`` [E_local, H, I_tp], ``I_tp`` this TP
+    rank's slice of ``intermediate_size``; row ``e`` is expert ``first_expert + e``."""
+
+    def __init__(
+        self,
+        num_experts: int,
+        hidden_size: int,
+        intermediate_size: int,
+        parallel: ParallelContext,
+        first_expert: int = 0,
+        num_local_experts: int | None = None,
+    ) -> None:
+        super().__init__()
+        self.parallel = parallel
+        self.num_experts = num_experts
+        self.hidden_size = hidden_size
+        self.intermediate_size = intermediate_size
+        self.first_expert = first_expert
+        self.num_local_experts = (
+            num_experts - first_expert if num_local_experts is None else num_local_experts
+        )
+        if first_expert < 0 or first_expert + self.num_local_experts > num_experts:
+            raise ValueError(
+                f"experts {first_expert}..{first_expert + self.num_local_experts - 1} "
+                f"held here, but the model has {num_experts}"
+            )
+        self.shard_size = divide(intermediate_size, parallel.tp_size, "moe_intermediate_size")
+        size, num_local = self.shard_size, self.num_local_experts
+        self.w13 = new_param((num_local, 2 * size, hidden_size), self.weight_loader)
+        self.w2 = new_param((num_local, hidden_size, size), self.weight_loader)
+
+    def weight_loader(
+        self, param: torch.Tensor, loaded_weight: torch.Tensor, shard_id: ExpertShard
+    ) -> None:
+        """Copy this rank's part of one checkpoint tensor (``ExpertShard``) into ``param``:
+        its TP slice of the intermediate dimension, of the experts held here."""
+        piece, expert = shard_id
+        hidden, inter, size = self.hidden_size, self.intermediate_size, self.shard_size
+        cols = slice(self.parallel.tp_rank * size, (self.parallel.tp_rank + 1) * size)
+        if expert is not None:  # one expert's [I, H] gate / up or [H, I] down
+            if piece not in ("gate", "up", "down") or not 0 <= expert < self.num_experts:
+                raise ValueError(f"expert {expert} {piece!r}: the model has {self.num_experts}")
+            _check_shape(loaded_weight, (hidden, inter) if piece == "down" else (inter, hidden))
+            local = expert - self.first_expert
+            if not 0 <= local < self.num_local_experts:
+                return  # held by another rank: never read
+            if piece == "down":
+                param.data[local].copy_(loaded_weight[:, cols])
+            else:
+                offset = 0 if piece == "gate" else size
+                param.data[local, offset : offset + size].copy_(loaded_weight[cols])
+            return
+        held = slice(self.first_expert, self.first_expert + self.num_local_experts)
+        if piece == "gate_up":  # [E, 2I, H]: every expert's gate rows, then its up rows
+            _check_shape(loaded_weight, (self.num_experts, 2 * inter, hidden))
+            up_cols = slice(inter + cols.start, inter + cols.stop)
+            param.data[:, :size].copy_(loaded_weight[held, cols])
+            param.data[:, size:].copy_(loaded_weight[held, up_cols])
+        elif piece == "down":  # [E, H, I]
+            _check_shape(loaded_weight, (self.num_experts, hidden, inter))
+            param.data.copy_(loaded_weight[held, :, cols])
+        else:
+            raise ValueError(f"bad stacked expert piece {piece!r}")
+
+
+class SparseMoeBlock(nn.Module):
+    """Router, routed experts and (Qwen2-MoE) the gated shared expert of one layer."""
+
+    def __init__(
+        self,
+        config: ArchConfig,
+        parallel: ParallelContext,
+        ops: KernelOps,
+        *,
+        first_expert: int = 0,
+        num_local_experts: int | None = None,
+    ) -> None:
+        super().__init__()
+        if ops.is_batch_invariant:
+            raise ValueError(
+                "model.deterministic: the MoE experts have no batch-invariant kernel "
+                f"({config.architecture})"
+            )
+        self.ops = ops
+        self.parallel = parallel
+        self.top_k = config.num_experts_per_tok
+        self.renormalize = config.norm_topk_prob
+        self.gate = ReplicatedLinear(config.hidden_size, config.num_experts)
+        self.experts = FusedExperts(
+            config.num_experts,
+            config.hidden_size,
+            config.moe_intermediate_size,
+            parallel,
+            first_expert,
+            num_local_experts,
+        )
+        self.shared_expert: LlamaMLP | None = None
+        self.shared_expert_gate: ReplicatedLinear | None = None
+        if config.shared_expert_intermediate_size:
+            shared = dataclasses.replace(
+                config, intermediate_size=config.shared_expert_intermediate_size
+            )
+            self.shared_expert = LlamaMLP(shared, parallel, ops)  # all-reduces itself
+            self.shared_expert_gate = ReplicatedLinear(config.hidden_size, 1)
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        router_logits = self.gate(hidden_states)  # [num_tokens, num_experts]
+        # float32 [num_tokens, top_k] each
+        topk_weights, topk_ids = select_experts(
+            router_logits, self.top_k, renormalize=self.renormalize
+        )
+        out = self.ops.fused_moe(
+            hidden_states,
+            self.experts.w13,
+            self.experts.w2,
+            topk_weights,
+            topk_ids,
+            first_expert=self.experts.first_expert,
+        )  # [num_tokens, hidden_size], this rank's partial sum
+        out = self.combine(out)
+        if self.shared_expert is not None:
+            assert self.shared_expert_gate is not None
+            gate = torch.sigmoid(self.shared_expert_gate(hidden_states))  # [num_tokens, 1]
+            out = out + gate * self.shared_expert(hidden_states)
+        return out
+
+    def combine(self, out: torch.Tensor) -> torch.Tensor:
+        """Sum the ranks' partial expert outputs [num_tokens, hidden_size] (in place): the
+        TP ranks' intermediate slices, as ``RowParallelLinear`` does. Expert parallelism
+        plugs its reduction in here; a no-op on one rank."""
+        return self.parallel.all_reduce(out)
+
+
+def make_moe_mlp(
+    config: ArchConfig, layer_idx: int, parallel: ParallelContext, ops: KernelOps
+) -> nn.Module:
+    """Decoder layer ``layer_idx``'s MLP: the sparse block, or a dense MLP of
+    ``intermediate_size`` where ``config.is_moe_layer`` says so (Qwen's
+    ``decoder_sparse_step`` / ``mlp_only_layers``)."""
+    if config.is_moe_layer(layer_idx):
+        return SparseMoeBlock(config, parallel, ops)
+    return LlamaMLP(config, parallel, ops)
+
+
+@dataclass(frozen=True)
+class ExpertNames:
+    """How an architecture's checkpoints name the MoE block's tensors (module docstring),
+    and their mapping onto this model's parameters (``mlp.gate.weight``,
+    ``mlp.experts.w13`` / ``w2``). Missing tensors are reported by their per-expert names,
+    whichever layout the checkpoint has."""
+
+    block: str  # "block_sparse_moe" (Mixtral) or "mlp"
+    gate: str  # an expert's gate projection: "w1" / "gate_proj"
+    up: str  # "w3" / "up_proj"
+    down: str  # "w2" / "down_proj"
+    num_experts: int
+
+    def to_param(self, name: str) -> tuple[str, ExpertShard | None, tuple[str, ...]] | None:
+        """Checkpoint tensor ``name`` -> (parameter name, shard_id, the per-expert names it
+        covers), or None when it is no expert or router tensor."""
+        block, num = re.escape(self.block), self.num_experts
+        if m := re.fullmatch(rf"(.*)\.(?:{block}|mlp)\.gate\.weight", name):
+            return f"{m[1]}.mlp.gate.weight", None, (f"{m[1]}.{self.block}.gate.weight",)
+        pieces = {self.gate: "gate", self.up: "up", self.down: "down"}
+        names = "|".join(map(re.escape, pieces))
+        if m := re.fullmatch(rf"(.*)\.{block}\.experts\.(\d+)\.({names})\.weight", name):
+            param = "w2" if pieces[m[3]] == "down" else "w13"
+            return f"{m[1]}.mlp.experts.{param}", (pieces[m[3]], int(m[2])), (name,)
+        if m := re.fullmatch(r"(.*)\.mlp\.experts\.(gate_up_proj|down_proj)", name):
+            prefix, kinds = m[1], (self.gate, self.up) if m[2] == "gate_up_proj" else (self.down,)
+            covered = tuple(self.expert_name(prefix, e, k) for e in range(num) for k in kinds)
+            if m[2] == "gate_up_proj":
+                return f"{prefix}.mlp.experts.w13", ("gate_up", None), covered
+            return f"{prefix}.mlp.experts.w2", ("down", None), covered
+        return None
+
+    def expected(self, names: set[str]) -> set[str]:
+        """The checkpoint names that fill parameters ``names``: a router and the stacked
+        experts by their per-expert names, every other name as it is."""
+        out = set()
+        for name in names:
+            if m := re.fullmatch(r"(.*)\.mlp\.gate\.weight", name):
+                out.add(f"{m[1]}.{self.block}.gate.weight")
+            elif m := re.fullmatch(r"(.*)\.mlp\.experts\.(w13|w2)", name):
+                kinds = (self.gate, self.up) if m[2] == "w13" else (self.down,)
+                out.update(
+                    self.expert_name(m[1], e, k) for e in range(self.num_experts) for k in kinds
+                )
+            else:
+                out.add(name)
+        return out
+
+    def expert_name(self, prefix: str, expert: int, kind: str) -> str:
+        return f"{prefix}.{self.block}.experts.{expert}.{kind}.weight"
+
+
+class MoeForCausalLM(LlamaForCausalLM):
+    """A Llama-shaped model whose layers' MLPs are ``make_moe_mlp``'s; the loader maps its
+    expert tensors through ``expert_names``."""
+
+    # (block, gate, up, down) of the architecture's checkpoints (ExpertNames).
+    expert_layout: ClassVar[tuple[str, str, str, str]] = (
+        "mlp",
+        "gate_proj",
+        "up_proj",
+        "down_proj",
+    )
+    make_mlp = staticmethod(make_moe_mlp)
+
+    def __init__(self, config: ArchConfig, parallel: ParallelContext, ops: KernelOps) -> None:
+        super().__init__(config, parallel, ops)
+        self.expert_names = ExpertNames(*self.expert_layout, num_experts=config.num_experts)
