@@ -39,6 +39,7 @@ from kvtransfer import KVTransferConfig
 from workers.engine.config import (
     Dtype,
     EngineConfig,
+    ExpertDispatch,
     KVCacheDtype,
     Quantization,
     SpeculativeMethod,
@@ -90,6 +91,8 @@ class PoolSection(ConfigSection):
     )
     max_num_batched_tokens: int = engine_option("max_num_batched_tokens")
     max_num_seqs: int = engine_option("max_num_seqs")
+    expert_parallel: int = engine_option("expert_parallel")
+    expert_dispatch: ExpertDispatch = engine_option("expert_dispatch")
     # Narrower than the engine's (no cuda:N): Ray assigns each rank its GPU.
     device: Literal["auto", "cpu", "cuda"] = engine_option("device")
     node_resource: str | None = option(
@@ -248,6 +251,14 @@ class ClusterConfig(ConfigSection):
                 f"decode.speculative.method)"
             )
         pools = {"prefill": self.prefill, "decode": self.decode}
+        for role, pool in pools.items():
+            if pool.expert_parallel not in (1, pool.tensor_parallel):
+                # The experts are sharded over the ranks attention is split over
+                # (docs/moe.md): no other count has ranks to put them on.
+                raise ValueError(
+                    f"{role}.expert_parallel: must be 1 (off) or {role}.tensor_parallel "
+                    f"({pool.tensor_parallel}), got {pool.expert_parallel}"
+                )
         check_tiers_single_rank(self.kv_cache.has_tier, pools)
         router = self.router
         if router.restart_max_backoff_seconds < router.restart_backoff_seconds:

@@ -6,6 +6,8 @@ ragged token counts, with a rank that receives no pair, and with fewer tokens th
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -100,3 +102,95 @@ def test_one_rank_is_the_local_computation_and_kinds_are_checked():
     assert torch.equal(out, fused_moe(hidden, w13, w2, weights, ids))
     with pytest.raises(ValueError, match="expert dispatch 'nccl-magic': choose one of"):
         make_dispatcher(ExpertPlacement(NUM_EXPERTS), "nccl-magic")
+
+
+# ---- the engine with its experts split over two ranks ---------------------------------------
+
+
+def _ep_rank_main(rank: int, world: int, port: int, model_dir: str, out: str, kind: str) -> None:
+    """tests/workers/test_tensor_parallel.py's replica rank, its engine config with the
+    experts sharded over the ranks (``kind`` dispatch)."""
+    import dataclasses
+
+    from tests.workers import test_tensor_parallel
+
+    plain = test_tensor_parallel._config
+    test_tensor_parallel._config = lambda path: dataclasses.replace(
+        plain(path), expert_parallel=world, expert_dispatch=kind
+    )
+    # Count the dispatcher's calls: the tokens alone would also match with the experts
+    # split the TP way (the flag ignored).
+    cls = {"allreduce": AllReduceDispatch, "alltoall": AllToAllDispatch}[kind]
+    calls, call = [0], cls.__call__
+
+    def counted(self, *args):
+        calls[0] += 1
+        return call(self, *args)
+
+    cls.__call__ = counted
+    test_tensor_parallel._rank_main(rank, world, port, model_dir, out)
+    Path(out, f"dispatch{rank}.json").write_text(str(calls[0]))
+
+
+@pytest.fixture(scope="module")
+def moe_model(tmp_path_factory):
+    """A tiny Qwen3-MoE (8 experts, top-2) and the single-process engine's greedy tokens."""
+    from cluster.tools.make_model import make_model
+    from tests.workers import test_tensor_parallel
+    from workers.engine.llm_engine import LLMEngine
+
+    path = str(make_model(tmp_path_factory.mktemp("ep") / "tiny", "qwen3-moe", "tiny"))
+    return path, test_tensor_parallel._generate(LLMEngine(test_tensor_parallel._config(path)))
+
+
+@pytest.mark.parametrize("kind", ["allreduce", "alltoall"])
+def test_expert_parallel_engine_equals_the_single_process_engine(moe_model, kind, tmp_path):
+    import json
+
+    model_dir, want = moe_model
+    mp.start_processes(
+        _ep_rank_main,
+        args=(2, free_port("127.0.0.1"), model_dir, str(tmp_path), kind),
+        nprocs=2,
+        join=True,
+        start_method="spawn",
+    )
+    got = json.loads((tmp_path / "rank0.json").read_text())
+    assert got["tokens"] == want
+    follower = json.loads((tmp_path / "rank1.json").read_text())
+    assert follower["steps"] == got["steps"]  # the follower ran every step, in lockstep
+    dispatched = [int((tmp_path / f"dispatch{r}.json").read_text()) for r in (0, 1)]
+    assert dispatched[0] == dispatched[1] >= got["steps"]  # each MoE layer, every step
+
+
+def test_a_rank_holds_whole_experts_of_its_share(moe_model):
+    from kernels import REFERENCE_OPS
+    from workers.models.arch_config import ArchConfig
+    from workers.models.moe import SparseMoeBlock
+    from workers.models.parallel import ParallelContext
+
+    config = ArchConfig.from_model_dir(moe_model[0])
+    rank1 = ParallelContext(tp_rank=1, tp_size=2, expert_parallel=True)
+    block = SparseMoeBlock(config, rank1, REFERENCE_OPS)
+    half = config.num_experts // 2
+    assert block.experts.first_expert == half
+    assert block.experts.w13.shape == (half, 2 * config.moe_intermediate_size, config.hidden_size)
+    assert isinstance(block.dispatch, AllReduceDispatch)
+    split = SparseMoeBlock(config, ParallelContext(tp_rank=1, tp_size=2), REFERENCE_OPS)
+    assert split.dispatch is None  # plain TP: every expert, half its intermediate dimension
+    assert split.experts.w13.shape[:2] == (config.num_experts, config.moe_intermediate_size)
+
+
+def test_expert_parallel_is_refused_where_it_cannot_hold(tmp_path):
+    from cluster.tools.make_model import make_model
+    from workers.engine.config import EngineConfig, check_expert_parallel
+    from workers.models.loader import load_model
+    from workers.models.parallel import ParallelContext
+
+    dense = make_model(tmp_path / "dense", "llama", "tiny")
+    with pytest.raises(ValueError, match="expert_parallel: LlamaForCausalLM has no experts"):
+        load_model(dense, torch.float32, "cpu", parallel=ParallelContext(expert_parallel=True))
+    with pytest.raises(ValueError, match=r"must be 1 \(off\) or the replica's tensor_parallel"):
+        check_expert_parallel(EngineConfig(model=str(dense), expert_parallel=4), 2)
+    with pytest.raises(ValueError, match="expert_dispatch: must be one of allreduce, alltoall"):
+        EngineConfig(model=str(dense), expert_dispatch="carrier-pigeon")

@@ -24,6 +24,7 @@ Dtype = Literal["auto", "float32", "float16", "bfloat16"]
 KVCacheDtype = Literal["auto", "fp8_e4m3"]
 SpeculativeMethod = Literal["ngram", "draft"]
 Quantization = Literal["none", "fp8", "int4"]  # workers/models/quant/formats.py QUANTIZATIONS
+ExpertDispatch = Literal["allreduce", "alltoall"]  # workers/models/expert_parallel.py
 
 
 def setting(
@@ -97,6 +98,20 @@ class EngineConfig:
     )
     kv_peer_sharing: bool = setting(
         False, "Pull prefixes other workers hold (G4) over NIXL instead of recomputing"
+    )
+    # Mixture-of-Experts models (docs/moe.md): attention stays tensor-parallel over the
+    # replica's ranks, and the experts are split among the same ranks (whole experts per
+    # rank) instead of every expert being split across them.
+    expert_parallel: int = setting(
+        1,
+        "MoE models: ranks the experts are sharded over; 1 = off, else the replica's "
+        "tensor_parallel",
+        ge=1,
+    )
+    expert_dispatch: ExpertDispatch = setting(
+        "allreduce",
+        "MoE with expert_parallel: allreduce (each rank its experts over all tokens, one "
+        "all-reduce) or alltoall (token slices sent to the experts' ranks and back)",
     )
     max_num_seqs: int = setting(64, "Most requests running at once on a replica", ge=1)
     # Longer prompts are prefilled in chunks of at most this many tokens.
@@ -203,3 +218,14 @@ def _check(name: str, value: Any, tp: Any, meta: typing.Mapping[str, Any]) -> No
         bound = meta.get(key)
         if bound is not None and not ok(bound):
             raise ValueError(f"{name}: must be {sign} {bound}, got {value}")
+
+
+def check_expert_parallel(config: EngineConfig, tp_size: int) -> None:
+    """Refuse ``expert_parallel`` other than 1 or the replica's tensor-parallel size: the
+    experts are sharded over the ranks attention is split over (docs/moe.md). Whether the
+    model has experts at all is checked when it loads."""
+    if config.expert_parallel not in (1, tp_size):
+        raise ValueError(
+            f"expert_parallel: must be 1 (off) or the replica's tensor_parallel ({tp_size}), "
+            f"got {config.expert_parallel}"
+        )

@@ -28,12 +28,13 @@ import torch
 from workers.engine.batches import BatchesInFlight
 from workers.engine.block_manager import BlockManager
 from workers.engine.cache_sizing import resolve_max_model_len, resolve_num_blocks
-from workers.engine.config import EngineConfig
+from workers.engine.config import EngineConfig, check_expert_parallel
 from workers.engine.cpu_memory import keep_freed_memory_mapped
 from workers.engine.grammar import GrammarCompiler
 from workers.engine.handoff import KVHandoff, KVReceive, check_peer_prefix
 from workers.engine.kv_cache import allocate_kv_cache
 from workers.engine.kv_tiers.build import build_kv_tiers, check_single_rank_tiers
+from workers.engine.layerwise import LayerwiseStreams
 from workers.engine.model_runner import ModelRunner
 from workers.engine.outputs import StreamDelta
 from workers.engine.prompt_logprobs import prompt_logprobs
@@ -82,8 +83,13 @@ class LLMEngine:
         if is_gguf_file(config.model):  # served through its derived Hugging Face view
             config = dataclasses.replace(config, model=str(derive_model_dir(config.model)))
         self.config = config
+        parallel = parallel or ParallelContext()
+        check_expert_parallel(config, parallel.tp_size)
         self.parallel = dataclasses.replace(
-            parallel or ParallelContext(), deterministic=config.deterministic
+            parallel,
+            deterministic=config.deterministic,
+            expert_parallel=config.expert_parallel > 1,
+            expert_dispatch=config.expert_dispatch,
         )
         check_single_rank(config, self.parallel.tp_size, self.parallel.pp_size, batches_in_flight)
         check_single_rank_tiers(config, self.parallel)
@@ -151,6 +157,9 @@ class LLMEngine:
             self.model, self.kv_cache, config.block_size, self.device, before_forward
         )
         self.sampler = Sampler(self.vocab_size, seed=config.seed)
+        # Prefill: requests whose KV streams out layer group by layer group (layerwise.py).
+        first_layer = getattr(self.model.model, "start_layer", 0)  # a pipeline stage's
+        self.layerwise = LayerwiseStreams(config.block_size, first_layer, self.kv_cache.shape[1])
         # Structured outputs: compiled grammars by constraint (built on first use).
         self.grammars = GrammarCompiler(self.tokenizer, self.vocab_size)
         # The speculation gate's clock: on CPU this process's CPU time (steady when other
@@ -377,7 +386,8 @@ class LLMEngine:
         self._last_sched = batch.sched
         t0 = time.perf_counter()
         try:
-            logits = self.runner.run(batch.inputs)
+            hook = self.layerwise.hook_for(batch.sched, batch.requests)
+            logits = self.runner.run(batch.inputs, hook)
             if logits is None:
                 raise RuntimeError("the rank that schedules must run the last pipeline stage")
             t1 = time.perf_counter()

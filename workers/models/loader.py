@@ -86,6 +86,11 @@ def load_model(
     files = _weight_files(Path(model_dir))
     device = torch.device(device)
     parallel = parallel or ParallelContext()
+    if parallel.expert_parallel and not config.num_experts:
+        raise ValueError(
+            f"expert_parallel: {config.architecture} has no experts (a dense model); "
+            "expert parallelism needs a Mixture-of-Experts model"
+        )
     if ops is None:
         ops = deterministic_kernel_ops(device) if deterministic else get_kernel_ops(device)
     if deterministic and pack_linear == "auto":

@@ -9,10 +9,11 @@ where the op set has one). Qwen2-MoE adds a dense shared expert scaled by
 
 Parallelism. Tensor parallel: every expert's intermediate dimension is split over the TP
 ranks, as the dense MLP's is (gate/up rows and down columns; the router is replicated), so
-each rank's ``fused_moe`` is a partial sum. Expert parallel (to come): a rank holds experts
-``first_expert .. first_expert + num_local_experts - 1`` only, and experts held elsewhere
-add nothing to its sum. Either way the ranks' partial sums are added up in one place,
-``SparseMoeBlock.combine``, a no-op on a single rank.
+each rank's ``fused_moe`` is a partial sum, added up in ``SparseMoeBlock.combine`` (a no-op
+on a single rank). Expert parallel (``parallel.expert_parallel``, docs/moe.md): the same TP
+ranks hold whole experts instead, ``E / tp_size`` consecutive ones each
+(``ExpertPlacement``), and the layer's tokens reach them through the configured dispatcher
+(``workers/models/expert_parallel.py``: one all-reduce, or all-to-all both ways).
 
 Checkpoint layouts (``ExpertNames`` maps both onto ``w13`` / ``w2``):
 - per expert, as on the Hub and as transformers' ``save_pretrained`` writes them:
@@ -38,6 +39,7 @@ from torch import nn
 from kernels import KernelOps
 from kernels.moe import select_experts
 from workers.models.arch_config import ArchConfig
+from workers.models.expert_parallel import ExpertPlacement, make_dispatcher
 from workers.models.layers import _check_shape, default_weight_loader, new_param
 from workers.models.llama import LlamaForCausalLM, LlamaMLP
 from workers.models.parallel import ParallelContext, divide
@@ -150,11 +152,18 @@ class SparseMoeBlock(nn.Module):
         self.top_k = config.num_experts_per_tok
         self.renormalize = config.norm_topk_prob
         self.gate = ReplicatedLinear(config.hidden_size, config.num_experts)
+        self.dispatch = None
+        expert_parallel = parallel
+        if parallel.expert_parallel and parallel.tp_size > 1:
+            placement = ExpertPlacement(config.num_experts, parallel.tp_rank, parallel.tp_size)
+            first_expert, num_local_experts = placement.first_expert, placement.num_local_experts
+            self.dispatch = make_dispatcher(placement, parallel.expert_dispatch, parallel.group)
+            expert_parallel = ParallelContext()  # whole experts: no TP split inside one
         self.experts = FusedExperts(
             config.num_experts,
             config.hidden_size,
             config.moe_intermediate_size,
-            parallel,
+            expert_parallel,
             first_expert,
             num_local_experts,
         )
@@ -173,25 +182,33 @@ class SparseMoeBlock(nn.Module):
         topk_weights, topk_ids = select_experts(
             router_logits, self.top_k, renormalize=self.renormalize
         )
-        out = self.ops.fused_moe(
-            hidden_states,
-            self.experts.w13,
-            self.experts.w2,
-            topk_weights,
-            topk_ids,
-            first_expert=self.experts.first_expert,
-        )  # [num_tokens, hidden_size], this rank's partial sum
-        out = self.combine(out)
+        if self.dispatch is not None:  # expert parallel: the whole layer on every rank
+            out = self.dispatch(hidden_states, topk_weights, topk_ids, self._local_experts)
+        else:
+            out = self.combine(self._local_experts(hidden_states, topk_weights, topk_ids))
         if self.shared_expert is not None:
             assert self.shared_expert_gate is not None
             gate = torch.sigmoid(self.shared_expert_gate(hidden_states))  # [num_tokens, 1]
             out = out + gate * self.shared_expert(hidden_states)
         return out
 
+    def _local_experts(
+        self, hidden: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor
+    ) -> torch.Tensor:
+        """The weighted sum over each row's pairs whose experts are held here, [rows, H]."""
+        return self.ops.fused_moe(
+            hidden,
+            self.experts.w13,
+            self.experts.w2,
+            topk_weights,
+            topk_ids,
+            first_expert=self.experts.first_expert,
+        )
+
     def combine(self, out: torch.Tensor) -> torch.Tensor:
-        """Sum the ranks' partial expert outputs [num_tokens, hidden_size] (in place): the
-        TP ranks' intermediate slices, as ``RowParallelLinear`` does. Expert parallelism
-        plugs its reduction in here; a no-op on one rank."""
+        """Sum the TP ranks' partial expert outputs [num_tokens, hidden_size] (in place),
+        their intermediate slices, as ``RowParallelLinear`` does; a no-op on one rank.
+        (Expert parallelism sums through its dispatcher instead.)"""
         return self.parallel.all_reduce(out)
 
 

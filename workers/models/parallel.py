@@ -34,6 +34,10 @@ class ParallelContext:
     # model.deterministic: all_reduce sums the ranks' parts in rank order, whatever the
     # tensor's size (a ring all-reduce's order per element depends on how it is chunked).
     deterministic: bool = False
+    # Mixture-of-Experts layers: whole experts split over the TP ranks (expert_parallel.py)
+    # rather than each expert's intermediate dimension; how tokens reach them.
+    expert_parallel: bool = False
+    expert_dispatch: str = "allreduce"
 
     def __post_init__(self) -> None:
         if self.tp_size < 1 or not 0 <= self.tp_rank < self.tp_size:
