@@ -194,53 +194,61 @@ def test_a_dead_decode_rank_s_streams_migrate_and_the_cluster_keeps_serving(
     config["router"]["policy"] = "round_robin"  # the streams split over both replicas
     served = start_cluster(config, tmp_path)
     try:
-        stub = served.stub()
-        pids = _rank_pids(served)
-        # Rank 1 of each decode replica: with PP=2 the first stage (rank 0 is the last).
-        assert len(pids) == 2, pids
-        results: dict[int, object] = {}
-        (url,) = served.metrics_urls()
-        before = Scrape(url)
-
-        def consume(i: int) -> None:
-            req = request(STREAMS[i], max_tokens=STREAM_TOKENS)
-            req.output.return_timing = True
-            try:
-                results[i] = collect(stub, req, timeout=120)
-            except grpc.RpcError as exc:
-                results[i] = exc
-
-        threads = [threading.Thread(target=consume, args=(i,)) for i in range(len(STREAMS))]
-        for t in threads:
-            t.start()
-        deadline = time.monotonic() + 30
-        while time.monotonic() < deadline:  # both decode replicas busy
-            status = stub.GetClusterStatus(pb.GetClusterStatusRequest(), timeout=5)
-            decode = next(p for p in status.pools if p.role == "decode")
-            if all(w.num_running > 0 for w in decode.workers):
-                break
-            time.sleep(0.05)
-        else:
-            raise AssertionError(f"the streams did not reach both decode replicas: {status}")
-        os.kill(pids[0], signal.SIGKILL)
-        (dead_name,) = _wait_restarting(stub, "decode")  # out of routing within seconds
-        for t in threads:
-            t.join(120)
-        failed = [r.details() for r in results.values() if isinstance(r, grpc.RpcError)]
-        assert not failed and len(results) == len(STREAMS), failed
-        # Its streams moved to the other replica, and every client got the whole output.
-        assert all(r[0] == stream_reference[i] for i, r in results.items())
-        assert all(r[2].timing.decode_worker != dead_name for r in results.values())
-        moved = Scrape(url).get(MIGRATIONS, cause="decode_worker_died")
-        assert moved - before.get(MIGRATIONS, cause="decode_worker_died") >= 1
-        # It is restarted: both replicas serve again, and requests routed to the new one
-        # (round robin) give the same tokens as before.
-        _wait_serving(stub, "decode", {"decode-0": 0, "decode-1": 0, dead_name: 1})
-        assert dead_name in _serves_the_reference(stub, reference)
-        wait_blocks_released(stub)
+        assert_dead_decode_rank_migrates(served, reference, stream_reference)
     finally:
         assert stop_cluster(served) == 0, served.output()[-4000:]
         assert "baton: stopped" in served.output()
+
+
+def assert_dead_decode_rank_migrates(served, reference, stream_reference) -> None:
+    """Kill rank 1 of one of two busy decode replicas (the only follower ranks of the
+    cluster) mid-stream: it leaves routing within seconds, its streams migrate and every
+    client gets the undisturbed tokens, it is restarted, and serves the reference again;
+    no block stays in use."""
+    stub = served.stub()
+    pids = _rank_pids(served)
+    # Rank 1 of each decode replica: with PP=2 the first stage (rank 0 is the last).
+    assert len(pids) == 2, pids
+    results: dict[int, object] = {}
+    (url,) = served.metrics_urls()
+    before = Scrape(url)
+
+    def consume(i: int) -> None:
+        req = request(STREAMS[i], max_tokens=STREAM_TOKENS)
+        req.output.return_timing = True
+        try:
+            results[i] = collect(stub, req, timeout=120)
+        except grpc.RpcError as exc:
+            results[i] = exc
+
+    threads = [threading.Thread(target=consume, args=(i,)) for i in range(len(STREAMS))]
+    for t in threads:
+        t.start()
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:  # both decode replicas busy
+        status = stub.GetClusterStatus(pb.GetClusterStatusRequest(), timeout=5)
+        decode = next(p for p in status.pools if p.role == "decode")
+        if all(w.num_running > 0 for w in decode.workers):
+            break
+        time.sleep(0.05)
+    else:
+        raise AssertionError(f"the streams did not reach both decode replicas: {status}")
+    os.kill(pids[0], signal.SIGKILL)
+    (dead_name,) = _wait_restarting(stub, "decode")  # out of routing within seconds
+    for t in threads:
+        t.join(120)
+    failed = [r.details() for r in results.values() if isinstance(r, grpc.RpcError)]
+    assert not failed and len(results) == len(STREAMS), failed
+    # Its streams moved to the other replica, and every client got the whole output.
+    assert all(r[0] == stream_reference[i] for i, r in results.items())
+    assert all(r[2].timing.decode_worker != dead_name for r in results.values())
+    moved = Scrape(url).get(MIGRATIONS, cause="decode_worker_died")
+    assert moved - before.get(MIGRATIONS, cause="decode_worker_died") >= 1
+    # It is restarted: both replicas serve again, and requests routed to the new one
+    # (round robin) give the same tokens as before.
+    _wait_serving(stub, "decode", {"decode-0": 0, "decode-1": 0, dead_name: 1})
+    assert dead_name in _serves_the_reference(stub, reference)
+    wait_blocks_released(stub)
 
 
 def test_a_dead_prefill_rank_is_restarted_and_meets_the_decode_workers(
