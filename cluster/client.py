@@ -226,7 +226,33 @@ def format_status(status: pb.ClusterStatus) -> str:
         rows += [_worker_row(w) + (_spec_cells(w) if spec else ()) for w in pool.workers]
         lines += ["  " + line for line in _table(rows, num_left=3)]
         lines += _tier_lines(pool)
+        lines += _expert_lines(pool)
     return "\n".join(lines)
+
+
+# MoE models (docs/moe.md, "Expert load"): how evenly each worker's routers spread the
+# pairs over the experts, since it started: the busiest expert over the mean one, for the
+# most and least skewed layer (1.00 = even).
+_EXPERT_HEADER = ("WORKER", "MOE LAYERS", "PAIRS PER LAYER", "MAX/MEAN: WORST LAYER", "BEST")
+
+
+def _expert_lines(pool: pb.PoolStatus) -> list[str]:
+    """A table of the pool's workers' expert load; none for a dense model."""
+    rows = []
+    for worker in pool.workers:
+        ratios = []
+        for load in worker.expert_load:
+            mean = sum(load.tokens) / len(load.tokens) if load.tokens else 0.0
+            ratios.append((max(load.tokens) / mean if mean else 0.0, load.layer))
+        if ratios:
+            (worst, worst_layer), (best, best_layer) = max(ratios), min(ratios)
+            pairs = sum(worker.expert_load[0].tokens)
+            rows.append((worker.name, str(len(ratios)), str(pairs),
+                         f"{worst:.2f} (layer {worst_layer})",
+                         f"{best:.2f} (layer {best_layer})"))  # fmt: skip
+    if not rows:
+        return []
+    return ["", "  MoE expert load:"] + ["  " + line for line in _table([_EXPERT_HEADER, *rows], 1)]
 
 
 # The KV tiers below each worker's pool (docs/kv-tiers.md): blocks and bytes held of the

@@ -40,6 +40,14 @@ class TierUsage:
 
 
 @dataclass(frozen=True)
+class ExpertLoadStatus:
+    """One MoE layer's pairs routed to each expert, from the worker's last report."""
+
+    layer: int
+    tokens: tuple[int, ...]
+
+
+@dataclass(frozen=True)
 class WorkerStatus:
     name: str
     role: str  # prefill | decode
@@ -60,6 +68,7 @@ class WorkerStatus:
     spec_num_draft_tokens: int
     spec_num_accepted_tokens: int
     kv_tiers: tuple[TierUsage, ...] = ()  # lookup order; () when no tier is configured
+    expert_load: tuple[ExpertLoadStatus, ...] = ()  # MoE models, by layer; () when dense
 
 
 @dataclass(frozen=True)
@@ -154,6 +163,9 @@ def _pool(
                 spec_num_draft_tokens=report.spec_num_draft_tokens if report else 0,
                 spec_num_accepted_tokens=report.spec_num_accepted_tokens if report else 0,
                 kv_tiers=tuple(_tier_usage(t) for t in report.kv_tiers) if report else (),
+                expert_load=tuple(ExpertLoadStatus(e.layer, e.tokens) for e in report.expert_load)
+                if report
+                else (),
             )
         )
     return PoolStatus(

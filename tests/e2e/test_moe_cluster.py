@@ -64,6 +64,13 @@ def test_tp_prefill_to_ep_decode_equals_the_single_process_engine(
             agg = collect(stub, request(prompt, disaggregation=pb.DISAGGREGATION_NEVER))
             assert disagg[0] == agg[0] == moe_reference[i], f"prompt {i}"
         wait_blocks_released(stub)
+        # Expert load in the status: every MoE layer of a worker saw the same pairs (each
+        # token passes every layer), and the EP decode replica's rank 0 counts all of them.
+        status = stub.GetClusterStatus(pb.GetClusterStatusRequest(), timeout=5)
+        for pool in status.pools:
+            (worker,) = pool.workers
+            sums = {sum(load.tokens) for load in worker.expert_load}
+            assert len(worker.expert_load) > 0 and len(sums) == 1 and sums.pop() > 0, pool.role
     finally:
         assert stop_cluster(served) == 0
 

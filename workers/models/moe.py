@@ -140,6 +140,7 @@ class SparseMoeBlock(nn.Module):
         *,
         first_expert: int = 0,
         num_local_experts: int | None = None,
+        layer_idx: int = 0,
     ) -> None:
         super().__init__()
         if ops.is_batch_invariant:
@@ -149,6 +150,13 @@ class SparseMoeBlock(nn.Module):
             )
         self.ops = ops
         self.parallel = parallel
+        self.layer_idx = layer_idx  # the model's numbering (expert load is reported by it)
+        # (token, slot) pairs routed to each expert (global ids) since the model was built:
+        # the expert load the worker reports (workers/serving/metrics.py, baton status).
+        # Every rank routes every token alike, so rank 0's counts are the whole layer's.
+        self.register_buffer(
+            "expert_tokens", torch.zeros(config.num_experts, dtype=torch.int64), persistent=False
+        )
         self.top_k = config.num_experts_per_tok
         self.renormalize = config.norm_topk_prob
         self.gate = ReplicatedLinear(config.hidden_size, config.num_experts)
@@ -182,6 +190,7 @@ class SparseMoeBlock(nn.Module):
         topk_weights, topk_ids = select_experts(
             router_logits, self.top_k, renormalize=self.renormalize
         )
+        count_expert_tokens(self.expert_tokens, topk_ids)
         if self.dispatch is not None:  # expert parallel: the whole layer on every rank
             out = self.dispatch(hidden_states, topk_weights, topk_ids, self._local_experts)
         else:
@@ -212,6 +221,27 @@ class SparseMoeBlock(nn.Module):
         return self.parallel.all_reduce(out)
 
 
+def count_expert_tokens(expert_tokens: torch.Tensor, topk_ids: torch.Tensor) -> None:
+    """Add each routed pair to its expert's count, in place (a scatter: no host sync on
+    CUDA, where ``bincount`` would wait for its size)."""
+    ids = topk_ids.flatten()
+    expert_tokens.scatter_add_(0, ids, torch.ones_like(ids, dtype=torch.int64))
+
+
+def expert_load(model: nn.Module) -> tuple[tuple[int, tuple[int, ...]], ...]:
+    """``(layer, tokens per expert)`` of every MoE layer this rank runs, by layer: the
+    pairs routed to each expert since the model was built (any module with an
+    ``expert_tokens`` buffer and a ``layer_idx`` counts). One copy to the host."""
+    blocks = sorted(
+        ((m.layer_idx, m.expert_tokens) for m in model.modules() if hasattr(m, "expert_tokens")),
+        key=lambda block: block[0],
+    )
+    if not blocks:
+        return ()
+    counts = torch.stack([tokens for _, tokens in blocks]).cpu().tolist()
+    return tuple((layer, tuple(row)) for (layer, _), row in zip(blocks, counts, strict=True))
+
+
 def make_moe_mlp(
     config: ArchConfig, layer_idx: int, parallel: ParallelContext, ops: KernelOps
 ) -> nn.Module:
@@ -219,7 +249,7 @@ def make_moe_mlp(
     ``intermediate_size`` where ``config.is_moe_layer`` says so (Qwen's
     ``decoder_sparse_step`` / ``mlp_only_layers``)."""
     if config.is_moe_layer(layer_idx):
-        return SparseMoeBlock(config, parallel, ops)
+        return SparseMoeBlock(config, parallel, ops, layer_idx=layer_idx)
     return LlamaMLP(config, parallel, ops)
 
 

@@ -126,6 +126,14 @@ class TierStatus(_Message):
     kind: ClassVar[str] = "tier"
 
 
+class ExpertLoad(_Message):
+    """One MoE layer's (token, slot) pairs routed to each of its experts since the worker
+    started (docs/moe.md, "Expert load")."""
+
+    layer: int
+    tokens: tuple[int, ...]  # by global expert id
+
+
 class WorkerReport(_Message):
     """A worker's state as the router's policy sees it."""
 
@@ -155,6 +163,7 @@ class WorkerReport(_Message):
     kv_events_snapshot: bool = False
     kv_events: tuple[KVEvents, ...] = ()
     kv_tiers: tuple[TierStatus, ...] = ()  # latest stats; () when no tier is configured
+    expert_load: tuple[ExpertLoad, ...] = ()  # MoE models: totals per layer; () when dense
     kind: ClassVar[str] = "report"
 
 

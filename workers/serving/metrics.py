@@ -1,6 +1,6 @@
 """A worker's Prometheus metrics (docs/metrics.md): load, KV cache, queueing, KV hand-off
-(partial receive and peer pull too), speculative decoding, and the KV tiers below the pool
-(``tier_metrics.py``).
+(partial receive and peer pull too), speculative decoding, MoE expert load, and the KV
+tiers below the pool (``tier_metrics.py``).
 
 Recorded by rank 0 of a replica on its engine loop's thread (``workers/serving/service.py``);
 the node's exporter serves them (``workers/serving/metrics_node.py``). Every series carries
@@ -117,6 +117,19 @@ SPEC_ACCEPTED_TOKENS = Counter(
     LABELS,
 )
 
+# MoE models (docs/moe.md, "Expert load"): a series per (layer, expert), so a hot expert or
+# a skewed layer shows in any Prometheus rate() or ratio.
+EXPERT_TOKENS = Counter(
+    "baton_moe_expert_tokens",
+    "MoE models: (token, slot) pairs routed to each expert of each layer",
+    (*LABELS, "layer", "expert"),
+)
+EXPERT_IMBALANCE = Gauge(
+    "baton_moe_expert_load_max_over_mean",
+    "MoE models: the busiest expert's pairs over the mean expert's, per layer, since start",
+    (*LABELS, "layer"),
+)
+
 
 class WorkerMetrics:
     """One worker's series; call from its engine loop's thread (or any: values lock)."""
@@ -151,6 +164,7 @@ class WorkerMetrics:
         self._spec_draft = SPEC_DRAFT_TOKENS.labels(*labels)
         self._spec_accepted = SPEC_ACCEPTED_TOKENS.labels(*labels)
         self._spec_seen = (0, 0, 0)  # the last report's cumulative counts
+        self._experts_seen: dict[int, tuple[int, ...]] = {}  # layer -> last report's totals
 
     def first_scheduled(self, req: Request) -> None:
         """The scheduler's hook: ``req`` was scheduled for the first time. Its queue time,
@@ -179,11 +193,23 @@ class WorkerMetrics:
             if now > before:
                 counter.inc(now - before)
         self._spec_seen = seen
+        for load in report.expert_load:
+            self._expert_load(load.layer, load.tokens)
         for status in report.kv_tiers:
             series = self._tiers.get(status.name)
             if series is None:
                 series = self._tiers[status.name] = TierSeries(*self._labels, status.name)
             series.update(status)
+
+    def _expert_load(self, layer: int, tokens: tuple[int, ...]) -> None:
+        before = self._experts_seen.get(layer, (0,) * len(tokens))
+        for expert, (now, was) in enumerate(zip(tokens, before, strict=True)):
+            if now > was:
+                EXPERT_TOKENS.labels(*self._labels, str(layer), str(expert)).inc(now - was)
+        self._experts_seen[layer] = tokens
+        mean = sum(tokens) / len(tokens) if tokens else 0.0
+        ratio = max(tokens) / mean if mean else 0.0
+        EXPERT_IMBALANCE.labels(*self._labels, str(layer)).set(ratio)
 
     def transferred(self, seconds: float, num_bytes: int) -> None:
         self._transfer_time.observe(seconds)

@@ -14,7 +14,8 @@ from __future__ import annotations
 import time
 
 from workers.engine.llm_engine import LLMEngine
-from workers.protocol.wire import WorkerReport
+from workers.models.moe import expert_load
+from workers.protocol.wire import ExpertLoad, WorkerReport
 from workers.serving.tier_report import TierReporter
 
 EVENTS_EVERY_S = 0.1  # the tiers' events and stats are collected at most this often
@@ -28,6 +29,7 @@ class ReportBuilder:
         self.name = name
         self.role = role
         self._checked_at = -EVENTS_EVERY_S
+        self._expert_load: tuple[ExpertLoad, ...] = ()  # MoE: taken with the events
         # engine.kv_tiers: None when no tier is configured (getattr: an engine built
         # before the tiers existed has no such attribute).
         kv_tiers = getattr(engine, "kv_tiers", None)
@@ -43,6 +45,9 @@ class ReportBuilder:
             return
         self._checked_at = now
         self._events.refresh()
+        self._expert_load = tuple(
+            ExpertLoad(layer, tokens) for layer, tokens in expert_load(self.engine.model)
+        )
 
     def resend(self) -> None:
         """The next report carries a snapshot of the pool and every tier (a new receiver)."""
@@ -71,4 +76,5 @@ class ReportBuilder:
             kv_events_snapshot=snapshot,
             kv_events=events,
             kv_tiers=self._events.status,
+            expert_load=self._expert_load,
         )

@@ -265,7 +265,7 @@ class GetClusterStatusRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class WorkerStatus(_message.Message):
-    __slots__ = ("name", "role", "healthy", "tensor_parallel", "pipeline_parallel", "num_running", "num_waiting", "kv_blocks_total", "kv_blocks_used", "kv_blocks_cached", "state", "restarts", "num_incoming", "spec_num_steps", "spec_num_draft_tokens", "spec_num_accepted_tokens", "kv_tiers")
+    __slots__ = ("name", "role", "healthy", "tensor_parallel", "pipeline_parallel", "num_running", "num_waiting", "kv_blocks_total", "kv_blocks_used", "kv_blocks_cached", "state", "restarts", "num_incoming", "spec_num_steps", "spec_num_draft_tokens", "spec_num_accepted_tokens", "kv_tiers", "expert_load")
     NAME_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
     HEALTHY_FIELD_NUMBER: _ClassVar[int]
@@ -283,6 +283,7 @@ class WorkerStatus(_message.Message):
     SPEC_NUM_DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     SPEC_NUM_ACCEPTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     KV_TIERS_FIELD_NUMBER: _ClassVar[int]
+    EXPERT_LOAD_FIELD_NUMBER: _ClassVar[int]
     name: str
     role: str
     healthy: bool
@@ -300,7 +301,16 @@ class WorkerStatus(_message.Message):
     spec_num_draft_tokens: int
     spec_num_accepted_tokens: int
     kv_tiers: _containers.RepeatedCompositeFieldContainer[KVTierStatus]
-    def __init__(self, name: _Optional[str] = ..., role: _Optional[str] = ..., healthy: _Optional[bool] = ..., tensor_parallel: _Optional[int] = ..., pipeline_parallel: _Optional[int] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., kv_blocks_total: _Optional[int] = ..., kv_blocks_used: _Optional[int] = ..., kv_blocks_cached: _Optional[int] = ..., state: _Optional[str] = ..., restarts: _Optional[int] = ..., num_incoming: _Optional[int] = ..., spec_num_steps: _Optional[int] = ..., spec_num_draft_tokens: _Optional[int] = ..., spec_num_accepted_tokens: _Optional[int] = ..., kv_tiers: _Optional[_Iterable[_Union[KVTierStatus, _Mapping]]] = ...) -> None: ...
+    expert_load: _containers.RepeatedCompositeFieldContainer[ExpertLoad]
+    def __init__(self, name: _Optional[str] = ..., role: _Optional[str] = ..., healthy: _Optional[bool] = ..., tensor_parallel: _Optional[int] = ..., pipeline_parallel: _Optional[int] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., kv_blocks_total: _Optional[int] = ..., kv_blocks_used: _Optional[int] = ..., kv_blocks_cached: _Optional[int] = ..., state: _Optional[str] = ..., restarts: _Optional[int] = ..., num_incoming: _Optional[int] = ..., spec_num_steps: _Optional[int] = ..., spec_num_draft_tokens: _Optional[int] = ..., spec_num_accepted_tokens: _Optional[int] = ..., kv_tiers: _Optional[_Iterable[_Union[KVTierStatus, _Mapping]]] = ..., expert_load: _Optional[_Iterable[_Union[ExpertLoad, _Mapping]]] = ...) -> None: ...
+
+class ExpertLoad(_message.Message):
+    __slots__ = ("layer", "tokens")
+    LAYER_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_FIELD_NUMBER: _ClassVar[int]
+    layer: int
+    tokens: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, layer: _Optional[int] = ..., tokens: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class KVTierStatus(_message.Message):
     __slots__ = ("name", "blocks", "bytes", "capacity_blocks", "capacity_bytes", "hits", "misses")
