@@ -1,4 +1,5 @@
-"""Mixture-of-Experts: top-k routing and the grouped expert computation (PyTorch reference).
+"""Mixture-of-Experts: top-k routing (softmax top-k; DeepSeek's group-limited top-k) and the
+grouped expert computation (PyTorch reference).
 
 Layouts (``E`` experts held here, ``H`` hidden, ``I`` each expert's intermediate size):
 
@@ -13,11 +14,14 @@ Layouts (``E`` experts held here, ``H`` hidden, ``I`` each expert's intermediate
 top-k experts *held here* of ``weight * w2 @ silu_and_mul(w13 @ x)``; experts held elsewhere
 (expert parallelism) contribute nothing, so the sum over ranks is the whole layer.
 
-Grouped, not per token: the (token, slot) pairs are sorted by expert once, and each *active*
-expert runs one matmul over all of its tokens (the loop is over the experts that received
-tokens, never over every expert for every token). Products are accumulated in float32 and
-added in a fixed order (by expert, then token), so a token's result does not depend on how
-many tokens share the batch beyond the matmuls' own row-blocking.
+Grouped, not per token: the (token, slot) pairs are sorted by expert once (their tokens'
+rows gathered once), and each *active* expert runs one matmul pair over all of its tokens
+(the loop is over the experts that received tokens, never over every expert for every
+token). Each pair's weighted product is kept in float32, put back in (token, slot) order
+with one scatter, and a token's k slots are summed in slot order (what the Triton kernel
+does), so a token's result does not depend on how many tokens share the batch beyond the
+matmuls' own row-blocking. (One scatter per layer, not an ``index_add_`` per expert: on a
+loaded 2-core machine each parallel region of those cost about a millisecond.)
 """
 
 from __future__ import annotations
@@ -43,6 +47,71 @@ def select_experts(
     if renormalize:
         topk_weights = topk_weights / topk_weights.sum(dim=-1, keepdim=True)
     return topk_weights, topk_ids
+
+
+def select_experts_grouped(
+    router_logits: torch.Tensor,
+    top_k: int,
+    *,
+    num_groups: int = 1,
+    topk_groups: int = 1,
+    scoring: str = "sigmoid",
+    group_score: str = "top2_sum",
+    correction_bias: torch.Tensor | None = None,
+    renormalize: bool = True,
+    scaling: float = 1.0,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Group-limited top-k routing, as DeepSeek-V2/V3 compute it (Hugging Face's
+    ``DeepseekV3TopkRouter`` / ``DeepseekV2TopkRouter``), in float32:
+
+    1. ``scores``: ``sigmoid`` (V3) or ``softmax`` (V2) of the logits, per expert;
+    2. the *choice* scores add ``correction_bias`` [num_experts] (V3's
+       ``e_score_correction_bias``, which balances the load: it picks experts, it never
+       weighs them);
+    3. the experts are cut into ``num_groups`` equal groups, each scored by the sum of its
+       two best choice scores (``"top2_sum"``, V3) or its best (``"max"``, V2's
+       ``group_limited_greedy``); only the ``topk_groups`` best groups stay eligible;
+    4. the ``top_k`` best eligible experts by choice score; their weights are the
+       *unbiased* ``scores``, renormalised to sum to 1 when ``renormalize``
+       (``norm_topk_prob``), then multiplied by ``scaling`` (``routed_scaling_factor``).
+
+    ``num_groups == topk_groups`` (or 1) is plain top-k. Returns ``(topk_weights float32
+    [T, k], topk_ids int64 [T, k])``, the slots in descending choice score; mutates nothing.
+    """
+    num_experts = router_logits.shape[-1]
+    if num_experts % num_groups or not 1 <= topk_groups <= num_groups:
+        raise ValueError(
+            f"{num_experts} experts in {num_groups} groups, {topk_groups} of them kept: "
+            "the groups must be equal and at least one kept"
+        )
+    if not 1 <= top_k <= num_experts // num_groups * topk_groups:
+        raise ValueError(f"top_k={top_k} must be in 1..{num_experts // num_groups * topk_groups}")
+    logits = router_logits.float()
+    if scoring == "sigmoid":
+        scores = logits.sigmoid()
+    elif scoring == "softmax":
+        scores = logits.softmax(dim=-1)
+    else:
+        raise ValueError(f"scoring must be sigmoid or softmax, got {scoring!r}")
+    choice = scores if correction_bias is None else scores + correction_bias.float()
+    if topk_groups < num_groups:
+        grouped = choice.view(-1, num_groups, num_experts // num_groups)
+        if group_score == "top2_sum":
+            per_group = grouped.topk(min(2, grouped.shape[-1]), dim=-1).values.sum(dim=-1)
+        elif group_score == "max":
+            per_group = grouped.amax(dim=-1)
+        else:
+            raise ValueError(f"group_score must be top2_sum or max, got {group_score!r}")
+        kept = torch.topk(per_group, topk_groups, dim=-1).indices  # [T, topk_groups]
+        eligible = torch.zeros_like(per_group, dtype=torch.bool).scatter_(1, kept, True)
+        choice = choice.masked_fill(
+            ~eligible.repeat_interleave(grouped.shape[-1], dim=1), float("-inf")
+        )
+    topk_ids = torch.topk(choice, top_k, dim=-1).indices
+    topk_weights = scores.gather(1, topk_ids)
+    if renormalize:
+        topk_weights = topk_weights / (topk_weights.sum(dim=-1, keepdim=True) + 1e-20)
+    return topk_weights * scaling, topk_ids
 
 
 def sort_by_expert(
@@ -80,17 +149,20 @@ def fused_moe(
             f"size {hidden_size} (want [E, 2I, H] and [E, H, I])"
         )
     top_k = topk_ids.shape[1]
-    out = torch.zeros(num_tokens, hidden_size, dtype=torch.float32, device=hidden.device)
     order, counts = sort_by_expert(topk_ids, first_expert, num_local)
-    flat_weights = topk_weights.flatten()
+    rows = hidden[order // top_k]  # [P, H] each held pair's token, grouped by expert
+    out_rows = torch.empty(len(order), hidden_size, dtype=torch.float32, device=hidden.device)
     start = 0
     for expert, count in enumerate(counts.tolist()):
         if count == 0:
             continue
-        pairs = order[start : start + count]
-        start += count
-        token_ids = pairs // top_k
-        x = hidden[token_ids]  # [count, H]
+        x = rows[start : start + count]  # [count, H], contiguous
         y = silu_and_mul(x @ w13[expert].t()) @ w2[expert].t()  # [count, H]
-        out.index_add_(0, token_ids, y.float() * flat_weights[pairs, None])
-    return out.to(hidden.dtype)
+        out_rows[start : start + count] = y
+        start += count
+    out_rows *= topk_weights.flatten()[order, None]
+    # Back to (token, slot) order, pairs held elsewhere 0, each token's slots summed in slot
+    # order (as the Triton kernel sums): one scatter for the layer, not one per expert.
+    pairs = torch.zeros(num_tokens * top_k, hidden_size, dtype=torch.float32, device=hidden.device)
+    pairs[order] = out_rows
+    return pairs.view(num_tokens, top_k, hidden_size).sum(dim=1).to(hidden.dtype)
