@@ -42,6 +42,7 @@ from cluster.replicas import (
     wait_ready,
 )
 from cluster.restart import RayRestarter
+from cluster.scaling import RayProvisioner
 from router.config import RouterConfig
 from router.policy import KVWeights
 from router.recovery import RestartPolicy
@@ -66,6 +67,7 @@ class Cluster:
     listener: ChannelListener | None  # the workers' event channels; set once they run
     replicas: dict[str, Replica] = field(default_factory=dict)  # name -> running replica
     restarter: RayRestarter | None = None
+    provisioner: RayProvisioner | None = None  # live scaling (cluster/scaling.py)
     exporters: NodeExporters | None = None  # None: metrics.enabled is false
     started_ray: bool = False
 
@@ -158,7 +160,9 @@ def bring_up(config: ClusterConfig) -> Cluster:
         config = replaced(config, decode=replaced(config.decode, speculative=speculative))
     pools = (("prefill", config.prefill), ("decode", config.decode))
     num_ranks = sum(p.replicas * p.tensor_parallel * p.pipeline_parallel for _, p in pools)
-    started = connect_ray(num_ranks)
+    # A local Ray instance of ours gets CPUs for as many workers as live scaling may reach.
+    most_ranks = max(p.tensor_parallel * p.pipeline_parallel for _, p in pools)
+    started = connect_ray(max(num_ranks, config.router.scale_max_replicas * most_ranks))
     cluster = Cluster(config, router=None, listener=None, started_ray=started)  # type: ignore[arg-type]
     try:
         metrics_root = ""
@@ -176,15 +180,17 @@ def bring_up(config: ClusterConfig) -> Cluster:
             if started
             else 0
         )
+        templates: dict[str, tuple[WorkerSpec, dict[str, float]]] = {}
         for role, pool in pools:
             device = pool.device if pool.device != "auto" else ("cuda" if has_gpu else "cpu")
             check_pool_parallel(role, pool, arch, device, node_gpus)
+            spec = _spec(config, pool, f"{role}-0", role, str(model_dir), name, device, threads)
+            spec = replace(spec, metrics_dir=metrics_root)  # "" = no metrics
+            templates[role] = (spec, rank_bundle(device, pool.node_resource))
             for index in range(pool.replicas):
                 worker = f"{role}-{index}"
-                spec = _spec(config, pool, worker, role, str(model_dir), name, device, threads)
-                spec = replace(spec, metrics_dir=metrics_root)  # "" = no metrics
                 cluster.replicas[worker] = place_replica(
-                    spec, rank_bundle(device, pool.node_resource)
+                    replace(spec, name=worker), templates[role][1]
                 )
         replicas = cluster.replicas
         if cluster.exporters is not None:
@@ -217,6 +223,7 @@ def bring_up(config: ClusterConfig) -> Cluster:
         cluster.restarter = RayRestarter(
             replicas, listener, info, cluster.exporters, peer_sharing=peer_sharing
         )
+        cluster.provisioner = RayProvisioner(cluster.restarter, replicas, templates)
         cluster.router = Router(
             router_config(config, name, info),
             Tokenizer.from_dir(model_dir),
@@ -230,6 +237,7 @@ def bring_up(config: ClusterConfig) -> Cluster:
                 max_backoff_s=config.router.restart_max_backoff_seconds,
             ),
             tracing=_tracing(config),
+            provisioner=cluster.provisioner,
         )
     except BaseException:
         cluster.shutdown()
@@ -275,6 +283,8 @@ def router_config(config: ClusterConfig, name: str, info: WorkerInfo) -> RouterC
         requests_per_second_per_key=config.router.requests_per_second_per_key,
         request_burst_per_key=config.router.request_burst_per_key,
         migration_limit=config.router.migration_limit,
+        scale_down_grace_s=config.router.scale_down_grace_seconds,
+        scale_max_replicas=config.router.scale_max_replicas,
         request_timeout_s=config.router.request_timeout_seconds,
         request_idle_timeout_s=config.router.request_idle_timeout_seconds,
         kv_transfer_backend=config.kv_transfer.backend,

@@ -3,7 +3,7 @@
 Each subcommand is a ``_Command``: a function that adds its arguments to a subparser
 and a function that runs it, returning the exit code. Adding one (``serve``, ``status``,
 ``bench``) is adding two functions and a line in ``_COMMANDS``. The commands that talk to
-a running router (``generate --target``, ``status``) run in ``cli_client.py``; what both
+a running router (``generate --target``, ``status``, ``scale``) run in ``cli_client.py``; what both
 share with the terminal (program name, exit codes, prompt, summary line) is in
 ``cli_terminal.py``, so the imports go one way: cli -> cli_client -> cli_terminal. The
 commands that write model directories (``make-model``, ``train-model``) are in
@@ -202,6 +202,40 @@ def _run_status(args: argparse.Namespace) -> int:
     return run_status(args)
 
 
+# ---- scale ---------------------------------------------------------------------------
+
+
+def _add_scale_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--target",
+        required=True,
+        metavar="HOST:PORT",
+        help="a running router's HTTP API (router.http_port; https://HOST:PORT for TLS)",
+    )
+    parser.add_argument("--prefill", type=int, default=None, metavar="N", help="prefill workers")
+    parser.add_argument("--decode", type=int, default=None, metavar="M", help="decode workers")
+    parser.add_argument(
+        "--admin-key-file",
+        default=None,
+        metavar="FILE",
+        help="file holding the admin key (router.admin_key_file); or $BATON_ADMIN_KEY",
+    )
+    parser.add_argument("--json", action="store_true", help="print the answer as JSON")
+    parser.add_argument(
+        "--timeout",
+        type=_positive_seconds,
+        default=900.0,
+        metavar="SECONDS",
+        help="give up after this long (900: new workers load, removed ones drain)",
+    )
+
+
+def _run_scale(args: argparse.Namespace) -> int:
+    from cluster.cli_client import run_scale
+
+    return run_scale(args)
+
+
 # ---- serve -----------------------------------------------------------------------------
 
 
@@ -278,6 +312,12 @@ _COMMANDS = (
         "show a running cluster's pools, workers, health and KV usage",
         _add_status_arguments,
         _run_status,
+    ),
+    _Command(
+        "scale",
+        "show or change a running cluster's prefill and decode workers (live; admin key)",
+        _add_scale_arguments,
+        _run_scale,
     ),
 )
 

@@ -1,6 +1,6 @@
-"""The ``baton`` subcommands that talk to a running router over gRPC: ``generate
---target`` and ``status`` (imported only when one of them runs: grpc stays out of the
-parser and of the offline commands)."""
+"""The ``baton`` subcommands that talk to a running router: ``generate --target`` and
+``status`` over gRPC, ``scale`` over the HTTP admin route (imported only when one of them
+runs: grpc stays out of the parser and of the offline commands)."""
 
 from __future__ import annotations
 
@@ -126,4 +126,56 @@ def run_status(args: argparse.Namespace) -> int:
     else:
         text = format_status(status)
     print(text)
+    return 0
+
+
+def run_scale(args: argparse.Namespace) -> int:
+    """``baton scale``: the router's HTTP admin route ``/admin/scale`` (router/http/admin.py):
+    GET with neither ``--prefill`` nor ``--decode``, else POST the new sizes."""
+    import json
+    import os
+    import urllib.error
+    import urllib.request
+
+    key = os.environ.get("BATON_ADMIN_KEY", "")
+    if args.admin_key_file:
+        with open(args.admin_key_file) as f:
+            key = f.read().strip()
+    if not key:
+        raise ValueError("the admin key: give --admin-key-file FILE or set $BATON_ADMIN_KEY")
+    base = args.target if "://" in args.target else f"http://{args.target}"
+    target = {"prefill": args.prefill, "decode": args.decode}
+    body = {k: v for k, v in target.items() if v is not None}
+    request = urllib.request.Request(
+        f"{base.rstrip('/')}/admin/scale",
+        data=json.dumps(body).encode() if body else None,
+        method="POST" if body else "GET",
+        headers={"Authorization": f"Bearer {key}", "Content-Type": "application/json"},
+    )
+    try:
+        with urllib.request.urlopen(request, timeout=args.timeout) as response:
+            answer = json.loads(response.read())
+    except urllib.error.HTTPError as exc:
+        try:
+            message = json.loads(exc.read())["error"]["message"]
+        except (ValueError, KeyError, TypeError):
+            message = exc.reason
+        print_error(f"HTTP {exc.code}: {message}")
+        return EXIT_USAGE if exc.code == 400 else EXIT_FAILURE
+    except (urllib.error.URLError, TimeoutError) as exc:
+        reason = getattr(exc, "reason", exc)
+        print_error(f"cannot reach a Baton router's HTTP API at {base} ({reason})")
+        return EXIT_FAILURE
+    if args.json:
+        print(json.dumps(answer, indent=2))
+    elif not body:
+        print(f"prefill {answer['prefill']}, decode {answer['decode']}")
+    else:
+        before, after = answer["before"], answer["after"]
+        line = ", ".join(f"{p} {before[p]} -> {after[p]}" for p in ("prefill", "decode"))
+        extra = [f"added {', '.join(answer['added'])}"] if answer["added"] else []
+        extra += [f"retired {', '.join(answer['retired'])}"] if answer["retired"] else []
+        if answer["migrated"]:
+            extra.append(f"{answer['migrated']} requests migrated past the grace period")
+        print(line + (f" ({'; '.join(extra)})" if extra else ""))
     return 0

@@ -266,6 +266,12 @@ class ClusterConfig(ConfigSection):
                 f"router.restart_max_backoff_seconds ({router.restart_max_backoff_seconds}) "
                 f"is below router.restart_backoff_seconds ({router.restart_backoff_seconds})"
             )
+        num_workers = self.prefill.replicas + self.decode.replicas
+        if 0 < router.scale_max_replicas < num_workers:
+            raise ValueError(
+                f"router.scale_max_replicas ({router.scale_max_replicas}) is below "
+                f"prefill.replicas + decode.replicas ({num_workers})"
+            )
         return self
 
 

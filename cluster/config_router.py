@@ -32,6 +32,12 @@ class RouterSection(ConfigSection):
         "api_key and $BATON_API_KEYS / $BATON_API_KEY, the keys both front ends require "
         "(docs/security.md); none at all = the front ends are open",
     )
+    admin_key_file: str | None = option(
+        None,
+        "File holding the admin key (>= 16 characters) that the HTTP admin routes "
+        "(/admin/scale: baton scale) require as a bearer token; or $BATON_ADMIN_KEY; "
+        "unset = the admin routes answer 403",
+    )
     tls_cert_file: str | None = option(
         None, "PEM certificate (chain) gRPC and HTTP serve TLS with; unset = plaintext"
     )
@@ -150,6 +156,18 @@ class RouterSection(ConfigSection):
     )
     drain_grace_seconds: float = option(
         30.0, "On SIGTERM, how long in-flight requests may take to finish", ge=0.0
+    )
+    scale_down_grace_seconds: float = option(
+        30.0,
+        "Live scaling (baton scale): how long a worker being removed may take to finish its "
+        "requests; past it they migrate to other workers with their tokens",
+        ge=0.0,
+    )
+    scale_max_replicas: int = option(
+        0,
+        "Live scaling: most workers of both pools together; a local Ray instance Baton "
+        "starts gets CPUs for that many; 0 = what the cluster has room for",
+        ge=0,
     )
     restart_attempts: int = option(
         4, "Attempts to restart a dead worker's replica; 0 = leave it out of routing", ge=0

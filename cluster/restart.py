@@ -14,8 +14,10 @@ how often to try (``router/recovery.py``); this module does the Ray side of one 
 
 Every Ray call blocks, so attempts run on one thread of their own, one at a time: the
 event loop keeps serving, and two replicas that restart together cannot miss each other
-(the second introduces itself to the first one's new ranks). ``close`` (at shutdown)
-makes an attempt in progress give up and remove what it placed.
+(the second introduces itself to the first one's new ranks). Live scaling's new and
+retired replicas (``cluster/scaling.py``) take the same thread (``run_exclusive``,
+``bring_in``). ``close`` (at shutdown) makes an attempt in progress give up and remove
+what it placed.
 """
 
 from __future__ import annotations
@@ -40,6 +42,7 @@ from cluster.replicas import (
 from workers.protocol.wire import WorkerInfo
 from workers.serving.channel import ChannelListener
 from workers.serving.ray_worker import RayWorkerClient
+from workers.serving.worker_spec import WorkerSpec
 
 logger = logging.getLogger(__name__)
 
@@ -70,10 +73,18 @@ class RayRestarter:
 
     async def restart(self, name: str) -> RayWorkerClient:
         """Replace replica ``name`` with a fresh one; its client, not yet started."""
+        replica = await self.run_exclusive(self._restart, name)
+        return self.client(name, replica)
+
+    def client(self, name: str, replica: Replica) -> RayWorkerClient:
+        """The router's client of ``replica``'s rank 0 (not yet started)."""
+        return RayWorkerClient(name, replica.spec.role, replica.ranks[0], self._listener)
+
+    async def run_exclusive(self, fn, *args):
+        """``fn(*args)`` on the restart thread, after what runs there (one at a time)."""
         if self._closing.is_set():
             raise Cancelled("the cluster is shutting down")
-        replica = await asyncio.wrap_future(self._executor.submit(self._restart, name))
-        return RayWorkerClient(name, replica.spec.role, replica.ranks[0], self._listener)
+        return await asyncio.wrap_future(self._executor.submit(fn, *args))
 
     def close(self) -> None:
         """Shutdown: no attempt starts any more; wait for the one in progress, which gives
@@ -87,10 +98,22 @@ class RayRestarter:
         logger.warning("restarting %s (%s, %d ranks)", name, spec.role, spec.num_ranks)
         kill_replica(old)  # frees its bundles for the new placement group
         self._generations[name] += 1
+        replica = self.bring_in(name, spec, old.bundle, self._generations[name])
+        # Registered only now: until here the old (killed) entry stands, and killing it
+        # again at shutdown is harmless.
+        self._replicas[name] = replica
+        return replica
+
+    def bring_in(
+        self, name: str, spec: WorkerSpec, bundle: dict[str, float], generation: int = 0
+    ) -> Replica:
+        """On the restart thread: place and start replica ``name``, check it agrees with
+        the cluster, introduce it to its KV peers (steps 2 and 3). Not registered; on
+        failure nothing of it is left."""
         cancel = self._closing
         replica = None
         try:
-            replica = place_replica(spec, old.bundle, self._generations[name], cancel)
+            replica = place_replica(spec, bundle, generation, cancel)
             if self._exporters is not None:
                 for address in self._exporters.ensure(replica_nodes(replica.placement_group)):
                     logger.info("metrics of a new node on http://%s/metrics", address)
@@ -111,7 +134,4 @@ class RayRestarter:
             if replica is not None:  # placement cleans up after itself
                 kill_replica(replica)
             raise
-        # Registered only now: until here the old (killed) entry stands, and killing it
-        # again at shutdown is harmless.
-        self._replicas[name] = replica
         return replica

@@ -82,6 +82,7 @@ async def serve(config: ClusterConfig, on_ready: Callable[[str], None] | None = 
     # only when initialised from the main thread.
     # Refused before anything starts: a keys file or TLS file that cannot be read.
     keys = api_keys(config)
+    admin = admin_key(config)
     tls = config.router.tls()
     if tls is not None:
         tls.grpc_credentials()
@@ -98,7 +99,7 @@ async def serve(config: ClusterConfig, on_ready: Callable[[str], None] | None = 
         server = Server(router, config.router.host, config.router.port, tp_pp, keys, tls)
         await server.start()
         if config.router.http_port:
-            http = _http_server(config, router, keys)
+            http = _http_server(config, router, keys, admin)
             await http.start()
         stop = asyncio.Event()
         for sig in (signal.SIGTERM, signal.SIGINT):
@@ -212,7 +213,18 @@ def api_keys(config: ClusterConfig):
     return keys
 
 
-def _http_server(config: ClusterConfig, router, keys):
+def admin_key(config: ClusterConfig):
+    """The key the HTTP admin routes require (``baton scale``; router/http/admin.py):
+    ``$BATON_ADMIN_KEY`` or ``router.admin_key_file``; None = those routes are off."""
+    from router.http.admin import AdminKey
+
+    key = AdminKey.load(config.router.admin_key_file)
+    if key is not None:
+        print("baton: admin routes on (an admin key is configured)", flush=True)
+    return key
+
+
+def _http_server(config: ClusterConfig, router, keys, admin=None):
     """The HTTP front end over ``router``, with the served model's chat template."""
     from importlib.metadata import PackageNotFoundError, version
 
@@ -235,6 +247,7 @@ def _http_server(config: ClusterConfig, router, keys):
         keys=keys,
         tls=config.router.tls(),
         version=baton_version,
+        admin_key=admin,
     )
 
 

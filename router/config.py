@@ -26,6 +26,10 @@ class RouterConfig:
     requests_per_second_per_key: float = 0.0
     request_burst_per_key: int = 16
     migration_limit: int = 3  # per request (router/migration.py); 0 = never migrate
+    # Live scaling (router/scaling.py): how long a draining worker's requests may take
+    # before they migrate, and the most workers of both pools (0 = the cluster's room).
+    scale_down_grace_s: float = 30.0
+    scale_max_replicas: int = 0
     # Server-side deadlines (router/pending.py): the whole request, and the longest wait
     # for its next event from a worker; 0 = none.
     request_timeout_s: float = 0.0

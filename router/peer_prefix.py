@@ -67,16 +67,17 @@ def choose_source(
     block_size: int,
     min_blocks: int,
 ) -> PeerSource | None:
-    """Pure: the healthy worker other than ``target`` that holds the longest prefix of
-    the prompt (pool and tiers: ``cached_prefix_blocks``; ties: the least loaded), when it
-    holds at least ``min_blocks`` blocks more than ``target``; None otherwise. The target
-    computes at least the prompt's last token, so the prefix stops one token short."""
+    """Pure: the healthy worker other than ``target`` (and not draining) that holds the
+    longest prefix of the prompt (pool and tiers: ``cached_prefix_blocks``; ties: the least
+    loaded), when it holds at least ``min_blocks`` blocks more than ``target``; None
+    otherwise. The target computes at least the prompt's last token, so the prefix stops
+    one token short."""
     own = cached_prefix_blocks(target, block_hashes)
     usable = (num_prompt_tokens - 1) // block_size
     best: tuple[int, int] | None = None  # (-blocks, load)
     source = None
     for worker in workers:
-        if worker.name == target.name or not worker.healthy:
+        if worker.name == target.name or not worker.is_routable:
             continue
         blocks = min(cached_prefix_blocks(worker, block_hashes), usable)
         key = (-blocks, worker.load)

@@ -31,6 +31,9 @@ every prefill worker is saturated (its waiting queue at least ``saturated_queue`
 otherwise it hands off (with no healthy prefill worker it degrades to local prefill).
 ``always`` and ``never`` force the choice; ``always`` with no healthy prefill worker raises
 ``NoHealthyWorker``, which the router answers with UNAVAILABLE.
+
+A draining worker (being scaled down: router/scaling.py) is skipped like an unhealthy one:
+it takes nothing new while its running requests finish.
 """
 
 from __future__ import annotations
@@ -53,6 +56,7 @@ class WorkerState:
 
     name: str
     healthy: bool = True
+    is_draining: bool = False  # being scaled down: takes no new request (router/scaling.py)
     num_running: int = 0
     num_waiting: int = 0
     num_incoming: int = 0  # routed here, not yet submitted here (decode: still in prefill)
@@ -63,6 +67,10 @@ class WorkerState:
     # The tiers below the pool, in the worker's lookup order: (name, hashes it holds). The
     # router's live sets (router/workers.py), not copies: read them during one route only.
     tier_hashes: tuple[tuple[str, Set[int]], ...] = ()
+
+    @property
+    def is_routable(self) -> bool:
+        return self.healthy and not self.is_draining
 
     @property
     def load(self) -> int:
@@ -154,7 +162,7 @@ def pick(
     prompt (kv_aware counts a block it lacks as one to compute); otherwise it is a decode
     worker fed by a prefill worker, which receives the blocks it lacks (each costs
     ``receive_weight`` of one to compute)."""
-    healthy = [w for w in workers if w.healthy]
+    healthy = [w for w in workers if w.is_routable]
     if not healthy:
         raise NoHealthyWorker("no healthy worker in the pool")
     if policy == "round_robin":
@@ -200,7 +208,7 @@ def scores(
 ) -> list[str]:
     """What :func:`pick` compared, per healthy worker, as ``name=score`` (for a trace):
     kv_aware's cost in blocks, else the load (requests). Lower wins."""
-    healthy = [w for w in workers if w.healthy]
+    healthy = [w for w in workers if w.is_routable]
     if policy == "kv_aware" and healthy and not _out_of_balance(healthy, req):
         return [f"{w.name}={_cost(w, req, prefills):.2f}" for w in healthy]
     return [f"{w.name}={w.load}" for w in healthy]
@@ -226,7 +234,7 @@ def route(
     local_cached = cached_prefix_blocks(decode, req.block_hashes) * req.block_size
     if disaggregation == "never":
         return RouteDecision(decode.name, None, local_cached, next_cursor)
-    healthy_prefill = [w for w in prefill_pool if w.healthy]
+    healthy_prefill = [w for w in prefill_pool if w.is_routable]
     if disaggregation == "auto":
         uncached = req.num_prompt_tokens - local_cached
         saturated = all(w.num_waiting >= saturated_queue for w in healthy_prefill)

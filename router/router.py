@@ -42,10 +42,11 @@ from router.recovery import Recovery, Restarter, RestartPolicy
 from router.request_trace import RequestTrace
 from router.requests import GenerateRequest
 from router.routing import Routing
+from router.scaling import Provisioner, Scaling
 from router.stream import RequestStream
 from router.tracing import NO_TRACE, Tracing
 from router.validation import InvalidRequest, ValidRequest, prompt_token_ids, validate
-from router.workers import WorkerClient, WorkerView, decline
+from router.workers import WorkerClient, WorkerView, abort_on, decline
 from workers.protocol.wire import OutputBatch
 from workers.text.tokenizer import Tokenizer
 
@@ -64,9 +65,11 @@ class Router:
         restarter: Restarter | None = None,
         restart_policy: RestartPolicy | None = None,
         tracing: Tracing | None = None,
+        provisioner: Provisioner | None = None,
     ):
         """Without a ``restarter`` a dead worker stays out of routing for good; without
-        ``tracing`` no request is traced (router/tracing.py)."""
+        ``tracing`` no request is traced (router/tracing.py); without a ``provisioner`` the
+        pools keep their size (``scaling`` is None; router/scaling.py)."""
         self.config = config
         self.tracing = tracing
         self.tokenizer = tokenizer
@@ -87,6 +90,10 @@ class Router:
         if config.peer_sharing:
             unread = partial(lambda r, h: decline(h, None, [*r.decode, *r.prefill]), self)
             self.peers = PeerExports(config.peer_export_timeout_s, unread, config.model_name)
+        self.scaling: Scaling | None = None
+        if provisioner is not None:
+            args = (config.scale_down_grace_s, config.scale_max_replicas)
+            self.scaling = Scaling(self, provisioner, *args)
         self.attempts = Attempts(config, self._by_name, self.prefill, self.decode, self.peers)
         self.quotas = Quotas(
             QuotaConfig(
@@ -114,6 +121,8 @@ class Router:
         self.is_stopped = True
         if self.recovery is not None:
             await self.recovery.stop()
+        if self.scaling is not None:
+            await self.scaling.stop()
         for view in self._by_name.values():
             view.is_alive = False  # what follows (the channel closing) is no failure
             view.client.close()
@@ -139,6 +148,35 @@ class Router:
         view.forget_all()  # their requests ended when the worker died
         view.is_alive = True
         self._listen(view)
+
+    # Scaling's (router/scaling.py): a worker joins (routed to after its first healthy
+    # report), a retired one leaves (its channel closes: no death), and past a drain's
+    # grace a worker's requests migrate (router/migration.py), aborted there.
+    async def add_worker(self, client: WorkerClient) -> WorkerView:
+        await client.start()
+        view = WorkerView(client)
+        (self.prefill if client.role == "prefill" else self.decode).append(view)
+        self._by_name[view.name] = view
+        self._listen(view)
+        return view
+
+    def remove_worker(self, view: WorkerView) -> None:
+        view.is_alive = False
+        view.client.close()
+        pool = self.prefill if view.client.role == "prefill" else self.decode
+        if view in pool:
+            pool.remove(view)
+        if self._by_name.get(view.name) is view:
+            del self._by_name[view.name]
+        if self.peers is not None:
+            self.peers.worker_lost(view.name)
+
+    def migrate_away(self, view: WorkerView, why: str) -> int:
+        view.error = why
+        moved = self._evict(view)
+        for request_id in moved:
+            self._spawn(abort_on(view, request_id))
+        return len(moved)
 
     @property
     def num_in_flight(self) -> int:
@@ -367,15 +405,24 @@ class Router:
         logger.error("worker %s is gone: %s", view.name, error)
         view.is_alive = False
         view.error = error
+        self._evict(view)
+        view.forget_all()
+        if self.peers is not None:
+            self.peers.worker_lost(view.name)
+        if self.scaling is not None and self.scaling.owns(view.name):
+            return  # joining or draining: scaling retires it, no restart
+        if self.recovery is not None:
+            self.recovery.worker_lost(view.name)
+
+    def _evict(self, view: WorkerView) -> list[str]:
+        """Wake the requests ``view`` runs with its loss: each migrates (router/migration.py)."""
+        moved = []
         for request_id in list(view.active):
             pending = self._requests.get(request_id)
             if pending is not None and pending.owner is view:
                 pending.events.put_nowait((view.name, None))
-        view.forget_all()
-        if self.peers is not None:
-            self.peers.worker_lost(view.name)
-        if self.recovery is not None:
-            self.recovery.worker_lost(view.name)
+                moved.append(request_id)
+        return moved
 
 
 def scoped_id(principal: str, request_id: str) -> str:

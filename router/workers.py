@@ -82,6 +82,9 @@ class WorkerView:
     kv_events_seq: int = 0
     tiers_in_sync: bool = True
     is_alive: bool = True
+    # Being scaled down (router/scaling.py owns it): routed nothing new, still serving what
+    # it has (the policy skips it: ``WorkerState.is_draining``).
+    is_draining: bool = False
     error: str = ""  # why the worker was declared dead
     active: set[str] = field(default_factory=set)  # request ids sent and not yet finished
     routed: dict[str, Expected] = field(default_factory=dict)
@@ -163,6 +166,7 @@ class WorkerView:
         return WorkerState(
             name=self.name,
             healthy=self.is_healthy,
+            is_draining=self.is_draining,
             num_running=num_running,
             num_waiting=num_waiting,
             num_incoming=len(incoming),

@@ -1,7 +1,8 @@
 """The FastAPI app: OpenAI's routes over one :class:`~router.router.Router`.
 
 ``POST /v1/completions``, ``POST /v1/chat/completions``, ``GET /v1/models``, ``GET /health``
-(503 while draining), ``GET /version``. Each generation route converts its body into the
+(503 while draining), ``GET /version``, and the admin routes ``/admin/scale`` (``admin.py``:
+live scaling, behind the admin key). Each generation route converts its body into the
 router's typed requests (``convert.py``), runs them through ``Router.generate`` like the
 gRPC servicer does (``streams.Choices``) and renders the events (``render.py``, ``render_chat.py``). Every
 error is OpenAI's shape (``errors.py``): a body pydantic refuses, malformed JSON, a body
@@ -29,6 +30,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from router.auth import ANONYMOUS, ApiKeys
 from router.errors import ErrorCode, RouterError
 from router.http import render, render_chat
+from router.http.admin import ADMIN_PREFIX, AdminKey, add_admin_routes, admin_refusal
 from router.http.chat_template import ChatTemplate
 from router.http.convert import Plan, chat_plan, completion_plan
 from router.http.errors import OpenAIError, from_router_error, model_not_found
@@ -65,8 +67,10 @@ def create_app(
     keys: ApiKeys | None = None,
     max_body_bytes: int = MAX_BODY_BYTES,
     version: str = "0.0.0",
+    admin_key: AdminKey | None = None,
 ) -> ASGIApp:
-    """The app (FastAPI behind the guard); it answers 503 once the router drains."""
+    """The app (FastAPI behind the guard); it answers 503 once the router drains. Without
+    ``admin_key`` the admin routes answer 403."""
     app = FastAPI(title="Baton", version=version, docs_url=None, redoc_url=None)
     model = router.config.model_name
     metrics = RouterMetrics(model, frontend="http")
@@ -190,7 +194,8 @@ def create_app(
         except ClientGone:
             return Response(status_code=_CLIENT_CLOSED)
 
-    return _Guard(app, keys, max_body_bytes)
+    add_admin_routes(app, router)
+    return _Guard(app, keys, max_body_bytes, admin_key)
 
 
 def with_trace_context(
@@ -243,10 +248,17 @@ class _Guard:
     """Pure ASGI, ahead of FastAPI: the body-size limit and the API keys (router/auth.py).
     The caller's principal goes into the request's state (``request.state.principal``)."""
 
-    def __init__(self, app: ASGIApp, keys: ApiKeys | None, max_body_bytes: int):
+    def __init__(
+        self,
+        app: ASGIApp,
+        keys: ApiKeys | None,
+        max_body_bytes: int,
+        admin_key: AdminKey | None = None,
+    ):
         self.app = app
         self.keys = keys
         self.max_body_bytes = max_body_bytes
+        self.admin_key = admin_key
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -274,6 +286,12 @@ class _Guard:
                 await error.response()(scope, receive, send)
                 return
             principal = found
+        path = scope["path"]
+        if path == ADMIN_PREFIX or path.startswith(f"{ADMIN_PREFIX}/"):
+            refusal = admin_refusal(raw, self.admin_key)  # the admin key, not an API key
+            if refusal is not None:
+                await refusal.response()(scope, receive, send)
+                return
         scope.setdefault("state", {})["principal"] = principal
         limit = self.max_body_bytes
         length = headers.get(b"content-length", b"0")

@@ -14,6 +14,7 @@ import socket
 import uvicorn
 
 from router.auth import ApiKeys
+from router.http.admin import AdminKey
 from router.http.app import MAX_BODY_BYTES, create_app
 from router.http.chat_template import ChatTemplate
 from router.router import Router
@@ -36,6 +37,7 @@ class HttpServer:
         tls: TlsFiles | None = None,
         max_body_bytes: int = MAX_BODY_BYTES,
         version: str = "0.0.0",
+        admin_key: AdminKey | None = None,
     ):
         app = create_app(
             router,
@@ -43,6 +45,7 @@ class HttpServer:
             keys=keys,
             max_body_bytes=max_body_bytes,
             version=version,
+            admin_key=admin_key,
         )
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
         self.socket = socket.create_server((host, port), family=family, backlog=2048)
