@@ -52,7 +52,7 @@ class WorkerStatus:
     name: str
     role: str  # prefill | decode
     healthy: bool
-    state: str  # serving | starting | stopping | restarting | failed | down (see _state)
+    state: str  # serving | draining | starting | stopping | restarting | failed | down
     restarts: int  # replicas that replaced a dead one under this name
     tensor_parallel: int
     pipeline_parallel: int
@@ -126,8 +126,11 @@ def cluster_status(
 
 
 def _state(view: WorkerView, recovery: Recovery | None) -> str:
-    """``WorkerStatus.state``: serving | starting | stopping | restarting | failed | down."""
+    """``WorkerStatus.state``: serving | draining | starting | stopping | restarting |
+    failed | down."""
     if view.is_alive:
+        if view.is_draining:  # being removed (live scaling): takes nothing new
+            return "draining"
         if view.is_healthy:
             return "serving"
         return "starting" if view.report is None else "stopping"

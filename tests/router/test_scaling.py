@@ -405,3 +405,14 @@ def test_the_admin_route_needs_the_admin_key_and_baton_scale_drives_it(monkeypat
     assert show == 0
     out = capsys.readouterr().out.splitlines()
     assert out == ["prefill 1 -> 2, decode 2 -> 2 (added prefill-1)", "prefill 2, decode 1"]
+
+
+def test_the_status_says_draining_for_a_worker_being_removed():
+    from types import SimpleNamespace
+
+    from router.status import _state
+
+    view = SimpleNamespace(name="d1", is_alive=True, is_draining=True, is_healthy=True, report=1)
+    assert _state(view, None) == "draining"
+    view.is_draining = False
+    assert _state(view, None) == "serving"
