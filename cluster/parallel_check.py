@@ -24,10 +24,25 @@ def check_pool_parallel(
             f"{arch.num_hidden_layers} layers (num_hidden_layers); each stage needs one"
         )
     key = f"{role}.tensor_parallel"
-    for what, value in (
+    splits = [
         ("num_attention_heads", arch.num_attention_heads),
         ("intermediate_size", arch.intermediate_size),
-    ):
+        ("shared_expert_intermediate_size", arch.shared_expert_intermediate_size),
+    ]
+    if arch.num_experts and pool.expert_parallel > 1:  # whole experts per rank (docs/moe.md)
+        if arch.num_experts % pool.expert_parallel:
+            raise ValueError(
+                f"{role}.expert_parallel: {pool.expert_parallel} does not divide the "
+                f"model's {arch.num_experts} experts"
+            )
+    elif arch.num_experts:  # every expert's intermediate dimension split over the ranks
+        splits.append(("moe_intermediate_size", arch.moe_intermediate_size))
+    elif pool.expert_parallel > 1:
+        raise ValueError(
+            f"{role}.expert_parallel: {arch.architecture} has no experts (a dense model); "
+            "expert parallelism needs a Mixture-of-Experts model"
+        )
+    for what, value in splits:
         if value % tp:
             raise ValueError(f"{key}: {tp} does not divide the model's {what} ({value})")
     heads = arch.num_key_value_heads

@@ -100,3 +100,31 @@ def test_layouts_that_cannot_work_are_refused_with_the_key(pool, arch, device, g
     with pytest.raises(ValueError, match=message) as info:
         check_pool_parallel("prefill", pool, arch, device, gpus)
     assert str(info.value).startswith("prefill.")
+
+
+MOE = dataclasses.replace(
+    ARCH,
+    num_experts=8,
+    num_experts_per_tok=2,
+    moe_intermediate_size=1408,
+    architecture="Qwen3MoeForCausalLM",
+)
+
+
+def test_moe_layouts_are_checked_against_the_experts():
+    check_pool_parallel("decode", PoolSection(tensor_parallel=2), MOE, "cpu", [])
+    check_pool_parallel("decode", PoolSection(tensor_parallel=8, expert_parallel=8), MOE, "cpu", [])
+    odd = dataclasses.replace(MOE, moe_intermediate_size=1407)
+    with pytest.raises(ValueError, match=r"tensor_parallel: 2 does not divide .* moe_inter"):
+        check_pool_parallel("decode", PoolSection(tensor_parallel=2), odd, "cpu", [])
+    # whole experts per rank: the intermediate size need not split, the experts must
+    check_pool_parallel("decode", PoolSection(tensor_parallel=2, expert_parallel=2), odd, "cpu", [])
+    six = dataclasses.replace(MOE, num_experts=6)
+    with pytest.raises(ValueError, match=r"decode.expert_parallel: 4 does not divide .* 6 experts"):
+        check_pool_parallel(
+            "decode", PoolSection(tensor_parallel=4, expert_parallel=4), six, "cpu", []
+        )
+    with pytest.raises(ValueError, match=r"decode\.expert_parallel: LlamaForCausalLM has no experts"):
+        check_pool_parallel(
+            "decode", PoolSection(tensor_parallel=2, expert_parallel=2), ARCH, "cpu", []
+        )
