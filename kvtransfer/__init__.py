@@ -25,7 +25,14 @@ from kvtransfer.errors import (
 )
 from kvtransfer.layout import KVLayout, check_compatible
 from kvtransfer.leases import ReleaseCallback
-from kvtransfer.messages import CompletionNotice, HandshakeMetadata, KVHandle, PushRequest
+from kvtransfer.messages import (
+    CompletionNotice,
+    HandshakeMetadata,
+    KVHandle,
+    PushRequest,
+    StreamNotice,
+    StreamReservation,
+)
 from kvtransfer.messages import agent_name_for as _agent_name_for
 
 
@@ -96,6 +103,8 @@ __all__ = [
     "PeerLostError",
     "PushRequest",
     "ReleaseCallback",
+    "StreamNotice",
+    "StreamReservation",
     "TransferAbortedError",
     "TransferFailedError",
     "TransferResult",

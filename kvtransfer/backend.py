@@ -156,9 +156,12 @@ class KVBackend(Protocol):
         local_block_ids: Sequence[int],
         remote_block_ids: Sequence[int],
         notif: bytes,
+        layers: tuple[int, int] | None = None,
     ) -> object:
         """Start one transfer ("READ" or "WRITE") of whole segment lists; the peer gets
-        ``notif`` after the data. Returns an opaque transfer reference."""
+        ``notif`` after the data. Returns an opaque transfer reference. ``layers``: only
+        model layers ``[start, end)`` of each block (a layer group of a layer-wise
+        hand-off; ``tp_mapping.segments_for_layers``)."""
         ...
 
     def check(self, xfer: object) -> bool:

@@ -32,6 +32,7 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeoutError
 from dataclasses import dataclass
+from functools import partial
 
 from kvtransfer.backend import KVBackend, KVTransferConfig
 from kvtransfer.errors import PeerLostError, TransferTimeoutError
@@ -42,6 +43,8 @@ from kvtransfer.messages import (
     HandshakeMetadata,
     KVHandle,
     PushRequest,
+    StreamNotice,
+    StreamReservation,
     decode,
     decode_as,
     encode,
@@ -49,6 +52,8 @@ from kvtransfer.messages import (
 from kvtransfer.peers import PeerTable
 from kvtransfer.receiver import Receiver
 from kvtransfer.sender import Sender
+from kvtransfer.stream import StreamSender
+from kvtransfer.stream_receiver import StreamReceiver
 from kvtransfer.tp_mapping import num_readers
 
 logger = logging.getLogger(__name__)
@@ -60,6 +65,7 @@ class ConnectorStats:
     num_leases: int  # prefill: requests whose blocks are held
     num_incoming: int  # decode: receives not yet completed
     num_outgoing: int  # prefill: push writes in flight
+    num_streams: int = 0  # layer-wise streams open, either side
 
 
 class KVConnector:
@@ -86,6 +92,8 @@ class KVConnector:
         self._peers = PeerTable(backend, layout)
         self._receiver = Receiver(self._peers, layout, self.direction, clock)
         self._sender = Sender(self._peers, LeaseTable(on_release, clock), clock)
+        self._stream_sender = StreamSender(self._peers, layout, clock)
+        self._stream_receiver = StreamReceiver(self._peers, layout, clock)
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._closed = False
         self._thread = threading.Thread(
@@ -185,9 +193,71 @@ class KVConnector:
         return future
 
     def abort(self, req_id: str) -> None:
-        """Decode side: stop a ``receive`` in progress (its future fails with TransferAbortedError
-        once nothing targets the blocks). Unknown ids are ignored."""
-        self._call(lambda: self._receiver.abort(req_id), self.config.handshake_timeout_s)
+        """Decode side: stop a ``receive`` or ``expect_stream`` in progress (its future fails
+        with TransferAbortedError once nothing targets the blocks). Unknown ids are ignored."""
+
+        def abort() -> None:
+            self._receiver.abort(req_id)
+            self._stream_receiver.abort(req_id)
+
+        self._call(abort, self.config.handshake_timeout_s)
+
+    # ---- layer-wise hand-off (kvtransfer/stream.py) -----------------------------------
+    def expect_stream(
+        self,
+        req_id: str,
+        block_ids: Sequence[int],
+        sources: Sequence[str],
+        timeout_s: float | None = None,
+        first_block: int = 0,
+    ) -> tuple[bytes, Future]:
+        """Decode side, at admission: the prefill agents ``sources`` will write the
+        request's KV into ``block_ids`` (the prompt's blocks, reserved) layer group by
+        layer group; with ``first_block`` > 0 the prompt's blocks before it are this rank's
+        own (a partial receive) and ``block_ids`` the rest. Returns the reservation (msgpack; the prefill ranks' ``open_stream``
+        takes it) and a Future of :class:`TransferResult` that completes once every layer
+        arrived, or with a KVTransferError, and only when nothing writes the blocks."""
+        future: Future = Future()
+        timeout = self.config.transfer_timeout_s if timeout_s is None else timeout_s
+        ids, srcs = tuple(int(b) for b in block_ids), tuple(sources)
+        reservation = self._call(
+            lambda: self._stream_receiver.expect(req_id, ids, srcs, timeout, future, first_block),
+            self.config.handshake_timeout_s,
+        )
+        return encode(reservation), future
+
+    def open_stream(self, req_id: str, reservations: Sequence[bytes]) -> Future:
+        """Prefill side, before the request's first chunk: write its KV to the decode
+        ranks that reserved blocks (``write_layers``). The Future (bytes written) completes
+        once none of its writes is in flight: free the request's blocks after it."""
+        future: Future = Future()
+        rs = tuple(decode_as(r, StreamReservation) for r in reservations)
+        self._call(
+            lambda: self._stream_sender.open(req_id, rs, future), self.config.handshake_timeout_s
+        )
+        return future
+
+    def write_layers(
+        self,
+        req_id: str,
+        first_block: int,
+        block_ids: Sequence[int],
+        layers: tuple[int, int],
+        layers_ready: int,
+        is_last: bool = False,
+    ) -> None:
+        """Prefill side, from the forward pass (does not wait): ``block_ids``, the prompt's
+        blocks from ``first_block`` on, hold model ``layers`` now; write them. The last
+        write (``is_last``) carries the stream's one notice."""
+        ids = tuple(int(b) for b in block_ids)
+        fn = partial(
+            self._stream_sender.write, req_id, first_block, ids, layers, layers_ready, is_last
+        )
+        self._commands.put((fn, None, None))
+
+    def abandon_stream(self, req_id: str, reason: str) -> None:
+        """Prefill side: the request ended before its last write; its readers recompute."""
+        self._commands.put((lambda: self._stream_sender.abandon(req_id, reason), None, None))
 
     def decline(self, handles: Sequence[KVHandle], status: str = "aborted") -> None:
         """Decode side: nothing will be read from these handles ("aborted" or "skipped",
@@ -213,6 +283,7 @@ class KVConnector:
                 self._sender.num_leases,
                 len(self._receiver),
                 self._sender.num_outgoing,
+                len(self._stream_sender) + len(self._stream_receiver),
             ),
             self.config.handshake_timeout_s,
         )
@@ -247,9 +318,11 @@ class KVConnector:
 
     def _run(self) -> None:
         while True:
-            if len(self._receiver) or self._sender.num_outgoing:
+            if len(self._receiver) or self._sender.num_outgoing or self._stream_sender.is_busy:
                 timeout = self.config.active_poll_s
-            elif self._sender.num_leases:
+            elif self._sender.num_leases or len(self._stream_sender) or len(self._stream_receiver):
+                # A layer-wise stream waits on the forward pass: polling it fast would
+                # take the engine thread's GIL for nothing (its notice: within this).
                 timeout = self.config.lease_poll_s
             else:
                 timeout = self.config.idle_poll_s
@@ -281,6 +354,8 @@ class KVConnector:
 
     def _shutdown(self) -> None:
         self._receiver.shutdown()
+        self._stream_receiver.shutdown()
+        self._stream_sender.shutdown()
         self._sender.shutdown()
         self._backend.close()
 
@@ -294,6 +369,11 @@ class KVConnector:
                 continue
             if isinstance(msg, PushRequest):
                 self._sender.on_push_request(sender, msg)
+            elif isinstance(msg, StreamNotice):
+                if msg.status == "abort":
+                    self._stream_sender.on_notice(sender, msg)
+                else:
+                    self._stream_receiver.on_notice(sender, msg)
             elif isinstance(msg, CompletionNotice):
                 if msg.owner == self.agent_name:
                     self._sender.on_notice(sender, msg)  # about one of our leases
@@ -302,3 +382,5 @@ class KVConnector:
         now = self._clock()
         self._sender.progress(now)
         self._receiver.progress(now)
+        self._stream_sender.progress(now)
+        self._stream_receiver.progress(now)

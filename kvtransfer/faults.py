@@ -121,6 +121,7 @@ class _Delayed:
     remote_block_ids: tuple[int, ...]
     notif: bytes
     due: float
+    layers: tuple[int, int] | None = None  # a layer group (layer-wise hand-off)
     inner: object | None = None
 
 
@@ -191,6 +192,7 @@ class FaultyBackend:
         local_block_ids: Sequence[int],
         remote_block_ids: Sequence[int],
         notif: bytes,
+        layers: tuple[int, int] | None = None,
     ) -> object:
         self._num_posts += 1
         cfg = self.config
@@ -202,8 +204,14 @@ class FaultyBackend:
         if cfg.delay_ms and self._num_posts % cfg.delay_every == 0:
             self._inject("delay")
             due = time.monotonic() + cfg.delay_ms / 1000.0
-            return _Delayed(peer, op, tuple(local_block_ids), tuple(remote_block_ids), notif, due)
-        return self._inner.post(peer, op, local_block_ids, remote_block_ids, notif)
+            local, remote = tuple(local_block_ids), tuple(remote_block_ids)
+            return _Delayed(peer, op, local, remote, notif, due, layers)
+        return self._post(peer, op, local_block_ids, remote_block_ids, notif, layers)
+
+    def _post(self, peer, op, local_block_ids, remote_block_ids, notif, layers) -> object:
+        if layers is None:  # the backend's plain call, as before layer groups existed
+            return self._inner.post(peer, op, local_block_ids, remote_block_ids, notif)
+        return self._inner.post(peer, op, local_block_ids, remote_block_ids, notif, layers)
 
     def check(self, xfer: object) -> bool:
         if not isinstance(xfer, _Delayed):
@@ -212,8 +220,13 @@ class FaultyBackend:
             if time.monotonic() < xfer.due:
                 return False
             # Errors of the late post surface here, as errors of the transfer.
-            xfer.inner = self._inner.post(
-                xfer.peer, xfer.op, xfer.local_block_ids, xfer.remote_block_ids, xfer.notif
+            xfer.inner = self._post(
+                xfer.peer,
+                xfer.op,
+                xfer.local_block_ids,
+                xfer.remote_block_ids,
+                xfer.notif,
+                xfer.layers,
             )
         return self._inner.check(xfer.inner)
 

@@ -5,12 +5,16 @@ transfer copies the segment byte ranges between the two caches' tensors, and a
 notification is appended to the peer's inbox. With ``hold_transfers`` the fabric
 keeps posted transfers pending until ``complete_held()``, so that tests can abort or
 kill a peer *during* a transfer; ``kill(name)`` makes an agent unreachable, as a
-crashed process would be.
+crashed process would be. ``bandwidth`` (bytes/s) and ``per_transfer_s`` make a posted
+transfer take ``per_transfer_s + bytes / bandwidth`` on the poster's thread, one after
+the other as on one link: a deterministic stand-in for a network in timeline tests and
+benches (``bench/layerwise.py``).
 """
 
 from __future__ import annotations
 
 import threading
+import time
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -19,12 +23,20 @@ import torch
 
 from kvtransfer.errors import PeerLostError, TransferFailedError
 from kvtransfer.layout import KVLayout
-from kvtransfer.tp_mapping import Segment
+from kvtransfer.tp_mapping import Segment, segments_for_layers
 
 
 class LocalFabric:
-    def __init__(self, hold_transfers: bool = False):
+    def __init__(
+        self,
+        hold_transfers: bool = False,
+        *,
+        bandwidth: float | None = None,
+        per_transfer_s: float = 0.0,
+    ):
         self.hold_transfers = hold_transfers
+        self.bandwidth = bandwidth  # bytes per second; None: as fast as the copy
+        self.per_transfer_s = per_transfer_s
         self._agents: dict[str, LocalBackend] = {}
         self._dead: set[str] = set()
         self._held: list[_Xfer] = []
@@ -87,6 +99,9 @@ class _Xfer:
         else:
             src, src_ids, dst, dst_ids = local, local_ids, remote, self.remote_block_ids
         pairs = [(s.src_offset, s.dst_offset, s.length) for s in self.segments]
+        if fabric.bandwidth is not None or fabric.per_transfer_s:
+            num_bytes = len(src_ids) * sum(length for _, _, length in pairs)
+            time.sleep(fabric.per_transfer_s + num_bytes / (fabric.bandwidth or float("inf")))
         src_stride, dst_stride = src.layout.block_stride, dst.layout.block_stride
         for src_block, dst_block in zip(src_ids, dst_ids, strict=True):
             for src_offset, dst_offset, length in pairs:
@@ -94,7 +109,8 @@ class _Xfer:
                 d = dst_block * dst_stride + dst_offset
                 dst.memory[d : d + length].copy_(src.memory[s : s + length])
         self.state = "done"
-        remote.deliver(self.initiator.name, self.notif)
+        if self.notif:  # as NIXL: an empty message sends no notification
+            remote.deliver(self.initiator.name, self.notif)
 
 
 class LocalBackend:
@@ -109,8 +125,8 @@ class LocalBackend:
             raise ValueError("kv_cache tensor does not match its layout")
         self.memory = base
         self._inbox: deque[tuple[str, bytes]] = deque()
-        # peer -> (read segments, write segments)
-        self._plans: dict[str, tuple[tuple[Segment, ...], tuple[Segment, ...]]] = {}
+        # peer -> (read segments, write segments, the peer's layout)
+        self._plans: dict[str, tuple[tuple[Segment, ...], tuple[Segment, ...], KVLayout]] = {}
 
     def open(self) -> bytes:
         self.fabric.attach(self)
@@ -120,7 +136,7 @@ class LocalBackend:
         if agent_metadata != f"local:{peer}".encode():
             raise PeerLostError(f"bad agent metadata for {peer}")
         self.fabric.get(peer)
-        self._plans[peer] = (tuple(read_segments), tuple(write_segments))
+        self._plans[peer] = (tuple(read_segments), tuple(write_segments), remote)
 
     def disconnect(self, peer: str) -> None:
         self._plans.pop(peer, None)
@@ -132,19 +148,19 @@ class LocalBackend:
         local_block_ids: Sequence[int],
         remote_block_ids: Sequence[int],
         notif: bytes,
+        layers: tuple[int, int] | None = None,
     ) -> _Xfer:
         if peer not in self._plans:
             raise PeerLostError(f"not connected to {peer}")
         self.fabric.get(peer)
-        read_segments, write_segments = self._plans[peer]
+        read_segments, write_segments, remote = self._plans[peer]
+        segments = read_segments if op == "READ" else write_segments
+        if layers is not None:  # the data's source: the peer for a READ, we for a WRITE
+            segments = segments_for_layers(
+                segments, remote if op == "READ" else self.layout, layers
+            )
         xfer = _Xfer(
-            self,
-            peer,
-            op,
-            tuple(local_block_ids),
-            tuple(remote_block_ids),
-            read_segments if op == "READ" else write_segments,
-            notif,
+            self, peer, op, tuple(local_block_ids), tuple(remote_block_ids), segments, notif
         )
         if self.fabric.hold_transfers:
             self.fabric.hold(xfer)

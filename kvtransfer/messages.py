@@ -128,6 +128,44 @@ class PushRequest(_Message):
             raise ValueError(f"first_block must be >= 0, got {self.first_block}")
 
 
+class StreamReservation(_Message):
+    """Decode rank → prefill ranks (layer-wise hand-off): blocks reserved at admission
+    for ``req_id``; write the prompt's KV into them as its layers are computed."""
+
+    agent_name: str  # the decode rank's agent (the writes' destination)
+    req_id: str
+    block_ids: tuple[int, ...]  # the prompt's blocks from first_block on, in order
+    timeout_s: float  # the writer gives up before the reader stops waiting
+    first_block: int = 0  # prompt blocks the reader holds already (partial receive)
+    kind: ClassVar[str] = "reserve"
+
+    def __post_init__(self) -> None:
+        if self.first_block < 0:
+            raise ValueError(f"first_block must be >= 0, got {self.first_block}")
+
+
+class StreamNotice(_Message):
+    """One request's layer-wise stream between a prefill and a decode rank: O(1) per
+    request. Prefill → decode: "done" rides on the stream's last WRITE, posted once
+    every earlier write of the stream had completed, so it arrives after all the data;
+    "failed" / "aborted" are sent alone once no write of the stream is in flight.
+    Decode → prefill: "abort" (stop writing, then answer "aborted")."""
+
+    req_id: str
+    status: str  # one of STATUSES
+    num_writes: int = 0  # "done": how many writes the stream made
+    layers_ready: int = 0  # monotonic: model layers whose KV of every sent block is in place
+    error_code: str = ""
+    message: str = ""
+    kind: ClassVar[str] = "stream"
+
+    STATUSES: ClassVar[tuple[str, ...]] = ("done", "failed", "aborted", "abort")
+
+    def __post_init__(self) -> None:
+        if self.status not in self.STATUSES:
+            raise ValueError(f"unknown stream status {self.status!r}")
+
+
 def _enc_hook(obj: Any) -> Any:
     """numpy scalars (and other number types) where a plain int or float belongs."""
     if isinstance(obj, numbers.Integral):
@@ -144,7 +182,17 @@ class _Head(msgspec.Struct, array_like=True):
     version: Any = None
 
 
-_TYPES = {cls.kind: cls for cls in (HandshakeMetadata, KVHandle, CompletionNotice, PushRequest)}
+_TYPES = {
+    cls.kind: cls
+    for cls in (
+        HandshakeMetadata,
+        KVHandle,
+        CompletionNotice,
+        PushRequest,
+        StreamReservation,
+        StreamNotice,
+    )
+}
 _ENCODER = msgspec.msgpack.Encoder(enc_hook=_enc_hook)
 # One per class, typed ``[kind, version, fields]``: the kind and version are literals, so
 # anything else fails in msgspec (and :func:`_refusal` says why).
@@ -155,7 +203,7 @@ _DECODERS = {
 _HEAD = msgspec.msgpack.Decoder(_Head)
 
 
-def encode(msg: HandshakeMetadata | KVHandle | CompletionNotice | PushRequest) -> bytes:
+def encode(msg: _Message) -> bytes:
     return _ENCODER.encode((msg.kind, PROTOCOL_VERSION, msg))
 
 

@@ -28,7 +28,7 @@ import numpy as np
 from kvtransfer.backend import KVTransferConfig
 from kvtransfer.errors import KVTransferError, PeerLostError, TransferFailedError
 from kvtransfer.layout import KVLayout
-from kvtransfer.tp_mapping import Segment
+from kvtransfer.tp_mapping import Segment, segments_for_layers
 
 logger = logging.getLogger(__name__)
 
@@ -101,8 +101,10 @@ class NixlBackend:
         self._reg_descs = None
         # (local offsets, lengths) -> prepared local list handle, shared by peers
         self._local_dlists: dict[tuple, int] = {}
-        # (peer, op) -> (local handle, remote handle, segments per block)
-        self._dlists: dict[tuple[str, str], tuple[int, int, int]] = {}
+        # (peer, op) or (peer, op, layers) -> (local handle, remote handle, segments per
+        # block); a layer group's lists are prepared on its first use
+        self._dlists: dict[tuple, tuple[int, int, int]] = {}
+        self._plans: dict[tuple[str, str], tuple[tuple[Segment, ...], KVLayout]] = {}
         self._remote_handles: dict[str, list[int]] = {}
         self._notif_map: dict = {}
 
@@ -161,22 +163,9 @@ class NixlBackend:
             if loaded != peer:
                 raise PeerLostError(f"metadata names agent {loaded!r}, expected {peer!r}")
             for op, segments in (("READ", read_segments), ("WRITE", write_segments)):
-                if not segments:
-                    continue
-                lengths = [s.length for s in segments]
-                # READ: the data goes remote (src) -> local (dst); WRITE: local -> remote.
-                local_off = [s.dst_offset if op == "READ" else s.src_offset for s in segments]
-                remote_off = [s.src_offset if op == "READ" else s.dst_offset for s in segments]
-                key = (tuple(local_off), tuple(lengths))
-                if key not in self._local_dlists:
-                    self._local_dlists[key] = self._agent.prepXferDlist(
-                        self._nixl.NIXL_INIT_AGENT, self._dlist(self.layout, local_off, lengths), []
-                    )
-                remote_handle = self._agent.prepXferDlist(
-                    peer, self._dlist(remote, remote_off, lengths), []
-                )
-                self._remote_handles.setdefault(peer, []).append(remote_handle)
-                self._dlists[(peer, op)] = (self._local_dlists[key], remote_handle, len(segments))
+                self._plans[(peer, op)] = (tuple(segments), remote)
+                if segments:
+                    self._prepare((peer, op), peer, op, segments, remote)
             self._agent.makeConnection(peer, [])
         except KVTransferError:
             self.disconnect(peer)
@@ -185,9 +174,28 @@ class NixlBackend:
             self.disconnect(peer)
             raise _translate(exc, f"connecting to {peer}") from exc
 
+    def _prepare(self, key: tuple, peer: str, op: str, segments, remote: KVLayout) -> None:
+        """Prepare the (local, remote) descriptor lists of ``segments`` with ``peer``."""
+        lengths = [s.length for s in segments]
+        # READ: the data goes remote (src) -> local (dst); WRITE: local -> remote.
+        local_off = [s.dst_offset if op == "READ" else s.src_offset for s in segments]
+        remote_off = [s.src_offset if op == "READ" else s.dst_offset for s in segments]
+        local_key = (tuple(local_off), tuple(lengths))
+        if local_key not in self._local_dlists:
+            self._local_dlists[local_key] = self._agent.prepXferDlist(
+                self._nixl.NIXL_INIT_AGENT, self._dlist(self.layout, local_off, lengths), []
+            )
+        remote_handle = self._agent.prepXferDlist(
+            peer, self._dlist(remote, remote_off, lengths), []
+        )
+        self._remote_handles.setdefault(peer, []).append(remote_handle)
+        self._dlists[key] = (self._local_dlists[local_key], remote_handle, len(segments))
+
     def disconnect(self, peer: str) -> None:
-        for op in ("READ", "WRITE"):
-            self._dlists.pop((peer, op), None)
+        for key in [k for k in self._dlists if k[0] == peer]:
+            del self._dlists[key]
+        for key in [k for k in self._plans if k[0] == peer]:
+            del self._plans[key]
         for handle in self._remote_handles.pop(peer, []):
             try:
                 self._agent.releasedDlistH(handle)
@@ -208,8 +216,19 @@ class NixlBackend:
         local_block_ids: Sequence[int],
         remote_block_ids: Sequence[int],
         notif: bytes,
+        layers: tuple[int, int] | None = None,
     ) -> _Xfer:
-        entry = self._dlists.get((peer, op))
+        key = (peer, op) if layers is None else (peer, op, tuple(layers))
+        entry = self._dlists.get(key)
+        if entry is None and layers is not None and (peer, op) in self._plans:
+            segments, remote = self._plans[(peer, op)]
+            group = segments_for_layers(segments, remote if op == "READ" else self.layout, layers)
+            if group:
+                try:
+                    self._prepare(key, peer, op, group, remote)
+                except Exception as exc:
+                    raise _translate(exc, f"preparing layers {layers} with {peer}") from exc
+                entry = self._dlists.get(key)
         if entry is None:
             raise PeerLostError(f"no {op} descriptor lists for {peer} (not connected)")
         local_handle, remote_handle, num_segments = entry

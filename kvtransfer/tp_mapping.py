@@ -129,6 +129,31 @@ def plan_for_pair(src: KVLayout, dst: KVLayout) -> tuple[Segment, ...]:
     return plan_segments(src, dst, heads.get(src.tp_rank, ()))
 
 
+def segments_for_layers(
+    segments: Sequence[Segment], src: KVLayout, layers: tuple[int, int]
+) -> tuple[Segment, ...]:
+    """The parts of ``segments`` (a pair's plan, offsets in ``src`` = the data's source)
+    that carry model layers ``[start, end)``: a layer group's bytes of each block.
+
+    A source block holds its layers one after the other (``[layer, K/V, head, ...]``), so
+    a layer range is one byte range of it, and a segment maps bytes linearly: cutting it
+    to that range keeps the destination in step. Layers the source does not hold give
+    nothing."""
+    held = _overlap(src.layer_range, layers)
+    if held is None:
+        return ()
+    layer_bytes = 2 * src.num_kv_heads_local * src.head_bytes
+    lo = (held[0] - src.first_layer) * layer_bytes
+    hi = (held[1] - src.first_layer) * layer_bytes
+    out = []
+    for seg in segments:
+        cut = _overlap((seg.src_offset, seg.src_offset + seg.length), (lo, hi))
+        if cut is not None:
+            shift = cut[0] - seg.src_offset
+            out.append(Segment(cut[0], seg.dst_offset + shift, cut[1] - cut[0]))
+    return tuple(out)
+
+
 def count_merged_descriptors(
     src_block_ids: Sequence[int],
     dst_block_ids: Sequence[int],

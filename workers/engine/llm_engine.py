@@ -387,7 +387,10 @@ class LLMEngine:
         t0 = time.perf_counter()
         try:
             hook = self.layerwise.hook_for(batch.sched, batch.requests)
-            logits = self.runner.run(batch.inputs, hook)
+            if hook is None:
+                logits = self.runner.run(batch.inputs)
+            else:  # a chunk streams its KV layer group by layer group (layerwise.py)
+                logits = self.runner.run(batch.inputs, hook)
             if logits is None:
                 raise RuntimeError("the rank that schedules must run the last pipeline stage")
             t1 = time.perf_counter()

@@ -127,13 +127,40 @@ class ModelRunner:
         return inputs
 
     @torch.inference_mode()
-    def run(self, inputs: StepInputs) -> torch.Tensor | None:
+    def run(
+        self, inputs: StepInputs, layer_hook: Callable[[int], None] | None = None
+    ) -> torch.Tensor | None:
         """The forward pass of prepared inputs (every rank of a replica runs this): logits
         of ``inputs.logits_indices`` (sampled rows, then prompt-logprob rows); None on a
-        pipeline stage before the last, whose activations went to the next stage."""
+        pipeline stage before the last, whose activations went to the next stage.
+        ``layer_hook(i)`` runs after the stage's ``i``-th layer, once its KV is stored (a
+        layer-wise hand-off: ``workers/engine/layerwise.py``)."""
         copy_blocks(self.kv_cache, inputs.block_copies)
         input_ids, positions, metadata, logits_indices = self.to_device(inputs)
-        hidden = self.model.forward(input_ids, positions, self.kv_cache, metadata)
+        hooks = self._attach(layer_hook) if layer_hook is not None else ()
+        try:
+            hidden = self.model.forward(input_ids, positions, self.kv_cache, metadata)
+        finally:
+            for handle in hooks:
+                handle.remove()
         if hidden is None:
             return None
         return self.model.compute_logits(hidden[logits_indices])
+
+    def _attach(self, layer_hook: Callable[[int], None]) -> list:
+        """Forward hooks on the stage's decoder layers for one step (none otherwise, so an
+        ordinary step pays nothing). On CUDA the hook waits for the layer's kernels: a
+        transfer must not read the KV before it is written."""
+        inner = self.model.model
+        layers = inner.layers[inner.start_layer : inner.end_layer]
+        is_cuda = self.device.type == "cuda"
+
+        def hook(index: int) -> None:
+            if is_cuda:
+                torch.cuda.current_stream(self.device).synchronize()
+            layer_hook(index)
+
+        return [
+            layer.register_forward_hook(lambda *_args, i=i: hook(i))
+            for i, layer in enumerate(layers)
+        ]

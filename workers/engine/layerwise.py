@@ -1,0 +1,114 @@
+"""Prefill side of the layer-wise KV hand-off: which blocks and layers of which request
+go out after each layer of a step (pure bookkeeping; the transport is the caller's).
+
+A request streamed in groups of ``group_size`` layers (``kvtransfer/layerwise.py``
+chooses it) writes, after each group of each of its chunks, the blocks that chunk
+completed (the final chunk: the rest of the prompt, its partial last block included)
+for the group's layers. Blocks of different chunks are disjoint, so no write ever
+overwrites another's bytes; the last group of the final chunk is the stream's last
+write (it carries the one notice). ``ModelRunner.run`` calls the hook after each layer
+of a step that has such a chunk, once that layer's KV is stored.
+
+Who frees what: the blocks are the prefill request's; its writes read them until the
+stream's future (``KVConnector.open_stream``) completes, so the worker keeps them held
+(``KVHandoff``) until then. A request that ends before its final chunk (abort,
+preemption) must ``abandon`` its stream first.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from kvtransfer.layerwise import layer_groups
+from workers.engine.request import Request
+from workers.engine.scheduler import SchedulerOutput
+
+# (first_block, block_ids, model layers [start, end), layers_ready, is_last) -> None
+WriteLayers = Callable[[int, tuple[int, ...], tuple[int, int], int, bool], None]
+
+
+@dataclass
+class _Stream:
+    group_size: int
+    write: WriteLayers
+    num_sent_blocks: int = 0  # prompt blocks whose writes went out in earlier chunks
+    num_chunks: int = 0  # chunks done (layers_ready counts chunks x layers)
+
+
+@dataclass(frozen=True)
+class _Job:
+    """One request's chunk in this step: what goes out after which layer."""
+
+    stream: _Stream
+    first_block: int
+    block_ids: tuple[int, ...]
+    upto: int  # prompt blocks sent once this chunk's last group went out
+    is_final: bool
+    group_ends: dict[int, tuple[int, int]]  # local layer index -> the group it ends
+
+
+class LayerwiseStreams:
+    def __init__(self, block_size: int, first_layer: int, num_layers: int):
+        self.block_size = block_size
+        self.first_layer = first_layer  # this rank's model layers: a pipeline stage's
+        self.num_layers = num_layers
+        self._streams: dict[str, _Stream] = {}
+
+    def __contains__(self, request_id: str) -> bool:
+        return request_id in self._streams
+
+    def __len__(self) -> int:
+        return len(self._streams)
+
+    def add(self, request_id: str, group_size: int, write: WriteLayers) -> None:
+        """Stream ``request_id``'s KV in groups of ``group_size`` layers through ``write``
+        (before its first chunk is scheduled)."""
+        if not 1 <= group_size <= self.num_layers:
+            raise ValueError(f"group_size {group_size} outside 1..{self.num_layers}")
+        self._streams[request_id] = _Stream(group_size, write)
+
+    def remove(self, request_id: str) -> bool:
+        """Forget a request (its last write went out, or it was abandoned)."""
+        return self._streams.pop(request_id, None) is not None
+
+    def hook_for(
+        self, sched: SchedulerOutput, requests: Sequence[Request]
+    ) -> Callable[[int], None] | None:
+        """The per-layer hook of a step (None when no chunk of it streams): called with
+        the local index of each layer once its KV is stored. ``requests``: one per chunk."""
+        if not self._streams:
+            return None
+        jobs = []
+        for chunk, req in zip(sched.chunks, requests, strict=True):
+            stream = self._streams.get(chunk.request_id)
+            num_prompt = req.num_prompt_tokens
+            if stream is None or chunk.start_pos >= num_prompt:
+                continue  # not streamed, or a decode step past the prompt
+            end = chunk.start_pos + chunk.num_tokens
+            is_final = end >= num_prompt
+            upto = -(-num_prompt // self.block_size) if is_final else end // self.block_size
+            block_ids = tuple(chunk.block_ids[stream.num_sent_blocks : upto])
+            if block_ids:
+                groups = layer_groups(self.num_layers, stream.group_size)
+                ends = {g_end - 1: (g_start, g_end) for g_start, g_end in groups}
+                jobs.append(_Job(stream, stream.num_sent_blocks, block_ids, upto, is_final, ends))
+        if not jobs:
+            return None
+        return lambda layer: self._layer_done(jobs, layer)
+
+    def _layer_done(self, jobs: list[_Job], layer: int) -> None:
+        for job in jobs:
+            group = job.group_ends.get(layer)
+            if group is None:
+                continue
+            stream = job.stream
+            is_last_group = group[1] == self.num_layers
+            layers_ready = stream.num_chunks * self.num_layers + group[1]
+            layers = (self.first_layer + group[0], self.first_layer + group[1])
+            stream.write(
+                job.first_block, job.block_ids, layers, layers_ready, job.is_final and is_last_group
+            )
+            if is_last_group:  # (a step that raised sends its chunk again when rerun)
+                stream.num_chunks += 1
+                stream.num_sent_blocks = job.upto
