@@ -124,7 +124,9 @@ def test_moe_layouts_are_checked_against_the_experts():
         check_pool_parallel(
             "decode", PoolSection(tensor_parallel=4, expert_parallel=4), six, "cpu", []
         )
-    with pytest.raises(ValueError, match=r"decode\.expert_parallel: LlamaForCausalLM has no experts"):
+    with pytest.raises(
+        ValueError, match=r"decode\.expert_parallel: LlamaForCausalLM has no experts"
+    ):
         check_pool_parallel(
             "decode", PoolSection(tensor_parallel=2, expert_parallel=2), ARCH, "cpu", []
         )
