@@ -357,7 +357,7 @@ def _write_model(out: Path, model: TrainableLlama, recipe: Recipe, tokenizer: To
         out / "tokenizer_config.json", _tokenizer_config(tokenizer, FAMILIES["llama"], config)
     )
     _write_json(out / "config.json", config)
-    _write_json(out / "generation_config.json", _generation_config(config))
+    _write_json(out / "generation_config.json", _generation_config(config, FAMILIES["llama"]))
     dtype = getattr(torch, recipe.dtype)
     tensors = {name: t.detach().to(dtype).contiguous() for name, t in model.state_dict().items()}
     save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
