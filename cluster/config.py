@@ -191,6 +191,7 @@ class KVTransferSection(ConfigSection):
     timeout_seconds: float = transfer_option("transfer_timeout_s")
     on_failure: Literal["recompute", "fail"] = transfer_option("on_failure")
     allow_fault_injection: bool = transfer_option("allow_fault_injection")
+    layerwise: Literal["auto", "off"] = transfer_option("layerwise")
 
     @model_validator(mode="after")
     def _check_timeout(self) -> KVTransferSection:

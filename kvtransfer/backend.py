@@ -19,6 +19,7 @@ from kvtransfer.tp_mapping import Segment
 DIRECTIONS = ("auto", "pull", "push")
 BACKENDS = ("nixl", "local")
 ON_FAILURE = ("recompute", "fail")
+LAYERWISE = ("auto", "off")
 
 
 def _setting(default: Any, doc: str, *, gt: float | None = None) -> Any:
@@ -61,6 +62,14 @@ class KVTransferConfig:
     )
     """Whether ``BATON_KV_FAULTS`` may wrap the backend in the fault injector
     (``kvtransfer/faults.py``): the variable alone does nothing."""
+    layerwise: str = _setting(
+        "off",
+        "Layer-wise KV hand-off (docs/kvtransfer.md): auto = the prefill worker streams a "
+        "request's KV layer group by layer group while it computes, when its measured "
+        "compute and link numbers predict a gain (one-rank prefill and decode workers); "
+        "off = always the whole-request hand-off",
+    )
+    """Whether a prefill worker may stream requests' KV layer-wise ("auto") or never ("off")."""
     handshake_timeout_s: float = 10.0
     """Deadline of adding a peer (loading its metadata, preparing descriptor lists)."""
     idle_poll_s: float = 0.01
@@ -82,6 +91,10 @@ class KVTransferConfig:
         if self.on_failure not in ON_FAILURE:
             raise ValueError(
                 f"kv_transfer.on_failure must be one of {ON_FAILURE}, got {self.on_failure!r}"
+            )
+        if self.layerwise not in LAYERWISE:
+            raise ValueError(
+                f"kv_transfer.layerwise must be one of {LAYERWISE}, got {self.layerwise!r}"
             )
         for name in (
             "lease_seconds",

@@ -226,6 +226,10 @@ class KVConnector:
         )
         return encode(reservation), future
 
+    def peer_agent(self, worker_id: str) -> str | None:
+        """The agent name of a handshaken peer worker's live incarnation (None: none)."""
+        return self._call(lambda: self._peers.agent_of(worker_id), self.config.handshake_timeout_s)
+
     def open_stream(self, req_id: str, reservations: Sequence[bytes]) -> Future:
         """Prefill side, before the request's first chunk: write its KV to the decode
         ranks that reserved blocks (``write_layers``). The Future (bytes written) completes

@@ -39,6 +39,11 @@ class PeerTable:
     def get(self, name: str) -> Peer | None:
         return self._peers.get(name)
 
+    def agent_of(self, worker_id: str) -> str | None:
+        """The agent name of worker ``worker_id``'s live incarnation, if handshaken."""
+        name = self._peer_of_worker.get(worker_id)
+        return name if name in self._peers else None
+
     def on_drop(self, callback: Callable[[str, PeerLostError], None]) -> None:
         """``callback(name, error)`` runs when a peer is dropped, before it is unloaded."""
         self._on_drop.append(callback)

@@ -4,7 +4,8 @@
 worker is lost (a migration: ``router/migration.py``); an :class:`Attempts` runs one
 decision: it counts the request against its workers, submits ``prefill`` work and, when the
 prefill worker's handle event comes, ``decode`` work with the handles (or ``full`` work to
-one worker), streaming the client's events as they come. Who must be told when the
+one worker), streaming the client's events as they come; a long prompt may go layer-wise
+instead (decode worker first: ``router/layerwise.py``). Who must be told when the
 request ends early is ``Pending``'s (``router/pending.py``).
 """
 
@@ -17,6 +18,7 @@ from msgspec.structs import replace
 
 from router.config import RouterConfig
 from router.events import GenerateEvent
+from router.layerwise import goes_layerwise, run_layerwise
 from router.peer_prefix import PeerExports
 from router.pending import Pending
 from router.policy import RouteDecision
@@ -62,6 +64,11 @@ class Attempts:
         if outputs:
             item = replace(item, output_token_ids=outputs)
         trace = pending.trace
+        uncached = len(token_ids) - decision.cached_tokens
+        if prefill is not None and goes_layerwise(prefill, item, uncached):
+            async for out in run_layerwise(pending, item, prefill, decode):
+                yield out
+            return
         if prefill is not None:
             stream.stamps.prefill_worker = prefill.name
             handle_event = None

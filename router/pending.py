@@ -45,6 +45,9 @@ class Pending:
         self.routed: list[WorkerView] = []  # the workers counting it (WorkerView.expect)
         # A prefill worker's handle that no decode worker took: it must be declined.
         self.unread_handles: tuple[bytes, ...] = ()  # one per prefill rank
+        # Layer-wise (router/layerwise.py): a decode worker that holds blocks reserved for
+        # the request and has not been given its first token: it must be aborted there.
+        self.reserved: WorkerView | None = None
         self.submit: asyncio.Future | None = None  # the last submit call in flight
         self.is_aborted = False
         self.num_migrations = 0
@@ -70,6 +73,11 @@ class Pending:
         self.events = asyncio.Queue()  # the router looks the queue up per event
         handles, self.unread_handles = self.unread_handles, ()
         return handles
+
+    def take_reserved(self) -> WorkerView | None:
+        """The decode worker that still holds a reservation for the request (to abort)."""
+        reserved, self.reserved = self.reserved, None
+        return reserved
 
     async def stream_from(
         self, worker: WorkerView, item: WorkItem
@@ -126,7 +134,7 @@ class Pending:
                 # Its end on this worker (a handle event ends the prefill worker's part).
                 worker.end(stream.request_id)
                 if not event.kv_handles:
-                    self.owner = None
+                    self.owner = None  # (a kv_streamed one: the decode worker's now)
                 if event.error and event.is_retryable:
                     # Its engine loop died (the report that says so came with it), or a
                     # KV transfer failed: not the request's fault.
@@ -148,8 +156,8 @@ class Pending:
                         f"the request failed on a worker (error {error_id}; the server's log "
                         "has the details)",
                     )
-            if event.kv_handles:
-                yield None, event
+            if event.kv_handles or event.kv_streamed or event.kv_reservations:
+                yield None, event  # the hand-off's: the caller goes on with it
                 continue
             yield stream.on_event(event), event
             if stream.is_finished:
@@ -188,6 +196,9 @@ class Pending:
         try:
             if self.submit is not None:  # let a submit in flight land before its abort
                 await asyncio.wait([self.submit], timeout=SETTLE_TIMEOUT_S)
+            reserved = self.take_reserved()
+            if reserved is not None and reserved is not self.owner:
+                await abort_on(reserved, request_id)  # its blocks were reserved for nothing
             if self.unread_handles:
                 await decline(self.unread_handles, self.decode, decode)
             owner = self.owner

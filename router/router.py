@@ -333,6 +333,8 @@ class Router:
         handles = pending.migrated()
         if handles:  # P's KV that no decode worker will read now: free it
             self._spawn(decline(handles, None, self.decode))
+        if (reserved := pending.take_reserved()) is not None:  # layer-wise: not needed now
+            self._spawn(abort_on(reserved, stream.request_id))
         pending.num_migrations += 1
         check_limit(lost, pending.num_migrations, self.config.migration_limit)
         if pending.is_aborted:

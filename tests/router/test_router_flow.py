@@ -85,11 +85,14 @@ class Cluster:
         hold_transfers=False,
         decode_settings=None,  # EngineConfig fields of the decode workers only
         tracing=None,  # router.tracing.Tracing
+        transfer=None,  # KVTransferConfig fields
+        fabric=None,  # a LocalFabric (a slow link: bandwidth, per_transfer_s)
         **router,
     ):
-        self.fabric = LocalFabric(hold_transfers=hold_transfers)
+        self.fabric = fabric or LocalFabric(hold_transfers=hold_transfers)
         self.listener = ChannelListener()
-        config = KVTransferConfig(backend="local", lease_seconds=20, transfer_timeout_s=5)
+        transfer = {"lease_seconds": 20, "transfer_timeout_s": 5, **(transfer or {})}
+        config = KVTransferConfig(backend="local", **transfer)
         self.services: dict[str, EngineService] = {}
         for role, count in (("prefill", num_prefill), ("decode", num_decode)):
             for i in range(count):

@@ -125,3 +125,22 @@ def test_the_post_init_checks_run_on_decode():
         ITEM.mode = "full"  # type: ignore[misc]
     with pytest.raises(ValueError, match="mode must be one of"):
         msgspec.structs.replace(ITEM, mode="both")
+
+
+def test_the_layer_wise_hand_off_s_fields_round_trip_and_are_checked():
+    reserve = WorkItem("r3", (1, 2), PARAMS, "decode", kv_stream_from="prefill-0")
+    first = msgspec.structs.replace(reserve, first_token_id=7)
+    work = WorkItem("r3", (1, 2), PARAMS, "prefill", kv_reservations=(b"res",))
+    reserved = TokenEvent("r3", (), False, kv_reservations=(b"res",))
+    streamed = TokenEvent("r3", (7,), True, kv_streamed=True)
+    report = msgspec.structs.replace(REPORT, layerwise_min_tokens=512)
+    for msg in (reserve, first, work, reserved, streamed, report):
+        assert decode_as(encode(msg), type(msg)) == msg
+    with pytest.raises(ValueError, match="kv_stream_from"):
+        WorkItem("r", (1,), PARAMS, "full", kv_stream_from="prefill-0")
+    with pytest.raises(ValueError, match="kv_stream_from"):
+        WorkItem("r", (1,), PARAMS, "decode", (b"h",), 3, kv_stream_from="prefill-0")
+    with pytest.raises(ValueError, match="kv_reservations"):
+        WorkItem("r", (1,), PARAMS, "full", kv_reservations=(b"res",))
+    with pytest.raises(ValueError, match="kv_handles"):
+        WorkItem("r", (1,), PARAMS, "decode")  # neither handles nor a stream

@@ -9,6 +9,13 @@ the prompt's KV)::
       |                +--offer_failed / lease_ended--> (released: blocks freed)
       +--abort / release--> (released: blocks freed; no lease exists yet)
 
+Prefill side of a layer-wise stream (``stream_opened`` before the first chunk: the
+request's writes read its blocks while it computes; ``kvtransfer/stream.py``)::
+
+    (scheduled) --hold--> HELD --stream_ended--> (released: blocks freed)
+         |                 +--abort--> HELD (kept: writes may be in flight)
+         +--finish / abort (keeps_blocks)--> STREAMING --stream_ended--> (released)
+
 Decode side (the request was admitted with P's handles; its prompt's KV comes from P,
 except the leading blocks D's own prefix cache already holds: those are shared, never
 written, and only the rest is received, ``KVReceive.first_block``). A peer pull (G4) is
@@ -51,6 +58,15 @@ lease expiry (D died,  ``lease_ended`` frees                 --
 never read it)
 decline (nothing will  its notice ends the lease             --
 read it)               (``lease_ended`` frees)
+layer-wise: the        HELD; ``stream_ended`` frees once     --  (D's stream future completes
+stream's future        the stream's future completed (no     once every layer landed, or
+completes              write in flight)                      fails: recomputed as above)
+layer-wise: first      ``keeps_blocks``: -> STREAMING, not   D's stream fails or completes;
+token ends it, or      freed by the scheduler;               the router aborts D (never
+abort while it         ``abandon_stream``, then              given a first token)
+computes               ``stream_ended`` frees
+layer-wise:            never preempted (the scheduler skips  --
+preemption             it: its blocks are being read)
 =====================  ====================================  ================================
 
 P's held blocks belong to no scheduled request, so the hand-off frees them itself
@@ -88,9 +104,17 @@ class HandoffState(enum.Enum):
     RECEIVING = "receiving"  # fresh blocks given; a transfer may be writing into them
     ABORTING = "aborting"  # aborted while receiving: the blocks stay until the transfer ended
     DECLINING = "declining"  # ended before its receive started: the handles must be declined
+    # Prefill side, layer-wise: ended (first token was its last, abort) while its stream's
+    # writes may still read its blocks; freed by ``stream_ended``.
+    STREAMING = "streaming"
 
 
-PREFILL_STATES = (HandoffState.HELD, HandoffState.OFFERED, HandoffState.LEASED)
+PREFILL_STATES = (
+    HandoffState.HELD,
+    HandoffState.OFFERED,
+    HandoffState.LEASED,
+    HandoffState.STREAMING,
+)
 _RECEIVING_STATES = (HandoffState.RECEIVING, HandoffState.ABORTING)
 
 
@@ -137,6 +161,8 @@ class KVHandoff:
         self.num_receive_blocks = 0  # asked of P (a failed receive included)
         self.num_reused_blocks = 0  # found in D's own prefix cache instead
         self._new_declines: list[str] = []
+        # Prefill, layer-wise: requests whose stream's writes may read their blocks.
+        self._streams: set[str] = set()
 
     # ---- queries -----------------------------------------------------------------------
     def state(self, request_id: str) -> HandoffState | None:
@@ -210,8 +236,37 @@ class KVHandoff:
         if request_id not in self._states:
             return False
         self._check(request_id, "release", PREFILL_STATES)
+        self._streams.discard(request_id)
         self._free_held(request_id)
         return True
+
+    # ---- prefill side, layer-wise ------------------------------------------------------
+    def stream_opened(self, request_id: str) -> None:
+        """The request's KV streams out as it is computed: its blocks are read by writes
+        until ``stream_ended`` (never freed before, never preempted)."""
+        self._streams.add(request_id)
+
+    def is_streaming(self, request_id: str) -> bool:
+        return request_id in self._streams
+
+    def keeps_blocks(self, request_id: str, block_ids: Iterable[int]) -> bool:
+        """The scheduler ends a request (first token was its last, abort): True when the
+        hand-off keeps its blocks instead (a stream still reads them: -> STREAMING)."""
+        if request_id not in self._streams or request_id in self._states:
+            return False
+        self._set(request_id, HandoffState.STREAMING)
+        self._held_block_ids[request_id] = tuple(block_ids)
+        return True
+
+    def stream_ended(self, request_id: str) -> bool:
+        """The stream's future completed: no write reads the blocks any more. A request
+        the scheduler no longer has (HELD, STREAMING) has its blocks freed now (True); one
+        still computing keeps them (its stream failed early; it goes on unstreamed)."""
+        self._streams.discard(request_id)
+        if self._states.get(request_id) in (HandoffState.HELD, HandoffState.STREAMING):
+            self._free_held(request_id)
+            return True
+        return False
 
     # ---- decode side -------------------------------------------------------------------
     def expect(self, request_id: str) -> None:
@@ -281,14 +336,16 @@ class KVHandoff:
         """Abort as far as the hand-off is concerned; True when it has dealt with it (the
         caller must not finish the request now):
 
-        - HELD (prefill, no lease yet): the blocks are freed now;
-        - OFFERED / LEASED (prefill): nothing changes; only the lease's end frees them;
+        - HELD (prefill, no lease yet): the blocks are freed now, unless a stream's
+          writes may read them (``stream_ended`` frees them then);
+        - OFFERED / LEASED / STREAMING (prefill): nothing changes; only the lease's (the
+          stream's) end frees them;
         - RECEIVING / ABORTING (decode): -> ABORTING; ``received`` ends it;
         - DECLINING (decode): nothing; it has ended already.
 
         False for AWAITING (the caller finishes it: ``request_ended``) or no hand-off."""
         state = self._states.get(request_id)
-        if state is HandoffState.HELD:
+        if state is HandoffState.HELD and request_id not in self._streams:
             self._free_held(request_id)
         elif state in _RECEIVING_STATES:
             self._set(request_id, HandoffState.ABORTING)

@@ -11,8 +11,10 @@ of a step that has such a chunk, once that layer's KV is stored.
 
 Who frees what: the blocks are the prefill request's; its writes read them until the
 stream's future (``KVConnector.open_stream``) completes, so the worker keeps them held
-(``KVHandoff``) until then. A request that ends before its final chunk (abort,
-preemption) must ``abandon`` its stream first.
+(``KVHandoff``) until then: ``open`` a stream, and say when its future completed
+(``ended``); meanwhile the request is never preempted and its end does not free its
+blocks. A request that ends before its final chunk (abort) must also have its
+connector stream abandoned (``KVConnector.abandon_stream``).
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from kvtransfer.layerwise import layer_groups
+from workers.engine.handoff import KVHandoff
 from workers.engine.request import Request
 from workers.engine.scheduler import SchedulerOutput
 
@@ -49,11 +52,14 @@ class _Job:
 
 
 class LayerwiseStreams:
-    def __init__(self, block_size: int, first_layer: int, num_layers: int):
+    def __init__(
+        self, block_size: int, first_layer: int, num_layers: int, handoff: KVHandoff | None = None
+    ):
         self.block_size = block_size
         self.first_layer = first_layer  # this rank's model layers: a pipeline stage's
         self.num_layers = num_layers
         self._streams: dict[str, _Stream] = {}
+        self._handoff = handoff  # who frees the blocks (``open`` / ``ended``)
 
     def __contains__(self, request_id: str) -> bool:
         return request_id in self._streams
@@ -71,6 +77,19 @@ class LayerwiseStreams:
     def remove(self, request_id: str) -> bool:
         """Forget a request (its last write went out, or it was abandoned)."""
         return self._streams.pop(request_id, None) is not None
+
+    def open(self, request_id: str, group_size: int, write: WriteLayers) -> None:
+        """A worker's stream (``add``) whose blocks the hand-off keeps held until
+        ``ended``: never preempted, not freed at the request's end (``KVHandoff``)."""
+        self.add(request_id, group_size, write)
+        if self._handoff is not None:
+            self._handoff.stream_opened(request_id)
+
+    def ended(self, request_id: str) -> bool:
+        """The stream's future completed (no write in flight): a request that ended
+        meanwhile has its blocks freed now (True)."""
+        self.remove(request_id)
+        return self._handoff.stream_ended(request_id) if self._handoff is not None else False
 
     def hook_for(
         self, sched: SchedulerOutput, requests: Sequence[Request]

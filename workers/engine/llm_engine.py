@@ -159,7 +159,9 @@ class LLMEngine:
         self.sampler = Sampler(self.vocab_size, seed=config.seed)
         # Prefill: requests whose KV streams out layer group by layer group (layerwise.py).
         first_layer = getattr(self.model.model, "start_layer", 0)  # a pipeline stage's
-        self.layerwise = LayerwiseStreams(config.block_size, first_layer, self.kv_cache.shape[1])
+        self.layerwise = LayerwiseStreams(
+            config.block_size, first_layer, self.kv_cache.shape[1], self.handoff
+        )
         # Structured outputs: compiled grammars by constraint (built on first use).
         self.grammars = GrammarCompiler(self.tokenizer, self.vocab_size)
         # The speculation gate's clock: on CPU this process's CPU time (steady when other
@@ -196,6 +198,7 @@ class LLMEngine:
         remote_first_token: int | None = None,
         prior_output_token_ids: Sequence[int] = (),
         peer_prefix_tokens: int = 0,
+        await_first_token: bool = False,
     ) -> str:
         """Validate and queue a request; returns its id. Raises ValueError naming the problem.
 
@@ -224,6 +227,11 @@ class LLMEngine:
         fails); the request's matcher is fed the tokens above, so a decode worker or a
         migrated request continues in the grammar where the other worker stood.
 
+        ``await_first_token`` (decode worker, layer-wise hand-off): as ``remote_first_token``
+        but the token comes later (``set_remote_first_token``), while the prefill streams
+        the KV into the blocks this request is admitted with; the worker reports
+        ``kv_received`` only once both are in (workers/serving/stream_transport.py).
+
         ``peer_prefix_tokens`` (peer pull, G4): the KV of the prompt's first tokens (whole
         blocks) comes from another worker's lease, like a remote prefill's, through
         ``take_kv_receives``/``kv_received``; the rest is computed here after it arrived.
@@ -231,7 +239,10 @@ class LLMEngine:
         request_id = request_id or uuid.uuid4().hex
         if not isinstance(params, SamplingParams):
             raise ValueError(f"params must be SamplingParams, got {type(params).__name__}")
-        if prefill_only and remote_first_token is not None:
+        if await_first_token and (remote_first_token is not None or prior_output_token_ids):
+            raise ValueError("await_first_token excludes remote_first_token and prior outputs")
+        remote = remote_first_token is not None or await_first_token
+        if prefill_only and remote:
             raise ValueError("prefill_only and remote_first_token exclude each other")
         if prior_output_token_ids and remote_first_token is not None:
             # D would receive the prompt's KV only; a migrated request is recomputed.
@@ -247,7 +258,7 @@ class LLMEngine:
                 f"max_model_len={self.max_model_len}"
             )
         check_peer_prefix(
-            peer_prefix_tokens, len(token_ids), self.block_manager.block_size, remote_first_token
+            peer_prefix_tokens, len(token_ids), self.block_manager.block_size, remote or None
         )
         if peer_prefix_tokens and params.prompt_logprobs is not None:
             raise ValueError(
@@ -263,7 +274,7 @@ class LLMEngine:
             generator=make_generator(
                 params,
                 self.device,
-                num_sampled_steps=int(remote_first_token is not None) + len(prior_output_token_ids),
+                num_sampled_steps=int(remote) + len(prior_output_token_ids),
             ),
             is_prefill_only=prefill_only,
         )
@@ -276,9 +287,9 @@ class LLMEngine:
             )
         prior = list(prior_output_token_ids)
         req.num_peer_tokens = peer_prefix_tokens
+        req.is_remote_prefill = remote
         if remote_first_token is not None:
             prior, what = [remote_first_token], "remote_first_token"
-            req.is_remote_prefill = True
         else:
             what = "prior_output_token_ids"
         resume_outputs(req, prior, detok, self.vocab_size, self.max_model_len, what)
@@ -339,6 +350,15 @@ class LLMEngine:
         req = self.scheduler.finish_receiving(request_id, ok)
         if req.is_finished:
             self._pending.append(self._final_delta(req, (), "", None))
+
+    def set_remote_first_token(self, request_id: str, token_id: int) -> None:
+        """Decode role, layer-wise: the first token of a request added with
+        ``await_first_token`` (before ``kv_received``); ValueError as ``add_request``."""
+        req = self.scheduler.requests.get(request_id)
+        if req is None or not req.is_remote_prefill or req.num_output_tokens:
+            raise ValueError(f"{request_id!r} does not wait for its first token")
+        detok = self._detokenizers.get(request_id)
+        resume_outputs(req, [token_id], detok, self.vocab_size, self.max_model_len, "first_token")
 
     @property
     def num_receiving(self) -> int:

@@ -157,7 +157,9 @@ class Scheduler:
             self.running.remove(req)
         elif req in self.waiting:
             self.waiting.remove(req)
-        self.block_manager.free(req.request_id)
+        table = self.block_manager.block_table(req.request_id)
+        if not self.handoff.keeps_blocks(req.request_id, table):  # a stream reads them
+            self.block_manager.free(req.request_id)
         del self.requests[req.request_id]
 
     def abort(self, request_ids: Iterable[str]) -> list[Request]:
@@ -320,12 +322,17 @@ class Scheduler:
     ) -> bool:
         """Allocate ``req``'s blocks for ``num_new`` more tokens, preempting the newest
         candidates after it (then ``req`` itself) while blocks run short. Requests with
-        tokens in flight are never preempted. False: ``req`` got no blocks."""
+        tokens in flight, or whose KV streams out (layer-wise), are never preempted. False: ``req`` got no blocks."""
         while not self.block_manager.allocate_slots(
             req.request_id, req.num_scheduled_tokens, num_new
         ):
             victim = next(
-                (r for r in reversed(candidates[index:]) if r.num_in_flight_tokens == 0), None
+                (
+                    r
+                    for r in reversed(candidates[index:])
+                    if r.num_in_flight_tokens == 0 and not self.handoff.is_streaming(r.request_id)
+                ),
+                None,
             )
             if victim is None:
                 return False

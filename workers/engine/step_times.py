@@ -9,6 +9,7 @@ overhead is schedule + prepare + sample + update.
 from __future__ import annotations
 
 from collections import defaultdict
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 STAGES = ("schedule", "prepare", "execute", "sample", "update")
@@ -18,9 +19,14 @@ STAGES = ("schedule", "prepare", "execute", "sample", "update")
 class StepTimes:
     # batch size -> stage -> total seconds (and "steps" -> count), decode-only steps
     by_batch: dict[int, dict[str, float]] = field(default_factory=lambda: defaultdict(dict))
+    # Told of every step, prefill chunks included: (requests, tokens, seconds per stage)
+    # (the layer-wise hand-off's compute numbers: workers/serving/layerwise_stats.py).
+    listeners: list[Callable[[int, int, tuple[float, ...]], None]] = field(default_factory=list)
 
     def add(self, batch: int, num_tokens: int, seconds: tuple[float, ...]) -> None:
         """Record one step: ``seconds`` per stage, in ``STAGES`` order."""
+        for listener in self.listeners:
+            listener(batch, num_tokens, seconds)
         if num_tokens != batch:
             return  # carries prefill tokens: not a decode step
         row = self.by_batch[batch]

@@ -32,8 +32,10 @@ from workers.protocol.trace import SpanRecord
 # context in the work item, span records in the final event (workers/protocol/trace.py);
 # 8: SamplingParams.cache_salt; 9: SamplingParams.structured (structured outputs);
 # 10: SamplingParams.prompt_logprobs and logit_bias, TokenEvent.prompt_logprobs;
-# 11: the pool's hashes as KV events ("pool"), not a whole set per change.
-WIRE_VERSION = 11
+# 11: the pool's hashes as KV events ("pool"), not a whole set per change;
+# 12: the layer-wise hand-off (WorkItem.kv_stream_from / kv_reservations,
+# TokenEvent.kv_reservations / kv_streamed, WorkerReport.layerwise_min_tokens).
+WIRE_VERSION = 12
 MODES = ("full", "prefill", "decode")
 T = TypeVar("T")
 
@@ -55,13 +57,26 @@ class WorkItem(_Message):
     # W3C traceparent of the router's span this part of the request hangs under; empty:
     # not traced (tracing off), and the worker records nothing for it.
     traceparent: str = ""
+    # Layer-wise hand-off (docs/kvtransfer.md). decode: the prefill worker (its name)
+    # that will stream the KV into blocks this worker reserves and answers with
+    # (TokenEvent.kv_reservations); without first_token_id the request waits for it, a
+    # second item with the same id and first_token_id brings it.
+    kv_stream_from: str = ""
+    # prefill: the decode worker's reservations (msgpack StreamReservation, one per
+    # decode rank): write the KV into them as it is computed, instead of a lease.
+    kv_reservations: tuple[bytes, ...] = ()
     kind: ClassVar[str] = "work"
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {self.mode!r}")
-        if self.mode == "decode" and (not self.kv_handles or self.first_token_id is None):
+        if self.kv_stream_from:
+            if self.mode != "decode" or self.kv_handles or self.output_token_ids:
+                raise ValueError("kv_stream_from is for decode work without kv_handles")
+        elif self.mode == "decode" and (not self.kv_handles or self.first_token_id is None):
             raise ValueError("decode work needs kv_handles and first_token_id")
+        if self.kv_reservations and (self.mode != "prefill" or self.kv_handles):
+            raise ValueError("kv_reservations are for prefill work without kv_handles")
         if self.mode == "decode" and self.output_token_ids:
             raise ValueError("decode work resumes after first_token_id, not output_token_ids")
 
@@ -91,6 +106,12 @@ class TokenEvent(_Message):
     # On the request's last event from this worker (its end here, or a prefill's handle
     # event) when the work item carried a traceparent: the worker's spans of it.
     spans: tuple[SpanRecord, ...] = ()
+    # Layer-wise hand-off. decode: blocks reserved for the stream (msgpack
+    # StreamReservation, one per rank), for the router to give the prefill worker.
+    kv_reservations: tuple[bytes, ...] = ()
+    # prefill: the first token's event of a streamed request (like kv_handles: its part
+    # here is over and the request goes on on the decode worker the KV streams to).
+    kv_streamed: bool = False
     kind: ClassVar[str] = "event"
 
 
@@ -164,6 +185,9 @@ class WorkerReport(_Message):
     kv_events: tuple[KVEvents, ...] = ()
     kv_tiers: tuple[TierStatus, ...] = ()  # latest stats; () when no tier is configured
     expert_load: tuple[ExpertLoad, ...] = ()  # MoE models: totals per layer; () when dense
+    # Prefill, layer-wise hand-off: the shortest uncached prompt (tokens) its measured
+    # numbers predict a gain for (the router reserves decode blocks first then); 0: none.
+    layerwise_min_tokens: int = 0
     kind: ClassVar[str] = "report"
 
 

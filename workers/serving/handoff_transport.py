@@ -32,12 +32,14 @@ from msgspec.structs import replace
 from kvtransfer import KVConnector, KVHandle
 from kvtransfer.messages import decode_as as decode_kv
 from kvtransfer.messages import encode as encode_kv
+from workers.engine.handoff import KVReceive
 from workers.engine.llm_engine import LLMEngine
 from workers.engine.outputs import StreamDelta
 from workers.parallel.replica_kv import ReplicaKV
 from workers.protocol.wire import TokenEvent, WorkItem
 from workers.serving.events import failed_event, token_event
 from workers.serving.metrics import WorkerMetrics
+from workers.serving.stream_transport import StreamTransport
 from workers.serving.tracing import WorkerTraces
 
 logger = logging.getLogger(__name__)
@@ -114,6 +116,7 @@ class HandoffTransport:
         # (its prefix cache), over the receives that succeeded.
         self.bytes_not_received = 0
         self._peer_ids: set[str] = set()  # of self.handles: a peer's (G4), not P's
+        self.stream: StreamTransport | None = None  # layer-wise (stream_transport.py)
 
     @property
     def is_pending(self) -> bool:
@@ -146,6 +149,8 @@ class HandoffTransport:
         handles = self.handles.pop(request_id, None)
         if handles is not None:
             self.decline(handles)
+        if self.stream is not None:
+            self.stream.forget(request_id)
         if request_id in self._peer_ids:
             self._peer_ids.discard(request_id)
             self.metrics.peer_pull("unused")
@@ -182,6 +187,9 @@ class HandoffTransport:
         started = self.handoff.take_receives()
         for receive in started:
             request_id = receive.request_id
+            if self.stream is not None and request_id in self.stream.incoming:
+                self._reserve(receive)
+                continue
             handles = self.handles.pop(request_id)
             source = "peer" if request_id in self._peer_ids else "prefill"
             self._peer_ids.discard(request_id)
@@ -216,12 +224,40 @@ class HandoffTransport:
             future.add_done_callback(lambda _f: self._wake())
         return len(started)
 
+    def fail(self, request_id: str, error: str) -> None:
+        """The request's final event (an abort the caller starts) carries ``error``."""
+        self._errors[request_id] = error
+
+    def _reserve(self, receive: KVReceive) -> None:
+        """Layer-wise: reserve the request's blocks for the prefill worker's stream."""
+        request_id = receive.request_id
+        assert self.stream is not None
+        self.metrics.receive_started("prefill", len(receive.block_ids), receive.first_block)
+        self.traces.receive_started(
+            request_id, "prefill", len(receive.block_ids), receive.first_block
+        )
+        try:
+            future = self.stream.reserve(receive)
+        except Exception as exc:  # no reservation went out: the router migrates it
+            self.stream.forget(request_id)
+            self._errors[request_id] = f"cannot reserve KV blocks: {exc}"
+            self._retryable.add(request_id)
+            self.engine.abort_request(request_id)
+            self.engine.kv_received(request_id, ok=False)
+            return
+        self.receives[request_id] = _Receive(
+            future, first_block=receive.first_block, num_blocks=len(receive.block_ids)
+        )
+        future.add_done_callback(lambda _f: self._wake())
+
     def finish_receives(self) -> None:
         """Tell the engine of every receive that ended (its blocks are free to use)."""
         for request_id, receive in list(self.receives.items()):
             future = receive.future
             if not future.done():
                 continue
+            if self.stream is not None and not self.stream.ready(request_id, receive.is_cancelled):
+                continue  # layer-wise: every layer is in, the first token not yet
             del self.receives[request_id]
             exc = future.exception()
             if exc is None:
@@ -268,7 +304,12 @@ class HandoffTransport:
         """The step's events; a finished prefill's waits for its offer (``offered``)."""
         events = []
         for delta in deltas:
-            if delta.held_block_ids is not None:
+            streamed = self.stream.takes(delta) if self.stream is not None else None
+            if streamed is not None:
+                if delta.request_id in self.traces:
+                    self.traces.first_token(delta.request_id)
+                events.append(self.with_spans(streamed))
+            elif delta.held_block_ids is not None:
                 self._offer(delta)
             else:
                 events.append(self._event(delta))

@@ -33,7 +33,9 @@ from workers.serving.channel import HEARTBEAT_S
 from workers.serving.commands import Abort, Attach, Command, Decline, LeaseEnded, Sink, Submit
 from workers.serving.events import failed_event
 from workers.serving.handoff_transport import HandoffTransport
+from workers.serving.layerwise_stats import LayerwiseStats
 from workers.serving.metrics import WorkerMetrics
+from workers.serving.stream_transport import StreamTransport
 from workers.serving.tracing import WorkerTraces
 from workers.serving.worker_report import ReportBuilder
 
@@ -91,6 +93,10 @@ class EngineService:
             name,
             self.traces,
         )
+        self.stream = self.transport.stream = StreamTransport(  # loop thread only
+            engine, self.connector, self._layerwise_stats(), self._wake.set
+        )
+        self._leases: dict[str, tuple[float, int]] = {}  # prefill: link numbers
         self._thread = threading.Thread(target=self._loop, name=f"engine-{name}", daemon=True)
         self._thread.start()
 
@@ -139,6 +145,29 @@ class EngineService:
                     done.failed,
                 )
 
+    def _layerwise_stats(self) -> LayerwiseStats | None:
+        """Prefill with kv_transfer.layerwise auto, one rank on both sides: the numbers
+        the layer-wise hand-off is chosen from (workers/serving/layerwise_stats.py)."""
+        kv, engine = self.kv, self.engine
+        if (
+            self.role != "prefill"
+            or self.connector is None
+            or getattr(getattr(self.connector, "config", None), "layerwise", "off") != "auto"
+            or (kv.world_size, kv.dst_tp_size, kv.dst_pp_size) != (1, 1, 1)
+        ):
+            return None
+        cache = engine.kv_cache
+        stats = LayerwiseStats(
+            num_layers=cache.shape[1],
+            block_size=engine.block_manager.block_size,
+            block_layer_bytes=cache[0, 0].numel() * cache.element_size(),
+            chunk_tokens=engine.config.max_num_batched_tokens,
+            max_prompt_tokens=engine.max_model_len - 1,
+        )
+        engine.step_times.listeners.append(stats.observe_step)
+        self._reports.layerwise_min_tokens = stats.min_tokens
+        return stats
+
     def _command(self, command: Command) -> None:
         if self._failed is not None:
             raise RuntimeError(f"worker {self.name} failed: {self._failed}")
@@ -158,6 +187,7 @@ class EngineService:
                 self._wake.clear()
                 self._drain_commands()
                 self.kv.poll()
+                self.stream.poll()
                 self.transport.finish_receives()
                 did_work = False
                 if self.engine.has_unfinished_requests():
@@ -168,7 +198,8 @@ class EngineService:
                     # Only receiving, or waiting for blocks: sleep until something wakes us.
                     did_work = bool(deltas or started or self.engine.scheduler.running)
                 # Every rank has answered (this step's offers too).
-                self._publish(self.transport.offered())
+                self._publish(self._leased(self.transport.offered()))
+                self._publish(self.stream.take_events())  # layer-wise reservations
                 self._reports.refresh()
                 if self._sink is not None and time.monotonic() - self._sent_at >= HEARTBEAT_S:
                     self._send(())
@@ -210,8 +241,9 @@ class EngineService:
                 self._admit(item)
             case Abort(request_id):
                 self._abort(request_id)
-            case LeaseEnded(request_id):
+            case LeaseEnded(request_id, reason):
                 self.engine.handoff.lease_ended(request_id)  # frees the held blocks
+                self._lease_ended(request_id, reason)
             case Decline(handles):
                 self._decline(handles)
             case Attach(sink):
@@ -226,16 +258,48 @@ class EngineService:
         self.metrics.first_scheduled(req)
         self.traces.first_scheduled(req)
 
+    def _leased(self, events: list[TokenEvent]) -> list[TokenEvent]:
+        """Prefill: when each lease started (a whole-request transfer's link numbers)."""
+        if self.stream.stats is not None:
+            per_block = self.stream.block_layer_bytes * self.engine.kv_cache.shape[1]
+            for event in events:
+                if event.kv_handles:
+                    blocks = -(-event.num_prompt_tokens // self.engine.block_manager.block_size)
+                    self._leases[event.request_id] = (time.perf_counter(), blocks * per_block)
+        return events
+
+    def _lease_ended(self, request_id: str, reason: str) -> None:
+        started = self._leases.pop(request_id, None)
+        if started is not None and reason == "done" and self.stream.stats is not None:
+            self.stream.stats.observe_link(started[1], time.perf_counter() - started[0])
+
     def _admit(self, item: WorkItem) -> None:
         rid = item.request_id
+        if item.kv_stream_from and item.first_token_id is not None:
+            # Layer-wise: the first token of a request reserved here (stream_transport.py).
+            try:
+                if not self.stream.first_token(item):
+                    why = f"request {rid!r} holds no KV reservation here"
+                    self._publish([failed_event(rid, 0, why, is_retryable=True)])
+            except Exception as exc:  # (a token that ends it: its prefill worker ends it)
+                self.transport.fail(rid, f"first token refused: {exc}")
+                self._abort(rid)  # its final event, once nothing writes its blocks
+            return
         if rid in self.engine.scheduler.requests or rid in self.transport.handles:
             # Touch nothing: the state under this id belongs to the request that has it
-            # (its handles still to decline, too).
-            self._publish([failed_event(rid, 0, f"request_id {rid!r} is already in use")])
+            # (its handles still to decline, too). A layer-wise reservation the router
+            # gave up (a migration) winds down here: another try may go elsewhere.
+            why = f"request_id {rid!r} is already in use"
+            retry = rid in self.stream.incoming
+            self._publish([failed_event(rid, 0, why, is_retryable=retry)])
             return
         self.traces.admitted(item)
         try:
-            if item.mode == "decode":
+            if item.kv_stream_from:  # layer-wise: admitted now, reserved once it has blocks
+                self.stream.expect(item)
+            elif item.kv_reservations:  # layer-wise: the KV streams into them
+                self.stream.open(item)
+            elif item.mode == "decode":
                 for handle in item.kv_handles:
                     decode_kv(handle, KVHandle)  # refuse a malformed one before admission
                 self.transport.expect(rid, tuple(item.kv_handles))
@@ -270,6 +334,7 @@ class EngineService:
             # blocks; a decode worker may be reading them right now.
             return
         self.transport.cancel(rid)  # a receive in flight: its end frees the blocks
+        self.stream.abort(rid)  # a stream out: its end frees the blocks
         self.engine.abort_request(rid)
 
     def _decline(self, handles: tuple[bytes, ...]) -> None:
@@ -307,10 +372,11 @@ class EngineService:
         for rid in list(self.engine.scheduler.requests):
             self._abort(rid)
         deadline = time.monotonic() + 5.0
-        while self.transport.is_pending:
+        while self.transport.is_pending or self.stream.is_pending:
             if time.monotonic() > deadline:
                 break
             self.kv.poll()  # the other ranks' parts
+            self.stream.poll()
             self.transport.finish_receives()
             self._publish(self.transport.offered())
             time.sleep(0.01)

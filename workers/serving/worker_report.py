@@ -12,6 +12,7 @@ on the step path is O(blocks).
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 
 from workers.engine.llm_engine import LLMEngine
 from workers.models.moe import expert_load
@@ -29,6 +30,8 @@ class ReportBuilder:
         self.name = name
         self.role = role
         self._checked_at = -EVENTS_EVERY_S
+        # Prefill, layer-wise: the shortest prompt it streams (workers/serving/layerwise_stats.py).
+        self.layerwise_min_tokens: Callable[[], int] = lambda: 0
         self._expert_load: tuple[ExpertLoad, ...] = ()  # MoE: taken with the events
         # engine.kv_tiers: None when no tier is configured (getattr: an engine built
         # before the tiers existed has no such attribute).
@@ -45,9 +48,11 @@ class ReportBuilder:
             return
         self._checked_at = now
         self._events.refresh()
-        self._expert_load = tuple(
-            ExpertLoad(layer, tokens) for layer, tokens in expert_load(self.engine.model)
-        )
+        model = getattr(self.engine, "model", None)  # (a test's stand-in engine has none)
+        if model is not None:
+            self._expert_load = tuple(
+                ExpertLoad(layer, tokens) for layer, tokens in expert_load(model)
+            )
 
     def resend(self) -> None:
         """The next report carries a snapshot of the pool and every tier (a new receiver)."""
@@ -77,4 +82,5 @@ class ReportBuilder:
             kv_events=events,
             kv_tiers=self._events.status,
             expert_load=self._expert_load,
+            layerwise_min_tokens=self.layerwise_min_tokens() if healthy else 0,
         )
