@@ -29,6 +29,7 @@ def compile_only(arch: int, hidden: int) -> None:
     from kernels import triton_decode_reduce as red
     from kernels import triton_int4_linear as int4
     from kernels import triton_kv_store as kv
+    from kernels import triton_mla_decode as mla
     from kernels import triton_moe as moe
     from kernels import triton_paged_decode as dec
     from kernels import triton_prefill_attention as pre
@@ -169,3 +170,12 @@ def compile_only(arch: int, hidden: int) -> None:
             constants = dict(stride_wk=1, DOT_PRECISION=precision, **tiles)
             result = usage(moe._moe_down_kernel, dtype, constants, cfg.num_warps, cfg.num_stages)
             print(f"| moe down | {dtype} | {config} | {result} |")
+        # MLA decode on the latent cache, DeepSeek-V3's shapes (R 512, P 64, 16 heads a program).
+        block_n, warps = mla.launch_config(torch_dtype)
+        for is_split in (False, True):
+            constants = dict(BLOCK_H=16, RANK=512, RANK_PAD=512, ROPE=64, ROPE_PAD=64)
+            constants |= dict(BLOCK_SIZE=16, BLOCK_N=block_n, IS_SPLIT=is_split)
+            constants |= dict(DOT_PRECISION=precision)
+            config = f"R=512 P=64 split={is_split} BLOCK_N={block_n} warps={warps}"
+            result = usage(mla._mla_decode_kernel, dtype, constants, warps, 2)
+            print(f"| mla decode | {dtype} | {config} | {result} |")

@@ -9,7 +9,7 @@ import argparse
 from pathlib import Path
 
 # Literals, not imports from workers: building the parser must not load torch.
-ARCHS = ("llama", "qwen2", "qwen3", "mistral", "mixtral", "qwen2-moe", "qwen3-moe")
+ARCHS = ("llama", "qwen2", "qwen3", "mistral", "mixtral", "qwen2-moe", "qwen3-moe", "deepseek-v3")
 SIZES = ("tiny", "small")
 DTYPES = ("float32", "bfloat16", "float16")
 # workers/models/quant/export.py SCHEMES (not imported here: the parser loads no torch)

@@ -22,6 +22,7 @@ from kernels import batch_invariant, cpu_extension, cpu_paged_decode
 from kernels.activation import silu_and_mul
 from kernels.attention_metadata import AttentionMetadata
 from kernels.kv_store import store_kv
+from kernels.mla_attention import mla_decode_attention
 from kernels.moe import fused_moe
 from kernels.paged_attention import paged_attention
 from kernels.rms_norm import fused_add_rms_norm, rms_norm
@@ -56,6 +57,9 @@ class KernelOps:
     # Mixture-of-Experts layers (kernels/moe.py has the layouts); one op for every set until a
     # set brings its own (the Triton fused kernel on CUDA).
     fused_moe: Callable[..., torch.Tensor] = fused_moe
+    # Multi-head latent attention's decodes on the latent cache (kernels/mla_attention.py;
+    # the Triton set's: kernels/triton_mla_decode.py).
+    mla_decode_attention: Callable[..., torch.Tensor] = mla_decode_attention
     is_triton: bool = False  # the Triton set (CUDA, or its interpreter in tests)
     # The C++ CPU set (kernels/csrc): its norms, SiLU and decode attention are the ones the
     # C++ layer stack (workers/models/fused_decode.py) computes with, so the two agree bitwise.
@@ -86,6 +90,7 @@ def triton_kernel_ops() -> KernelOps:
             triton_activation,
             triton_attention,
             triton_kv_store,
+            triton_mla_decode,
             triton_moe,
             triton_rms_norm,
             triton_rotary,
@@ -103,6 +108,7 @@ def triton_kernel_ops() -> KernelOps:
         store_kv=triton_kv_store.store_kv,
         paged_attention=triton_attention.paged_attention,
         fused_moe=triton_moe.fused_moe,
+        mla_decode_attention=triton_mla_decode.mla_decode_attention,
         is_triton=True,
     )
 

@@ -11,9 +11,11 @@ The first ``rotary_dim`` features of each head are rotated as two halves (the "n
 layout used by Hugging Face Llama/Qwen/Mistral); features past ``rotary_dim`` pass through.
 
 Scaling (``rope_scaling["rope_type"]``, or the older key ``"type"``): ``default``,
-``linear`` (divide frequencies by ``factor``) and ``llama3`` (Llama 3.1's piecewise
-frequency rescaling). Frequencies are computed in float32 as Hugging Face does, then the
-cache is cast to the model dtype.
+``linear`` (divide frequencies by ``factor``), ``llama3`` (Llama 3.1's piecewise
+frequency rescaling) and ``yarn`` (NTK-by-parts interpolation, DeepSeek-V2/V3 and Qwen's
+long-context configs; its attention factor multiplies the cos/sin table, as Hugging Face
+does). Frequencies are computed in float32 as Hugging Face does, then the cache is cast
+to the model dtype.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ from typing import Any
 
 import torch
 
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 
 
 def _inv_freq(rotary_dim: int, base: float, rope_scaling: dict[str, Any] | None) -> torch.Tensor:
@@ -38,6 +40,8 @@ def _inv_freq(rotary_dim: int, base: float, rope_scaling: dict[str, Any] | None)
         return inv_freq / rope_scaling["factor"]
     if rope_type == "llama3":
         return _llama3_inv_freq(inv_freq, rope_scaling)
+    if rope_type == "yarn":
+        return _yarn_inv_freq(rotary_dim, base, rope_scaling)
     raise ValueError(
         f"unsupported rope_type {rope_type!r}; supported: {', '.join(SUPPORTED_ROPE_TYPES)}"
     )
@@ -61,6 +65,55 @@ def _llama3_inv_freq(inv_freq: torch.Tensor, rope_scaling: dict[str, Any]) -> to
     return torch.where(is_medium, smoothed, scaled)
 
 
+def yarn_get_mscale(factor: float, mscale: float = 1.0) -> float:
+    """YaRN's magnitude correction ``0.1 * mscale * ln(factor) + 1`` (1 for factor <= 1)."""
+    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
+
+
+def rope_attention_factor(rope_scaling: dict[str, Any] | None) -> float:
+    """What multiplies the cos/sin table: YaRN's ``attention_factor`` (given, or from
+    ``factor`` and DeepSeek's ``mscale`` / ``mscale_all_dim``, as Hugging Face derives it);
+    1 for every other rope type."""
+    if rope_scaling is None:
+        return 1.0
+    if rope_scaling.get("rope_type", rope_scaling.get("type")) != "yarn":
+        return 1.0
+    if rope_scaling.get("attention_factor") is not None:
+        return float(rope_scaling["attention_factor"])
+    factor = rope_scaling["factor"]
+    mscale, mscale_all_dim = rope_scaling.get("mscale"), rope_scaling.get("mscale_all_dim")
+    if mscale and mscale_all_dim:
+        return yarn_get_mscale(factor, mscale) / yarn_get_mscale(factor, mscale_all_dim)
+    return yarn_get_mscale(factor)
+
+
+def _yarn_inv_freq(rotary_dim: int, base: float, rope_scaling: dict[str, Any]) -> torch.Tensor:
+    factor = rope_scaling["factor"]
+    original_len = rope_scaling["original_max_position_embeddings"]
+    beta_fast = rope_scaling.get("beta_fast") or 32
+    beta_slow = rope_scaling.get("beta_slow") or 1
+
+    def correction_dim(num_rotations: float) -> float:
+        # The dimension whose wavelength makes num_rotations turns over original_len.
+        return (rotary_dim * math.log(original_len / (num_rotations * 2 * math.pi))) / (
+            2 * math.log(base)
+        )
+
+    low, high = correction_dim(beta_fast), correction_dim(beta_slow)
+    if rope_scaling.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, rotary_dim - 1)
+    if low == high:
+        high += 0.001  # no division by zero
+    exponents = torch.arange(0, rotary_dim, 2).to(torch.float32) / rotary_dim
+    pos_freqs = base**exponents
+    ramp = (torch.arange(rotary_dim // 2, dtype=torch.float32) - low) / (high - low)
+    # 1: keep the trained frequency (high frequencies), 0: interpolate by factor.
+    extrapolation = 1 - torch.clamp(ramp, 0, 1)
+    interpolated = 1.0 / (factor * pos_freqs)
+    return interpolated * (1 - extrapolation) + (1.0 / pos_freqs) * extrapolation
+
+
 def compute_cos_sin_cache(
     rotary_dim: int,
     max_position: int,
@@ -77,7 +130,9 @@ def compute_cos_sin_cache(
     inv_freq = _inv_freq(rotary_dim, base, rope_scaling)
     positions = torch.arange(max_position, dtype=torch.int64).to(torch.float32)
     freqs = positions[:, None] * inv_freq[None, :]  # [max_position, rotary_dim // 2]
-    return torch.cat((freqs.cos(), freqs.sin()), dim=-1).to(dtype)
+    cache = torch.cat((freqs.cos(), freqs.sin()), dim=-1)
+    factor = rope_attention_factor(rope_scaling)
+    return (cache if factor == 1.0 else cache * factor).to(dtype)
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

@@ -64,6 +64,30 @@ _MISTRAL = Family(
     tokenizer_bos="<s>",
     tokenizer_eos="</s>",
 )
+# DeepSeek-V3's special tokens (full-width bars, U+2581 for spaces) and a short chat
+# template in its format (the real one also renders tools and reasoning).
+_DEEPSEEK = Family(
+    special_tokens=(
+        "<\uff5cbegin\u2581of\u2581sentence\uff5c>",
+        "<\uff5cend\u2581of\u2581sentence\uff5c>",
+        "<\uff5cUser\uff5c>",
+        "<\uff5cAssistant\uff5c>",
+    ),
+    bos="<\uff5cbegin\u2581of\u2581sentence\uff5c>",
+    eos=("<\uff5cend\u2581of\u2581sentence\uff5c>",),
+    tokenizer_bos="<\uff5cbegin\u2581of\u2581sentence\uff5c>",
+    tokenizer_eos="<\uff5cend\u2581of\u2581sentence\uff5c>",
+    chat_template=(
+        "{{ bos_token }}{% for message in messages %}"
+        "{% if message['role'] == 'user' %}{{ '<\uff5cUser\uff5c>' + message['content'] }}"
+        "{% elif message['role'] == 'assistant' %}{{ '<\uff5cAssistant\uff5c>' + "
+        "message['content'] + '<\uff5cend\u2581of\u2581sentence\uff5c>' }}"
+        "{% else %}{{ message['content'] }}{% endif %}{% endfor %}"
+        "{% if add_generation_prompt %}{{ '<\uff5cAssistant\uff5c>' }}{% endif %}"
+    ),
+)
+
+
 FAMILIES = {
     "llama": _LLAMA3,
     "qwen2": _QWEN,
@@ -72,4 +96,5 @@ FAMILIES = {
     "mixtral": _MISTRAL,
     "qwen2-moe": _QWEN,
     "qwen3-moe": _QWEN,
+    "deepseek-v3": _DEEPSEEK,
 }

@@ -29,8 +29,9 @@ from tqdm import tqdm
 
 from cluster.tools.corpus import corpus_lines
 from cluster.tools.families import FAMILIES, Family
+from cluster.tools.make_deepseek import deepseek_config, deepseek_layer_specs
 
-ARCHS = ("llama", "qwen2", "qwen3", "mistral", "mixtral", "qwen2-moe", "qwen3-moe")
+ARCHS = ("llama", "qwen2", "qwen3", "mistral", "mixtral", "qwen2-moe", "qwen3-moe", "deepseek-v3")
 SIZES = ("tiny", "small")
 DTYPES = ("float32", "bfloat16", "float16")
 
@@ -183,6 +184,11 @@ def make_config(arch: str, size: str, dtype: str | None = None) -> dict[str, Any
         }
         if arch in ("qwen3", "qwen3-moe"):
             config |= {"attention_bias": False, "head_dim": shape.qwen3_head_dim}
+    elif arch == "deepseek-v3":  # multi-head latent attention, grouped routing, YaRN
+        config |= deepseek_config(
+            shape.hidden_size, shape.num_attention_heads, shape.max_position_embeddings,
+            shape.moe_intermediate_size, shape.num_experts, shape.num_experts_per_tok,
+        )  # fmt: skip
     else:  # mistral, mixtral: plain; no sliding window
         config |= {"head_dim": default_head_dim, "rms_norm_eps": 1e-5, "sliding_window": None}
     return dict(sorted((config | _moe_config(arch, shape)).items()))
@@ -230,6 +236,7 @@ _ARCHITECTURES = {
     "mixtral": "MixtralForCausalLM",
     "qwen2-moe": "Qwen2MoeForCausalLM",
     "qwen3-moe": "Qwen3MoeForCausalLM",
+    "deepseek-v3": "DeepseekV3ForCausalLM",
 }
 
 
@@ -272,8 +279,8 @@ def build_tokenizer(arch: str, vocab_size: int, lines: Iterable[str] | None = No
 
 def num_parameters(config: Mapping[str, Any]) -> int:
     """Parameter count of a config.json of one of ``ARCHS`` (as loaded, tied once; every
-    expert counted)."""
-    return sum(math.prod(shape) for _, shape, _ in _param_specs(config))
+    expert counted; buffers, such as DeepSeek's e_score_correction_bias, not)."""
+    return sum(math.prod(shape) for _, shape, kind in _param_specs(config) if kind != "buffer")
 
 
 def _param_specs(config: Mapping[str, Any]) -> list[tuple[str, tuple[int, ...], str]]:
@@ -290,6 +297,9 @@ def _param_specs(config: Mapping[str, Any]) -> list[tuple[str, tuple[int, ...], 
 
     specs = [("model.embed_tokens.weight", (vocab, hidden), "embed")]
     for i in range(config["num_hidden_layers"]):
+        if arch == "deepseek_v3":
+            specs += deepseek_layer_specs(config, i, mlp)
+            continue
         p = f"model.layers.{i}."
         specs += [
             (p + "input_layernorm.weight", (hidden,), "norm"),

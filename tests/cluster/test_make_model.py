@@ -44,7 +44,7 @@ def test_tiny_loads_in_transformers(tiny_dirs, arch, tmp_path):
     tok = tokenizers.Tokenizer.from_file(str(model_dir / "tokenizer.json"))
     assert tok.get_vocab_size() == config["vocab_size"]
     ids = tok.encode("The quick brown fox jumps over the lazy dog").ids
-    adds_bos = arch in ("llama", "mistral", "mixtral")
+    adds_bos = arch in ("llama", "mistral", "mixtral", "deepseek-v3")
     assert (ids[0] == config["bos_token_id"]) == adds_bos
     with torch.no_grad():
         logits = model(torch.tensor([ids])).logits

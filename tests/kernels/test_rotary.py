@@ -17,6 +17,18 @@ LLAMA3_SCALING = {
     "high_freq_factor": 4.0,
     "original_max_position_embeddings": 64,
 }
+# YaRN as DeepSeek-V3 configures it (the cos/sin factor from mscale / mscale_all_dim), and
+# plainly (the factor from `factor` alone: 0.1 ln 4 + 1).
+YARN_DEEPSEEK = {
+    "rope_type": "yarn",
+    "factor": 40.0,
+    "original_max_position_embeddings": 64,
+    "beta_fast": 32,
+    "beta_slow": 1,
+    "mscale": 1.0,
+    "mscale_all_dim": 0.8,
+}
+YARN_PLAIN = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 128}
 
 
 def hf_config(head_dim: int, rope_theta: float, rope_scaling: dict | None) -> LlamaConfig:
@@ -67,12 +79,18 @@ def test_llama3_actually_changes_frequencies():
 
 
 def test_unsupported_rope_type_is_named():
-    with pytest.raises(ValueError, match="'yarn'"):
-        compute_cos_sin_cache(64, 16, 10000.0, {"rope_type": "yarn", "factor": 2.0}, torch.float32)
+    with pytest.raises(ValueError, match="'longrope'"):
+        compute_cos_sin_cache(
+            64, 16, 10000.0, {"rope_type": "longrope", "factor": 2.0}, torch.float32
+        )
 
 
 @pytest.mark.parametrize("head_dim", [64, 80, 128])
-@pytest.mark.parametrize("rope_scaling", [None, LLAMA3_SCALING])
+@pytest.mark.parametrize(
+    "rope_scaling",
+    [None, LLAMA3_SCALING, YARN_DEEPSEEK, YARN_PLAIN],
+    ids=["default", "llama3", "yarn-deepseek", "yarn"],
+)
 def test_apply_rotary_matches_hf(head_dim, rope_scaling):
     gen = torch.Generator().manual_seed(head_dim)
     num_tokens, num_heads, num_kv_heads = 9, 8, 2

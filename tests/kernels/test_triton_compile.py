@@ -40,6 +40,7 @@ def test_kernels_compile_for_sm90_and_bf16_does_not_spill():
         assert {(kernel, "bf16"), (kernel, "fp32")} <= kernels, kernel
     assert {("rotary", "bf16"), ("silu_and_mul", "bf16"), ("int4_linear", "bf16")} <= kernels
     assert {("moe gate_up + silu", "bf16"), ("moe down", "bf16")} <= kernels
+    assert {("mla decode", "bf16"), ("mla decode", "fp32")} <= kernels
     # The FP8 KV cache's variants (packed uint8 rows, IS_FP8) compile too, with bf16 queries.
     fp8 = {kernel for kernel, dtype, config, *_ in rows if "fp8-kv" in config and dtype == "bf16"}
     assert fp8 == {"decode", "prefill", "store_kv"}, fp8

@@ -46,11 +46,12 @@ def resolve_num_blocks(
     per_block = (
         bytes_per_block(
             num_layers or arch.num_hidden_layers,
-            num_kv_heads or arch.num_key_value_heads,
+            num_kv_heads or arch.kv_cache_heads,
             config.block_size,
-            arch.head_dim,
+            arch.kv_cache_head_dim,
             dtype,
             config.kv_cache_dtype,
+            arch.kv_cache_entries,
         )
         + extra_bytes_per_block
     )

@@ -9,6 +9,12 @@ ids merge into one), instead of ``num_layers * 2`` descriptors per block.
 With ``kv_cache_dtype: fp8_e4m3`` the tensor is ``uint8`` and its last axis is a packed
 row of ``head_dim`` float8_e4m3fn values and their float32 scale (``kernels/fp8_kv.py``):
 ``head_dim + 4`` bytes per token, kv head, layer and K/V instead of ``2 * head_dim`` (bf16).
+
+A model with multi-head latent attention (DeepSeek, ``kernels/mla_attention.py``) caches one
+latent row per token and layer instead of K and V per kv head: ``num_entries`` 1 and one
+"head" whose ``head_dim`` is the row (``ArchConfig.kv_cache_*``), so the tensor is
+``[num_blocks, num_layers, 1, 1, block_size, kv_lora_rank + qk_rope_head_dim]`` and every
+block-wise operation (block manager, prefix cache, copy-on-write, tiers) is unchanged.
 """
 
 from __future__ import annotations
@@ -41,10 +47,13 @@ def bytes_per_block(
     head_dim: int,
     dtype: torch.dtype,
     kv_cache_dtype: str = "auto",
+    num_entries: int = 2,
 ) -> int:
+    """Bytes of one block: ``num_entries`` rows (K and V; MLA: 1) per token, kv head and
+    layer."""
     storage, row = cache_storage(dtype, kv_cache_dtype, head_dim)
     itemsize = torch.empty((), dtype=storage).element_size()
-    return num_layers * 2 * num_kv_heads * block_size * row * itemsize
+    return num_layers * num_entries * num_kv_heads * block_size * row * itemsize
 
 
 def allocate_kv_cache(
@@ -56,11 +65,15 @@ def allocate_kv_cache(
     dtype: torch.dtype,
     device: torch.device,
     kv_cache_dtype: str = "auto",
+    num_entries: int = 2,
 ) -> torch.Tensor:
-    """The zero-filled cache ``[num_blocks, num_layers, 2, num_kv_heads, block_size, row]``;
-    ``row`` is ``head_dim`` or, for FP8, the packed ``head_dim + 4`` bytes."""
+    """The zero-filled cache ``[num_blocks, num_layers, num_entries, num_kv_heads,
+    block_size, row]``; ``num_entries`` 2 (K, V) or 1 (MLA's latent); ``row`` is
+    ``head_dim`` or, for FP8, the packed ``head_dim + 4`` bytes."""
+    if num_entries != 2 and kv_cache_dtype != "auto":
+        raise ValueError(f"kv_cache_dtype {kv_cache_dtype}: not supported for a latent (MLA) cache")
     dtype, row = cache_storage(dtype, kv_cache_dtype, head_dim)
-    shape = (num_blocks, num_layers, 2, num_kv_heads, block_size, row)
+    shape = (num_blocks, num_layers, num_entries, num_kv_heads, block_size, row)
     # Zero-filled, so every slot holds a finite value: the attention ops gather whole blocks
     # and rely on masked slots weighing exactly zero (see kernels/paged_attention.py).
     if device.type == "cpu":

@@ -108,7 +108,7 @@ class LLMEngine:
         self.tokenizer = tokenizer if tokenizer is not None else Tokenizer.from_dir(config.model)
         self.max_model_len = resolve_max_model_len(config, self.arch)
         self.vocab_size = self.arch.vocab_size
-        self.num_kv_heads, _ = self.parallel.kv_heads(self.arch.num_key_value_heads)
+        self.num_kv_heads, _ = self.parallel.kv_heads(self.arch.kv_cache_heads)
         self.layer_range = self.parallel.layer_range(self.arch.num_hidden_layers)
         num_layers = self.layer_range[1] - self.layer_range[0]
         draft = None
@@ -129,10 +129,11 @@ class LLMEngine:
             num_layers,
             self.num_kv_heads,
             config.block_size,
-            self.arch.head_dim,
+            self.arch.kv_cache_head_dim,
             self.dtype,
             self.device,
             config.kv_cache_dtype,
+            self.arch.kv_cache_entries,
         )
         self.block_manager = BlockManager(
             num_blocks, config.block_size, config.enable_prefix_caching

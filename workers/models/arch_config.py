@@ -12,12 +12,16 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from workers.models.deepseek_config import DEEPSEEK_ARCHITECTURES, DeepseekConfig, parse_deepseek
+
 if TYPE_CHECKING:
     import torch
 
 # Kept here rather than read from the registry so that this module imports no model code;
 # tests check the two agree.
 SUPPORTED_ARCHITECTURES = (
+    "DeepseekV2ForCausalLM",
+    "DeepseekV3ForCausalLM",
     "LlamaForCausalLM",
     "MistralForCausalLM",
     "MixtralForCausalLM",
@@ -62,6 +66,25 @@ class ArchConfig:
     decoder_sparse_step: int = 1  # layer i is MoE when (i + 1) % step == 0 ...
     mlp_only_layers: tuple[int, ...] = ()  # ... and i is not listed here (dense MLP)
     shared_expert_intermediate_size: int = 0  # Qwen2-MoE's gated shared expert; 0: none
+    # DeepSeek-V2/V3: multi-head latent attention and grouped routing (deepseek_config.py).
+    deepseek: DeepseekConfig | None = None
+
+    # The KV cache's per-token geometry (workers/engine/kv_cache.py): K and V of each kv
+    # head, or MLA's one latent row shared by every head and every TP rank.
+    @property
+    def kv_cache_entries(self) -> int:
+        """Rows per token, kv head and layer: 2 (K and V), 1 for MLA's latent."""
+        return 1 if self.deepseek is not None else 2
+
+    @property
+    def kv_cache_heads(self) -> int:
+        """The cache's kv heads (a TP rank keeps its share): 1 for MLA."""
+        return 1 if self.deepseek is not None else self.num_key_value_heads
+
+    @property
+    def kv_cache_head_dim(self) -> int:
+        """Elements of one row: head_dim, or MLA's kv_lora_rank + qk_rope_head_dim."""
+        return self.deepseek.cache_row if self.deepseek is not None else self.head_dim
 
     def is_moe_layer(self, layer_idx: int) -> bool:
         """Whether decoder layer ``layer_idx`` (the model's numbering) has routed experts,
@@ -98,7 +121,7 @@ class ArchConfig:
         architecture = architectures[0]
         num_heads = cfg["num_attention_heads"]
         rope_theta, rope_scaling = _parse_rope(cfg)
-        return cls(
+        fields = dict(
             architecture=architecture,
             model_type=cfg.get("model_type", ""),
             vocab_size=cfg["vocab_size"],
@@ -117,8 +140,11 @@ class ArchConfig:
             mlp_bias=cfg.get("mlp_bias", False),
             sliding_window=_parse_sliding_window(architecture, cfg),
             dtype_name=_parse_dtype(cfg.get("dtype") or cfg.get("torch_dtype")),
-            **_parse_moe(architecture, cfg),
         )
+        fields |= _parse_moe(architecture, cfg)
+        if architecture in DEEPSEEK_ARCHITECTURES:
+            fields |= parse_deepseek(architecture, cfg, rope_scaling)
+        return cls(**fields)
 
 
 def _parse_attention_bias(architecture: str, cfg: dict[str, Any]) -> bool:

@@ -7,6 +7,7 @@ from types import MappingProxyType
 from torch import nn
 
 from workers.models.arch_config import SUPPORTED_ARCHITECTURES
+from workers.models.deepseek import DeepseekV2ForCausalLM, DeepseekV3ForCausalLM
 from workers.models.llama import LlamaForCausalLM, MistralForCausalLM
 from workers.models.mixtral import MixtralForCausalLM
 from workers.models.qwen2 import Qwen2ForCausalLM
@@ -16,6 +17,8 @@ from workers.models.qwen3_moe import Qwen3MoeForCausalLM
 
 MODEL_CLASSES: MappingProxyType[str, type[nn.Module]] = MappingProxyType(
     {
+        "DeepseekV2ForCausalLM": DeepseekV2ForCausalLM,
+        "DeepseekV3ForCausalLM": DeepseekV3ForCausalLM,
         "LlamaForCausalLM": LlamaForCausalLM,
         "MistralForCausalLM": MistralForCausalLM,
         "MixtralForCausalLM": MixtralForCausalLM,

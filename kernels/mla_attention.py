@@ -1,0 +1,149 @@
+"""Multi-head latent attention (DeepSeek-V2/V3) over the paged *latent* cache (PyTorch
+reference).
+
+MLA caches one row per token and layer, shared by every head: the normalised latent
+``c_kv`` (``kv_lora_rank`` values, from which each head's key and value are expanded by
+``kv_b_proj``) followed by the rotated RoPE key ``k_pe`` (``qk_rope_head_dim``), 576
+elements in DeepSeek-V3. No head axis, no separate V (docs/mla.md).
+
+Layouts:
+    kv_cache:       [num_blocks, num_layers, 1, 1, block_size, row]  (the engine's block-major
+                    cache with the K/V and head axes of size 1; ``row = R + P``)
+    latent_cache:   [num_blocks, block_size, row], one layer's strided view
+                    ``kv_cache[:, layer, 0, 0]`` (:func:`latent_layer`)
+    latent:         [num_tokens, row], ``cat(c_kv, k_pe)``
+    slot_mapping:   [num_tokens] int64, ``slot = block_id * block_size + offset``; negative:
+                    not stored
+
+Decode attends on the latents directly (the "absorbed" form): a query already multiplied
+into latent space, ``q = cat(q_nope @ W_UK, q_pe)`` [N, H, R + P], scores every cached row
+(``q . row`` = ``q_nope . k_nope + q_pe . k_pe``), and the output is the weighted sum of the
+rows' first ``R`` values, ``[N, H, R]``, which the model takes through ``W_UV``. Prefill
+gathers a sequence's rows (:func:`gather_latent`) and expands them (workers/models/mla.py).
+Like ``kernels/paged_attention.py``, decodes gather whole blocks padded to the group's
+longest context and mask the rest; the engine zero-fills the cache so masked slots are
+finite.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kernels.attention_metadata import AttentionMetadata
+
+# The most latent rows one padded group of decodes gathers at once (bytes): as the paged
+# reference's decode groups (kernels/paged_attention.py), so the bmms read them from cache.
+_GROUP_COST_BYTES = 4 << 20
+_GROUP_MAX_BYTES = 4 << 20
+
+
+def latent_layer(kv_cache: torch.Tensor, layer_idx: int) -> torch.Tensor:
+    """Layer ``layer_idx``'s view [num_blocks, block_size, row] of an MLA cache
+    [num_blocks, num_layers, 1, 1, block_size, row]; ValueError for another layout."""
+    if kv_cache.dim() != 6 or kv_cache.shape[2] != 1 or kv_cache.shape[3] != 1:
+        raise ValueError(
+            "an MLA model needs the latent cache [num_blocks, num_layers, 1, 1, block_size, "
+            f"kv_lora_rank + qk_rope_head_dim], got {tuple(kv_cache.shape)}"
+        )
+    if not kv_cache.is_floating_point():
+        raise ValueError("an FP8 latent cache is not supported yet (kv_cache_dtype: auto)")
+    return kv_cache[:, layer_idx, 0, 0]
+
+
+def store_latent(
+    latent: torch.Tensor, latent_cache: torch.Tensor, slot_mapping: torch.Tensor
+) -> None:
+    """Scatter ``latent`` [T, row] into ``latent_cache`` at ``slot_mapping``; mutates the
+    cache only."""
+    block_size = latent_cache.shape[1]
+    if latent.shape[0] != slot_mapping.shape[0] or latent.shape[1] != latent_cache.shape[2]:
+        raise ValueError(
+            f"store_latent: latent {tuple(latent.shape)}, cache {tuple(latent_cache.shape)} "
+            f"and slot_mapping {tuple(slot_mapping.shape)} disagree"
+        )
+    is_valid = slot_mapping >= 0
+    if not bool(is_valid.all()):
+        latent, slot_mapping = latent[is_valid], slot_mapping[is_valid]
+    block_ids = torch.div(slot_mapping, block_size, rounding_mode="floor")
+    latent_cache[block_ids, slot_mapping - block_ids * block_size] = latent.to(latent_cache.dtype)
+
+
+def gather_latent(
+    latent_cache: torch.Tensor, block_table: torch.Tensor, seq_len: int
+) -> torch.Tensor:
+    """One sequence's first ``seq_len`` rows [seq_len, row] (a new tensor), by whole blocks."""
+    block_size, row = latent_cache.shape[1], latent_cache.shape[2]
+    num_blocks = -(-seq_len // block_size)
+    blocks = latent_cache.index_select(0, block_table[:num_blocks].long())
+    return blocks.reshape(num_blocks * block_size, row)[:seq_len]
+
+
+def _padded_decode(
+    q: torch.Tensor,
+    latent_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    max_seq_len: int,
+    scale: float,
+    kv_lora_rank: int,
+) -> torch.Tensor:
+    """Decodes padded to ``max_seq_len``: one pair of ``bmm``s over their gathered rows."""
+    num_decodes = q.shape[0]
+    block_size, row = latent_cache.shape[1], latent_cache.shape[2]
+    num_blocks = -(-max_seq_len // block_size)
+    ctx_len = num_blocks * block_size
+    rows = latent_cache.index_select(0, block_tables[:, :num_blocks].reshape(-1).long())
+    rows = rows.view(num_decodes, ctx_len, row).to(q.dtype)  # [N, ctx, R + P]
+    # Every head of a sequence reads the same rows: the heads are the bmm's query rows.
+    scores = torch.bmm(q, rows.transpose(1, 2)).mul_(scale)  # [N, H, ctx]
+    beyond = torch.arange(ctx_len, device=q.device)[None, :] >= seq_lens[:, None]  # [N, ctx]
+    scores.masked_fill_(beyond[:, None, :], float("-inf"))
+    probs = torch.softmax(scores, dim=-1)
+    return torch.bmm(probs, rows[:, :, :kv_lora_rank])  # [N, H, R]
+
+
+def mla_decode_attention(
+    q: torch.Tensor,
+    latent_cache: torch.Tensor,
+    metadata: AttentionMetadata,
+    scale: float,
+    kv_lora_rank: int,
+) -> torch.Tensor:
+    """The batch's decodes (its first ``metadata.num_decodes`` sequences, one token each)
+    attending on their cached latents: ``q`` [num_decodes, H, R + P] absorbed queries ->
+    [num_decodes, H, R] latent outputs (module docstring). Reads the cache only; the
+    decodes' own rows must be stored already."""
+    num_decodes, _, width = q.shape
+    if width != latent_cache.shape[2] or not 0 < kv_lora_rank < width:
+        raise ValueError(
+            f"mla_decode_attention: query width {width}, cache row {latent_cache.shape[2]}, "
+            f"kv_lora_rank {kv_lora_rank}"
+        )
+    if num_decodes != metadata.num_decodes:
+        raise ValueError(f"{num_decodes} queries for {metadata.num_decodes} decodes")
+    token_bytes = width * q.element_size()
+    groups = metadata.decode_groups(
+        _GROUP_COST_BYTES // token_bytes, _GROUP_MAX_BYTES // token_bytes
+    )
+    tables, seq_lens = metadata.block_tables[:num_decodes], metadata.seq_lens[:num_decodes]
+    if groups[0].rows is None:  # one group: the whole batch, in order
+        return _padded_decode(
+            q, latent_cache, tables, seq_lens, groups[0].max_seq_len, scale, kv_lora_rank
+        )
+    out = q.new_empty(num_decodes, q.shape[1], kv_lora_rank)
+    for group in groups:
+        rows = group.rows
+        out.index_copy_(
+            0,
+            rows,
+            _padded_decode(
+                q.index_select(0, rows),
+                latent_cache,
+                tables.index_select(0, rows),
+                seq_lens.index_select(0, rows),
+                group.max_seq_len,
+                scale,
+                kv_lora_rank,
+            ),
+        )
+    return out
