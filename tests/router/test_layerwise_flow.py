@@ -27,8 +27,11 @@ from tests.router.test_router_flow import LONG_PREFIX, Cluster, collect, req, ru
 from workers.serving.layerwise_stats import LayerwiseStats
 
 SHORT = "Hello there"
-BANDWIDTH = 20e6  # bytes/s of the slow link (the tiny model's KV: ~1 kB per token)
+BANDWIDTH = 4e6  # bytes/s of the slow link (the tiny model's KV: ~1 kB per token)
 LONG = LONG_PREFIX * 2
+# Another long prompt sharing no block with LONG: the prefill worker's prefix cache (which
+# the router learns of through KV events, as soon as they come) does not shorten it.
+LONG_B = "Far beyond the northern hills, " + LONG
 
 
 @pytest.fixture(scope="module")
@@ -96,7 +99,7 @@ def whole_request_tokens(model_dir, prompts, **kwargs):
 
 
 def test_long_prompt_streams_layerwise_with_the_whole_request_tokens(model_dir):
-    want = whole_request_tokens(model_dir, [LONG, SHORT])
+    want = whole_request_tokens(model_dir, [LONG, SHORT, LONG_B])
     cluster = layerwise_cluster(model_dir)
     prefill, decode = cluster.services["prefill-0"], cluster.services["decode-0"]
 
@@ -109,7 +112,7 @@ def test_long_prompt_streams_layerwise_with_the_whole_request_tokens(model_dir):
         assert prefill.stream.num_opened == 1  # the short one: whole request
         # The first token ends it: the prefill finishes it, its blocks wait for the
         # stream; the decode worker's reservation is aborted.
-        one = await collect(router, req(LONG, max_tokens=1))
+        one = await collect(router, req(LONG_B, max_tokens=1))
         assert prefill.stream.num_opened == 2
         await cluster.settled()
         assert_clean(cluster)
@@ -118,11 +121,11 @@ def test_long_prompt_streams_layerwise_with_the_whole_request_tokens(model_dir):
     long_out, short_out, one = run(cluster, body)
     assert long_out[0] == want[0] and short_out[0] == want[1]
     assert long_out[2].timing.prefill_worker == "prefill-0"
-    assert one[0] == want[0][:1]
+    assert one[0] == want[2][:1]
 
 
 def test_a_stream_failing_after_some_groups_is_recomputed(model_dir, monkeypatch):
-    want = whole_request_tokens(model_dir, [LONG])
+    want = whole_request_tokens(model_dir, [LONG, LONG_B])
     # Every 3rd transfer fails at post: the stream's first writes land, a later fails.
     monkeypatch.setenv("BATON_KV_FAULTS", "fail_every=3")
     cluster = layerwise_cluster(model_dir, allow_fault_injection=True)
@@ -130,14 +133,14 @@ def test_a_stream_failing_after_some_groups_is_recomputed(model_dir, monkeypatch
 
     async def body(router):
         await threshold(router)
-        out = [await collect(router, req(LONG)) for _ in range(2)]
+        out = [await collect(router, req(p)) for p in (LONG, LONG_B)]
         await cluster.settled()
         assert_clean(cluster)
         return out
 
     outs = run(cluster, body)
     assert cluster.services["prefill-0"].stream.num_opened == 2
-    assert [o[0] for o in outs] == [want[0]] * 2
+    assert [o[0] for o in outs] == want
     failed = decode.metrics._receive_failures._value.get()
     assert failed >= 1  # recomputed on the decode worker
 
@@ -165,9 +168,9 @@ def test_abort_after_the_first_token_leaves_nothing(model_dir, hold):
 def test_auto_measures_compute_and_link_from_whole_request_hand_offs(model_dir):
     """Nothing seeded: the prefill worker's steps give it the compute per token and
     layer, its leases over a slow link the link (an upper bound: the router hop is in
-    the fixed cost); what it reports is what the chooser says of those numbers. (The
-    tiny model has 2 layers: at ~2 ms per transfer nothing is gained here, so it keeps
-    the whole-request hand-off.)"""
+    the fixed cost); what it reports is what the chooser says of those numbers, whichever way
+    it decides. The link is slow (~15 ms for the biggest warm-up) so that the size-bound
+    part outweighs the scheduling noise of a loaded machine."""
     fabric = LocalFabric(bandwidth=BANDWIDTH, per_transfer_s=0.002)
     transfer = {"layerwise": "auto", "transfer_timeout_s": 15}
     cluster = Cluster(model_dir, disaggregation="always", transfer=transfer, fabric=fabric)
@@ -180,7 +183,8 @@ def test_auto_measures_compute_and_link_from_whole_request_hand_offs(model_dir):
         await cluster.settled()
         assert stats.layer_s_per_token is not None and stats.layer_s_per_token > 0
         bandwidth, per_transfer = stats.link()
-        assert BANDWIDTH / 2 < bandwidth < BANDWIDTH * 2
+        # The fit is an estimate under whatever else the machine runs: the right order.
+        assert BANDWIDTH / 3 < bandwidth < BANDWIDTH * 2
         assert per_transfer >= 0.002 * 0.8
         await asyncio.sleep(2.1)  # the threshold is recomputed every 2 s at most
         await asyncio.sleep(0.3)  # a report after it
