@@ -11,6 +11,8 @@ paged KV cache), step by step:
   weight once + the context's K/V) over the device-copy bandwidth measured in the same run;
 - **prefill**: one prompt of ``--prefill`` (4096) tokens; against the bf16 matmul peak
   measured in the same run (MFU: 2 FLOPs per weight per token + attention's matmuls);
+- decode with the Triton op set also replayed from a captured CUDA graph
+  (``workers/engine/decode_graphs.py``, the engine's default on CUDA: "triton+graphs");
 - each with the Triton op set (what CUDA runs) and the PyTorch references (the peer:
   SDPA for prefill, gather + ``bmm`` for decode attention), and with ``model.deterministic``
   (the batch-invariant Triton set and linears).
@@ -147,6 +149,50 @@ def time_step(model, step, repeats: int) -> float:
     return statistics.median(times)
 
 
+def time_graph_step(model, step, max_model_len: int, repeats: int) -> float:
+    """Median seconds of the same decode step replayed from a captured graph
+    (``workers/engine/decode_graphs.py``, the engine's path), its input copies included;
+    launches sized for ``max_model_len`` as the engine sizes them. On CPU (dry run) the
+    graph is a plain call again."""
+    import numpy as np
+
+    from workers.engine.decode_graphs import DecodeGraphs, cuda_capture
+    from workers.engine.step_inputs import StepInputs
+
+    ids, positions, kv_cache, metadata, _last = step
+    batch = ids.shape[0]
+    capture = cuda_capture(ids.device) if ids.is_cuda else (lambda fn: fn)
+    graphs = DecodeGraphs(model, kv_cache, BLOCK_SIZE, max_model_len, (batch,), ids.device, capture)
+    if not graphs.capture_all():
+        raise RuntimeError("decode graph capture failed (see the log)")
+    inputs = StepInputs(
+        input_ids=ids.cpu().numpy(),
+        positions=positions.cpu().numpy(),
+        slot_mapping=metadata.slot_mapping.cpu().numpy(),
+        block_tables=metadata.block_tables.cpu().numpy().astype(np.int32),
+        seq_lens=metadata.seq_lens_cpu,
+        query_start_loc=tuple(range(batch + 1)),
+        num_decodes=batch,
+        sample_indices=tuple(range(batch)),
+    )
+    times = []
+    for i in range(repeats + 2):
+        if kv_cache.is_cuda:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            graphs.run(inputs)
+            end.record()
+            torch.cuda.synchronize()
+            seconds = start.elapsed_time(end) / 1e3
+        else:
+            t0 = time.perf_counter()
+            graphs.run(inputs)
+            seconds = time.perf_counter() - t0
+        if i >= 2:
+            times.append(seconds)
+    return statistics.median(times)
+
+
 def weight_bytes(model) -> int:
     return sum(p.numel() * p.element_size() for p in model.parameters())
 
@@ -185,11 +231,17 @@ def main() -> None:
             step = paged_step(arch, device, [1] * batch, [context] * batch, batch)
             seconds = time_step(model, step, repeats)
             moved = w_bytes + batch * context * kv_token_bytes
-            rows.append({
-                "ops": ops_name, "step": f"decode batch {batch} x {context}",
-                "ms": seconds * 1e3, "bytes": moved,
-                "roofline_share": None if copy_bw is None else moved / copy_bw / seconds,
-            })  # fmt: skip
+            variants = [(ops_name, seconds)]
+            if ops_name == "triton" or dry:  # the engine's CUDA decode path: graphs
+                max_len = 256 if dry else config["max_position_embeddings"]
+                graph_s = time_graph_step(model, step, max_len, repeats)
+                variants.append((f"{ops_name}+graphs", graph_s))
+            for name, secs in variants:
+                rows.append({
+                    "ops": name, "step": f"decode batch {batch} x {context}",
+                    "ms": secs * 1e3, "bytes": moved,
+                    "roofline_share": None if copy_bw is None else moved / copy_bw / secs,
+                })  # fmt: skip
             del step
         step = paged_step(arch, device, [prefill_len], [prefill_len], 0)
         seconds = time_step(model, step, repeats)

@@ -93,6 +93,7 @@ class PoolSection(ConfigSection):
     max_num_seqs: int = engine_option("max_num_seqs")
     expert_parallel: int = engine_option("expert_parallel")
     expert_dispatch: ExpertDispatch = engine_option("expert_dispatch")
+    cuda_graph_max_batch: int = engine_option("cuda_graph_max_batch")
     # Narrower than the engine's (no cuda:N): Ray assigns each rank its GPU.
     device: Literal["auto", "cpu", "cuda"] = engine_option("device")
     node_resource: str | None = option(

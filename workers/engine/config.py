@@ -116,6 +116,11 @@ class EngineConfig:
     max_num_seqs: int = setting(64, "Most requests running at once on a replica", ge=1)
     # Longer prompts are prefilled in chunks of at most this many tokens.
     max_num_batched_tokens: int = setting(2048, "Token budget of one engine step", ge=1)
+    # workers/engine/decode_graphs.py: buckets 1, 2, 4, 8, 16, ... up to this (or max_num_seqs).
+    cuda_graph_max_batch: int = setting(
+        64, "Decode steps of up to this many requests replay CUDA graphs (CUDA, one rank); 0 = eager",
+        ge=0,
+    )  # fmt: skip
     enable_prefix_caching: bool = setting(True, "Reuse KV blocks of identical prompt prefixes")
     seed: int = setting(
         0, "Seed of the shared sampling generator (requests with their own seed use theirs)"

@@ -30,6 +30,7 @@ from workers.engine.block_manager import BlockManager
 from workers.engine.cache_sizing import resolve_max_model_len, resolve_num_blocks
 from workers.engine.config import EngineConfig, check_expert_parallel
 from workers.engine.cpu_memory import keep_freed_memory_mapped
+from workers.engine.decode_graphs import build_decode_graphs
 from workers.engine.grammar import GrammarCompiler
 from workers.engine.handoff import KVHandoff, KVReceive, check_peer_prefix
 from workers.engine.kv_cache import allocate_kv_cache
@@ -157,6 +158,11 @@ class LLMEngine:
         self.runner = ModelRunner(
             self.model, self.kv_cache, config.block_size, self.device, before_forward
         )
+        if self.parallel.tp_size == 1 and self.parallel.pp_size == 1:  # captured at start-up
+            self.runner.graphs = build_decode_graphs(
+                self.model, self.kv_cache, config.block_size, self.max_model_len,
+                config.max_num_seqs, config.cuda_graph_max_batch, self.device,
+            )  # fmt: skip
         self.sampler = Sampler(self.vocab_size, seed=config.seed)
         # Prefill: requests whose KV streams out layer group by layer group (layerwise.py).
         first_layer = getattr(self.model.model, "start_layer", 0)  # a pipeline stage's

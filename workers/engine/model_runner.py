@@ -22,6 +22,7 @@ import numpy as np
 import torch
 
 from kernels.attention_metadata import AttentionMetadata, as_device_tensor, build_attention_metadata
+from workers.engine.decode_graphs import DecodeGraphs
 from workers.engine.kv_cache import copy_blocks
 from workers.engine.request import Request
 from workers.engine.scheduler import SchedulerOutput
@@ -43,6 +44,8 @@ class ModelRunner:
         self.block_size = block_size
         self.device = device
         self.before_forward = before_forward
+        # Decode steps replayed from captured graphs (CUDA, one rank; set by the engine).
+        self.graphs: DecodeGraphs | None = None
 
     def prepare_inputs(self, sched: SchedulerOutput, requests: Mapping[str, Request]) -> StepInputs:
         """The step's flat batch as host arrays."""
@@ -136,6 +139,9 @@ class ModelRunner:
         ``layer_hook(i)`` runs after the stage's ``i``-th layer, once its KV is stored (a
         layer-wise hand-off: ``workers/engine/layerwise.py``)."""
         copy_blocks(self.kv_cache, inputs.block_copies)
+        graphs = self.graphs
+        if layer_hook is None and graphs is not None and graphs.takes(inputs):
+            return graphs.run(inputs)
         input_ids, positions, metadata, logits_indices = self.to_device(inputs)
         hooks = self._attach(layer_hook) if layer_hook is not None else ()
         try:
