@@ -15,6 +15,11 @@ Layouts:
     slot_mapping:   [num_tokens] int64, ``slot = block_id * block_size + offset``; negative:
                     not stored
 
+With ``kv_cache_dtype: fp8_e4m3`` the cache is ``uint8`` and each row is packed as every
+FP8 row is (``kernels/fp8_kv.py``): its ``R + P`` float8_e4m3fn values, then one float32
+scale (``amax / 448`` of the row), 580 bytes for DeepSeek-V3 where vLLM's ``fp8_ds_mla``
+takes 656 (four scales for ``c_kv``, ``k_pe`` kept in bfloat16; docs/mla.md weighs the two).
+
 Decode attends on the latents directly (the "absorbed" form): a query already multiplied
 into latent space, ``q = cat(q_nope @ W_UK, q_pe)`` [N, H, R + P], scores every cached row
 (``q . row`` = ``q_nope . k_nope + q_pe . k_pe``), and the output is the weighted sum of the
@@ -30,6 +35,7 @@ from __future__ import annotations
 import torch
 
 from kernels.attention_metadata import AttentionMetadata
+from kernels.fp8_kv import dequantize_rows, is_fp8_cache, quantize_rows, unpacked_head_dim
 
 # The most latent rows one padded group of decodes gathers at once (bytes): as the paged
 # reference's decode groups (kernels/paged_attention.py), so the bmms read them from cache.
@@ -45,9 +51,19 @@ def latent_layer(kv_cache: torch.Tensor, layer_idx: int) -> torch.Tensor:
             "an MLA model needs the latent cache [num_blocks, num_layers, 1, 1, block_size, "
             f"kv_lora_rank + qk_rope_head_dim], got {tuple(kv_cache.shape)}"
         )
-    if not kv_cache.is_floating_point():
-        raise ValueError("an FP8 latent cache is not supported yet (kv_cache_dtype: auto)")
+    if not kv_cache.is_floating_point() and not is_fp8_cache(kv_cache):
+        raise ValueError(f"a latent cache of {kv_cache.dtype}: float or packed FP8 (uint8)")
     return kv_cache[:, layer_idx, 0, 0]
+
+
+def latent_width(latent_cache: torch.Tensor) -> int:
+    """Values per latent row, ``R + P``: the row's width, less the scale of an FP8 row."""
+    return unpacked_head_dim(latent_cache) if is_fp8_cache(latent_cache) else latent_cache.shape[-1]
+
+
+def as_values(rows: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Cached rows [..., row] as ``dtype`` values [..., R + P]: dequantized (FP8) or cast."""
+    return dequantize_rows(rows, dtype) if is_fp8_cache(rows) else rows.to(dtype)
 
 
 def store_latent(
@@ -56,7 +72,7 @@ def store_latent(
     """Scatter ``latent`` [T, row] into ``latent_cache`` at ``slot_mapping``; mutates the
     cache only."""
     block_size = latent_cache.shape[1]
-    if latent.shape[0] != slot_mapping.shape[0] or latent.shape[1] != latent_cache.shape[2]:
+    if latent.shape[0] != slot_mapping.shape[0] or latent.shape[1] != latent_width(latent_cache):
         raise ValueError(
             f"store_latent: latent {tuple(latent.shape)}, cache {tuple(latent_cache.shape)} "
             f"and slot_mapping {tuple(slot_mapping.shape)} disagree"
@@ -65,17 +81,20 @@ def store_latent(
     if not bool(is_valid.all()):
         latent, slot_mapping = latent[is_valid], slot_mapping[is_valid]
     block_ids = torch.div(slot_mapping, block_size, rounding_mode="floor")
-    latent_cache[block_ids, slot_mapping - block_ids * block_size] = latent.to(latent_cache.dtype)
+    # FP8: each row quantized with its own scale, the bytes kernels/fp8_kv.py defines.
+    rows = quantize_rows(latent) if is_fp8_cache(latent_cache) else latent.to(latent_cache.dtype)
+    latent_cache[block_ids, slot_mapping - block_ids * block_size] = rows
 
 
 def gather_latent(
-    latent_cache: torch.Tensor, block_table: torch.Tensor, seq_len: int
+    latent_cache: torch.Tensor, block_table: torch.Tensor, seq_len: int, dtype: torch.dtype
 ) -> torch.Tensor:
-    """One sequence's first ``seq_len`` rows [seq_len, row] (a new tensor), by whole blocks."""
+    """One sequence's first ``seq_len`` rows as ``dtype`` values [seq_len, R + P] (a new
+    tensor), by whole blocks."""
     block_size, row = latent_cache.shape[1], latent_cache.shape[2]
     num_blocks = -(-seq_len // block_size)
     blocks = latent_cache.index_select(0, block_table[:num_blocks].long())
-    return blocks.reshape(num_blocks * block_size, row)[:seq_len]
+    return as_values(blocks.reshape(num_blocks * block_size, row)[:seq_len], dtype)
 
 
 def _padded_decode(
@@ -93,7 +112,7 @@ def _padded_decode(
     num_blocks = -(-max_seq_len // block_size)
     ctx_len = num_blocks * block_size
     rows = latent_cache.index_select(0, block_tables[:, :num_blocks].reshape(-1).long())
-    rows = rows.view(num_decodes, ctx_len, row).to(q.dtype)  # [N, ctx, R + P]
+    rows = as_values(rows.view(num_decodes, ctx_len, row), q.dtype)  # [N, ctx, R + P]
     # Every head of a sequence reads the same rows: the heads are the bmm's query rows.
     scores = torch.bmm(q, rows.transpose(1, 2)).mul_(scale)  # [N, H, ctx]
     beyond = torch.arange(ctx_len, device=q.device)[None, :] >= seq_lens[:, None]  # [N, ctx]
@@ -114,7 +133,7 @@ def mla_decode_attention(
     [num_decodes, H, R] latent outputs (module docstring). Reads the cache only; the
     decodes' own rows must be stored already."""
     num_decodes, _, width = q.shape
-    if width != latent_cache.shape[2] or not 0 < kv_lora_rank < width:
+    if width != latent_width(latent_cache) or not 0 < kv_lora_rank < width:
         raise ValueError(
             f"mla_decode_attention: query width {width}, cache row {latent_cache.shape[2]}, "
             f"kv_lora_rank {kv_lora_rank}"

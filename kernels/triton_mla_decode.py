@@ -13,6 +13,10 @@ are loaded (two masked loads of the row, so R and P are padded to powers of two
 separately: 512 + 64, not 1024), the scores are ``q_lat c_kv^T + q_pe k_pe^T``, and the
 same ``c_kv`` tile is the value: ``acc += p c_kv``. Online softmax in base 2.
 
+An FP8 latent cache (``uint8`` rows of ``R + P`` float8_e4m3fn values and one float32
+scale, ``kernels/mla_attention.py``) is dequantized tile by tile as it is loaded
+(``IS_FP8``): the row's scale once, both parts multiplied by it.
+
 Flash-decoding as ``kernels/triton_paged_decode.py``: with few sequences the context is
 cut into splits whose partial outputs (float32, [N, H, splits, R_pad]) and log-sum-exps
 ``decode_reduce_kernel`` combines.
@@ -25,6 +29,7 @@ import triton
 import triton.language as tl
 
 from kernels.attention_metadata import AttentionMetadata
+from kernels.fp8_kv import is_fp8_cache, unpacked_head_dim
 from kernels.triton_decode_reduce import decode_reduce_kernel
 from kernels.triton_paged_decode import LOG2_E, _num_sms, choose_num_splits, dot_precision
 
@@ -64,6 +69,7 @@ def _mla_decode_kernel(
     BLOCK_N: tl.constexpr,
     IS_SPLIT: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    IS_FP8: tl.constexpr,
 ):
     seq = tl.program_id(0)
     head_block = tl.program_id(1)
@@ -91,12 +97,25 @@ def _mla_decode_kernel(
         is_valid = pos < hi
         block_ids = tl.load(table_ptr + pos // BLOCK_SIZE, mask=is_valid, other=0).to(tl.int64)
         rows = cache_ptr + block_ids * stride_c_block + (pos % BLOCK_SIZE) * stride_c_tok
-        c_kv = tl.load(
-            rows[:, None] + r[None, :], mask=is_valid[:, None] & r_mask[None, :], other=0.0
-        ).to(q_lat.dtype)  # [BLOCK_N, RANK_PAD]: the keys' latent part and the values
-        k_pe = tl.load(
-            rows[:, None] + RANK + p[None, :], mask=is_valid[:, None] & p_mask[None, :], other=0.0
-        ).to(q_pe.dtype)  # [BLOCK_N, ROPE_PAD]
+        c_mask = is_valid[:, None] & r_mask[None, :]
+        p_tile_mask = is_valid[:, None] & p_mask[None, :]
+        if IS_FP8:  # bytes: R + P float8_e4m3fn values, then the row's float32 scale
+            row_scale = tl.load(
+                (rows + RANK + ROPE).to(tl.pointer_type(tl.float32)), mask=is_valid, other=0.0
+            )[:, None]
+            c_raw = tl.load(rows[:, None] + r[None, :], mask=c_mask, other=0)
+            c_kv = (c_raw.to(tl.float8e4nv, bitcast=True).to(tl.float32) * row_scale).to(
+                q_lat.dtype
+            )
+            p_raw = tl.load(rows[:, None] + RANK + p[None, :], mask=p_tile_mask, other=0)
+            k_pe = (p_raw.to(tl.float8e4nv, bitcast=True).to(tl.float32) * row_scale).to(q_pe.dtype)
+        else:
+            c_kv = tl.load(rows[:, None] + r[None, :], mask=c_mask, other=0.0).to(
+                q_lat.dtype
+            )  # [BLOCK_N, RANK_PAD]: the keys' latent part and the values
+            k_pe = tl.load(rows[:, None] + RANK + p[None, :], mask=p_tile_mask, other=0.0).to(
+                q_pe.dtype
+            )  # [BLOCK_N, ROPE_PAD]
         scores = tl.dot(q_lat, tl.trans(c_kv), input_precision=DOT_PRECISION)
         scores += tl.dot(q_pe, tl.trans(k_pe), input_precision=DOT_PRECISION)
         scores = tl.where(is_valid[None, :], scores * scale_log2, float("-inf"))
@@ -139,8 +158,11 @@ def launch_config(dtype: torch.dtype) -> tuple[int, int]:
     return 32, (8 if dtype == torch.float32 else 4)
 
 
-def _check_inputs(q: torch.Tensor, latent_cache: torch.Tensor, kv_lora_rank: int) -> None:
-    if q.dim() != 3 or latent_cache.dim() != 3 or q.shape[2] != latent_cache.shape[2]:
+def _check_inputs(q: torch.Tensor, latent_cache: torch.Tensor, kv_lora_rank: int) -> bool:
+    """Whether the cache is packed FP8; ValueError naming what disagrees."""
+    is_fp8 = is_fp8_cache(latent_cache)
+    width = unpacked_head_dim(latent_cache) if is_fp8 else latent_cache.shape[-1]
+    if q.dim() != 3 or latent_cache.dim() != 3 or q.shape[2] != width:
         raise ValueError(
             f"mla_decode_attention: q {tuple(q.shape)} must be [N, H, R + P] and the latent "
             f"cache {tuple(latent_cache.shape)} [num_blocks, block_size, R + P]"
@@ -149,8 +171,9 @@ def _check_inputs(q: torch.Tensor, latent_cache: torch.Tensor, kv_lora_rank: int
         raise ValueError(f"mla_decode_attention: kv_lora_rank {kv_lora_rank} of {q.shape[2]}")
     if q.stride(2) != 1 or latent_cache.stride(2) != 1:
         raise ValueError("mla_decode_attention: the row axis must be contiguous")
-    if latent_cache.dtype != q.dtype:
+    if latent_cache.dtype != q.dtype and not is_fp8:
         raise ValueError(f"mla_decode_attention: cache {latent_cache.dtype}, q {q.dtype}")
+    return is_fp8
 
 
 def mla_decode_attention(
@@ -166,7 +189,7 @@ def mla_decode_attention(
     """The batch's decodes on their cached latents: [N, H, R + P] -> [N, H, R] (a new
     tensor); reads the cache only. ``num_splits`` (default: from the GPU's size; 1 in
     the interpreter) and ``block_n`` (positions per tile) are tuning knobs tests use."""
-    _check_inputs(q, latent_cache, kv_lora_rank)
+    is_fp8 = _check_inputs(q, latent_cache, kv_lora_rank)
     num_decodes, num_heads, width = q.shape
     if num_decodes != metadata.num_decodes:
         raise ValueError(f"{num_decodes} queries for {metadata.num_decodes} decodes")
@@ -231,6 +254,7 @@ def mla_decode_attention(
         BLOCK_N=block_n,
         IS_SPLIT=is_split,
         DOT_PRECISION=dot_precision(q.dtype),
+        IS_FP8=is_fp8,
         num_warps=num_warps,
         num_stages=2,
     )

@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from kernels.fp8_kv import dequantize_rows, packed_row_bytes, quantize_rows
 from kernels.mla_attention import gather_latent, latent_layer, mla_decode_attention, store_latent
 from tests.kernels.paged_batch import build_metadata, random_block_tables
 
@@ -79,7 +80,7 @@ def test_store_and_gather_rows():
     assert torch.equal(layer[2, 1], rows[0]) and torch.equal(layer[2, 0], rows[1])
     assert torch.equal(layer[5, 0], rows[3]) and torch.equal(layer[0, 0], rows[4])
     assert int((kv_cache != 0).any(dim=-1).sum()) == 4  # nothing else, no other layer
-    got = gather_latent(layer, torch.tensor([2, 0, 5], dtype=torch.int32), 9)
+    got = gather_latent(layer, torch.tensor([2, 0, 5], dtype=torch.int32), 9, torch.float32)
     assert torch.equal(got[:2], torch.stack([rows[1], rows[0]])) and got.shape == (9, 10)
     assert torch.equal(got[8], rows[3])
 
@@ -87,5 +88,33 @@ def test_store_and_gather_rows():
 def test_latent_layer_refuses_other_layouts():
     with pytest.raises(ValueError, match="latent cache"):
         latent_layer(torch.zeros(4, 2, 2, 1, 8, 16), 0)  # a K/V cache
-    with pytest.raises(ValueError, match="FP8"):
-        latent_layer(torch.zeros(4, 2, 1, 1, 8, 16, dtype=torch.uint8), 0)
+    with pytest.raises(ValueError, match="float or packed FP8"):
+        latent_layer(torch.zeros(4, 2, 1, 1, 8, 16, dtype=torch.int32), 0)
+
+
+def fp8_cache(cache: torch.Tensor) -> torch.Tensor:
+    """A float latent cache [num_blocks, block_size, row] as packed FP8 rows (uint8)."""
+    return quantize_rows(cache)
+
+
+def test_fp8_rows_store_gather_and_decode_as_their_dequantized_values():
+    """FP8 latent rows (one scale per row, kernels/fp8_kv.py's bytes): stored by
+    quantizing, gathered and attended as exactly their dequantized values."""
+    kv_cache = torch.zeros(6, 3, 1, 1, 4, packed_row_bytes(12), dtype=torch.uint8)
+    layer = latent_layer(kv_cache, 1)
+    rows = torch.randn(5, 12, generator=torch.Generator().manual_seed(3)) * 7
+    store_latent(rows, layer, torch.tensor([9, 8, -1, 20, 0]))
+    assert torch.equal(layer[2, 1], quantize_rows(rows[0]))  # the reference's bytes
+    assert int((kv_cache != 0).any(dim=-1).sum()) == 4
+    got = gather_latent(layer, torch.tensor([2, 0, 5], dtype=torch.int32), 9, torch.float32)
+    assert torch.equal(got[0], dequantize_rows(quantize_rows(rows[1]), torch.float32))
+    torch.testing.assert_close(got[8], rows[3], rtol=0.07, atol=0.0)  # e4m3: 3 mantissa bits
+
+    seq_lens = [1, 7, 33, 100, 5]
+    q, cache, tables, metadata = latent_batch(seq_lens, 16, 4, 32, 8, torch.float32, seed=2)
+    packed = fp8_cache(cache)
+    got = mla_decode_attention(q, packed, metadata, 0.3, 32)
+    dequantized = dequantize_rows(packed, torch.float32)
+    torch.testing.assert_close(got, mla_decode_attention(q, dequantized, metadata, 0.3, 32))
+    want = naive_mla_decode(q, dequantized, tables, seq_lens, 0.3, 32)
+    torch.testing.assert_close(got.double(), want, atol=1e-5, rtol=1e-5)

@@ -17,6 +17,7 @@ from tests.kernels.triton_testing import (
 
 require_triton()
 
+from kernels.fp8_kv import quantize_rows  # noqa: E402
 from kernels.mla_attention import latent_layer, mla_decode_attention  # noqa: E402
 from kernels.triton_mla_decode import mla_decode_attention as triton_mla_decode  # noqa: E402
 from tests.kernels.paged_batch import build_metadata, random_block_tables  # noqa: E402
@@ -67,6 +68,19 @@ def test_matches_reference_bfloat16():
     assert got.dtype == torch.bfloat16
     # Probabilities rounded to bfloat16 before the value product: a few ulps.
     torch.testing.assert_close(got.cpu().float(), want, atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.parametrize("num_splits", [1, 3])
+def test_fp8_cache_matches_the_reference_on_the_same_bytes(num_splits):
+    """Packed FP8 rows (one float32 scale per row): the kernel's result equals the
+    reference over the same bytes (both read them as their dequantized values)."""
+    q, _, finite, metadata, on_device = _case([1, 17, 70, 5], 16, 20, 40, 24, torch.float32, 9)
+    packed = quantize_rows(finite * 0.01)  # spread over e4m3's range, NaN slots finite
+    want = mla_decode_attention(q, packed, metadata, 0.2, 40)
+    got = triton_mla_decode(
+        q.to(DEVICE), packed.to(DEVICE), on_device, 0.2, 40, num_splits=num_splits, block_n=16
+    )
+    torch.testing.assert_close(got.cpu(), want, **rounding_tolerance(torch.float32))
 
 
 def test_refuses_mismatched_inputs():

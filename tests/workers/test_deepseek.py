@@ -352,3 +352,52 @@ def test_latent_blocks_go_through_the_host_tier(deepseek_dir):
     again = llm.generate(prompts, params)
     assert [list(o.token_ids) for o in again] == want
     assert [o.num_cached_tokens for o in again] == [32, 40]  # whole blocks, from the tier
+
+
+def test_fp8_latent_cache(deepseek_dir, monkeypatch):
+    """``kv_cache_dtype: fp8_e4m3`` on the latent cache: each row's R + P values in FP8 and
+    one float32 scale, ``R + P + 4`` bytes per token and layer. What it promises: the
+    bytes a prompt leaves in the cache are the prompt's, so a prefix hit (the same rows,
+    read back) and the host tier give the tokens computing gives; the Triton set reads the
+    rows as the reference does (same tokens)."""
+    args = dict(
+        dtype="float32", block_size=8, max_num_batched_tokens=24, max_num_seqs=8,
+        num_kv_blocks=64, max_model_len=256, kv_cache_dtype="fp8_e4m3",
+    )  # fmt: skip
+    rng = random.Random(11)
+    shared = [rng.randrange(1000) for _ in range(33)]
+    prompts = [shared + [rng.randrange(1000) for _ in range(n)] for n in (3, 14)]
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    llm = LLM(str(deepseek_dir), **args)
+    arch, cache = llm.engine.arch, llm.engine.kv_cache
+    row = arch.deepseek.kv_lora_rank + arch.deepseek.qk_rope_head_dim
+    assert cache.dtype == torch.uint8 and cache.shape == (
+        64,
+        arch.num_hidden_layers,
+        1,
+        1,
+        8,
+        row + 4,
+    )
+    assert bytes_per_block(
+        arch.num_hidden_layers, 1, 8, row, torch.float32, "fp8_e4m3", num_entries=1
+    ) == (row + 4) * arch.num_hidden_layers * 8  # fmt: skip
+    want = [list(o.token_ids) for o in llm.generate(prompts, params)]
+    again = llm.generate(prompts, params)  # the prompts' rows read back from the cache
+    assert [list(o.token_ids) for o in again] == want
+    assert [o.num_cached_tokens for o in again] == [32, 40]
+    tiered = LLM(str(deepseek_dir), kv_host_tier_gib=1 / 1024, **args)
+    assert [list(o.token_ids) for o in tiered.generate(prompts, params)] == want
+    assert tiered.engine.block_manager.evict() > 0
+    assert [list(o.token_ids) for o in tiered.generate(prompts, params)] == want
+
+    from kernels import get_kernel_ops
+    from tests.kernels.triton_testing import IS_INTERPRETED
+    from workers.models import loader
+
+    if IS_INTERPRETED:  # the Triton set on CPU tensors: its interpreter (always, in CI)
+        monkeypatch.setattr(
+            loader, "get_kernel_ops", lambda dev: get_kernel_ops(dev, use_triton=True)
+        )
+        triton_llm = LLM(str(deepseek_dir), **args)
+        assert [list(o.token_ids) for o in triton_llm.generate(prompts, params)] == want

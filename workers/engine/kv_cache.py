@@ -69,9 +69,8 @@ def allocate_kv_cache(
 ) -> torch.Tensor:
     """The zero-filled cache ``[num_blocks, num_layers, num_entries, num_kv_heads,
     block_size, row]``; ``num_entries`` 2 (K, V) or 1 (MLA's latent); ``row`` is
-    ``head_dim`` or, for FP8, the packed ``head_dim + 4`` bytes."""
-    if num_entries != 2 and kv_cache_dtype != "auto":
-        raise ValueError(f"kv_cache_dtype {kv_cache_dtype}: not supported for a latent (MLA) cache")
+    ``head_dim`` or, for FP8, the packed ``head_dim + 4`` bytes (a latent row too: its
+    ``kv_lora_rank + qk_rope_head_dim`` values share one scale, kernels/mla_attention.py)."""
     dtype, row = cache_storage(dtype, kv_cache_dtype, head_dim)
     shape = (num_blocks, num_layers, num_entries, num_kv_heads, block_size, row)
     # Zero-filled, so every slot holds a finite value: the attention ops gather whole blocks

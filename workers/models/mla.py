@@ -222,7 +222,7 @@ class MlaAttention(nn.Module):
         """One sequence's chunk [q, H, *] attending causally to its ``seq_len`` cached rows
         (the chunk's own included), expanded to per-head keys and values -> [q, H, dv]."""
         query_len = q_nope.shape[0]
-        rows = gather_latent(latent_cache, block_table, seq_len).to(q_nope.dtype)  # [S, R + P]
+        rows = gather_latent(latent_cache, block_table, seq_len, q_nope.dtype)  # [S, R + P]
         kv = self.kv_b_proj(rows[:, : self.kv_lora_rank])  # [S, H * (dn + dv)]
         kv = kv.view(seq_len, self.num_heads, self.qk_nope_head_dim + self.v_head_dim)
         k_nope, value = kv.split([self.qk_nope_head_dim, self.v_head_dim], dim=-1)
