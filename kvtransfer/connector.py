@@ -155,6 +155,7 @@ class KVConnector:
             src_layers=layout.layer_range,
             total_num_layers=layout.total_num_layers,
             dst_pp_size=dst_pp_size,
+            is_latent=layout.is_latent,
         )
         ids = tuple(int(b) for b in block_ids)
         for block_id in ids:

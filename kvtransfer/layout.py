@@ -2,7 +2,13 @@
 
 The worker's cache is one tensor (docs/kv-cache-layout.md)::
 
-    [num_blocks, num_layers, 2, num_kv_heads_local, block_size, head_dim]
+    [num_blocks, num_layers, num_kv_entries, num_kv_heads_local, block_size, head_dim]
+
+``num_kv_entries`` is 2 (K and V) for every model but those with multi-head latent
+attention (DeepSeek-V2/V3, docs/mla.md), which cache one latent row per token and layer:
+1 entry of 1 "head" whose ``head_dim`` is ``kv_lora_rank + qk_rope_head_dim``. That head is
+replicated on every tensor-parallel rank (``kv_head_range`` with one head), so any prefill
+rank can serve a decode rank the whole block.
 
 kvtransfer never sees the worker's objects: the worker builds a :class:`KVLayout`
 from its tensor (:meth:`KVLayout.from_tensor`) and everything here works on that
@@ -17,9 +23,9 @@ token row of a head holds ``head_dim`` float8_e4m3fn values and their float32 sc
 each head's contiguous region, so they travel with the blocks and head slicing is unchanged.
 
 Two workers may exchange KV when :func:`check_compatible` passes: same model, KV dtype,
-scale layout, model layers, head count, head dim and block size. Tensor-parallel sizes and pipeline
-stages may differ (``tp_mapping`` maps heads and layers); devices may differ (the
-transport copies).
+scale layout, model layers, entries (K/V or latent), head count, head dim and block size.
+Tensor-parallel sizes and pipeline stages may differ (``tp_mapping`` maps heads and
+layers); devices may differ (the transport copies).
 """
 
 from __future__ import annotations
@@ -51,6 +57,7 @@ COMPAT_FIELDS = (
     "dtype",
     "scale_layout",
     "total_num_layers",
+    "num_kv_entries",
     "num_kv_heads",
     "head_dim",
     "block_size",
@@ -121,6 +128,7 @@ class KVLayout:
     tp_size: int = 1
     total_num_layers: int = 0  # the model's layers; 0: this rank holds them all
     scale_layout: str = "none"  # "per_token_head_f32": FP8 rows with their scale (module doc)
+    num_kv_entries: int = 2  # 2: K and V; 1: one latent row per token (MLA, module doc)
 
     def __post_init__(self) -> None:
         if self.total_num_layers == 0:
@@ -135,6 +143,13 @@ class KVLayout:
         for name in ("num_layers", "num_kv_heads", "head_dim", "block_size", "num_blocks"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+        if self.num_kv_entries not in (1, 2):
+            raise ValueError(
+                f"num_kv_entries must be 1 (latent) or 2 (K, V), got {self.num_kv_entries}"
+            )
+        if self.num_kv_entries == 1 and self.num_kv_heads != 1:
+            # The round-robin hand-off reads any block from any rank: the row must be whole.
+            raise ValueError(f"a latent cache has 1 kv head, got {self.num_kv_heads}")
         if self.first_layer < 0 or self.first_layer + self.num_layers > self.total_num_layers:
             raise ValueError(
                 f"layers [{self.first_layer}, {self.first_layer + self.num_layers}) are not "
@@ -167,6 +182,11 @@ class KVLayout:
         return self.first_layer, self.first_layer + self.num_layers
 
     @property
+    def is_latent(self) -> bool:
+        """One latent row per token and layer (MLA), the same on every TP rank."""
+        return self.num_kv_entries == 1
+
+    @property
     def row_bytes(self) -> int:
         """One token of one kv head, layer, K or V: its values and, for FP8, their scale."""
         return self.head_dim * self.itemsize + _SCALE_ROW_BYTES[self.scale_layout]
@@ -177,8 +197,19 @@ class KVLayout:
         return self.block_size * self.row_bytes
 
     @property
+    def layer_bytes(self) -> int:
+        """One layer of one block, every entry and head this rank holds: contiguous."""
+        return self.num_kv_entries * self.num_kv_heads_local * self.head_bytes
+
+    @property
     def block_bytes(self) -> int:
-        return self.num_layers * 2 * self.num_kv_heads_local * self.head_bytes
+        return self.num_layers * self.layer_bytes
+
+    @property
+    def bytes_per_token(self) -> int:
+        """What one token's KV costs this rank (and moves in a hand-off to it): for MLA
+        ``(kv_lora_rank + qk_rope_head_dim) x element size x layers``."""
+        return self.block_bytes // self.block_size
 
     @property
     def num_bytes(self) -> int:
@@ -194,12 +225,16 @@ class KVLayout:
         return int(self.device.split(":")[1]) if ":" in self.device else 0
 
     def region_offset(self, layer: int, kv: int, head: int) -> int:
-        """Byte offset inside a block of (*model* ``layer``, ``kv`` 0=K/1=V, *global* ``head``)."""
+        """Byte offset inside a block of (*model* ``layer``, ``kv`` 0=K/1=V or 0=latent,
+        *global* ``head``)."""
         start, end = self.head_range
         local = layer - self.first_layer
-        if not (0 <= local < self.num_layers and kv in (0, 1) and start <= head < end):
+        if not (
+            0 <= local < self.num_layers and 0 <= kv < self.num_kv_entries and start <= head < end
+        ):
             raise ValueError(f"region (layer {layer}, {kv}, head {head}) not held by this rank")
-        return ((local * 2 + kv) * self.num_kv_heads_local + head - start) * self.head_bytes
+        entry = local * self.num_kv_entries + kv
+        return (entry * self.num_kv_heads_local + head - start) * self.head_bytes
 
     def block_addr(self, block_id: int) -> int:
         if not 0 <= block_id < self.num_blocks:
@@ -225,20 +260,22 @@ class KVLayout:
         first_layer: int = 0,
         total_num_layers: int = 0,
     ) -> KVLayout:
-        """Describe the worker's cache tensor ``[blocks, layers, 2, heads_local, bs, dim]``.
+        """Describe the worker's cache tensor ``[blocks, layers, entries, heads_local, bs, dim]``.
 
+        ``entries`` is 2 (K, V) or 1 (the MLA latent row); ``num_kv_heads`` is the cache's
+        total kv heads (``ArchConfig.kv_cache_heads``: 1 for MLA, replicated on every rank).
         A pipeline stage's tensor holds its layers only: model layers ``first_layer`` on,
         of ``total_num_layers`` (0: the tensor holds every layer).
 
         Each block must be contiguous inside (the blocks themselves may be strided).
         Called by the worker; kvtransfer never imports the worker's code.
         """
-        if kv_cache.dim() != 6 or kv_cache.shape[2] != 2:
+        if kv_cache.dim() != 6 or kv_cache.shape[2] not in (1, 2):
             raise ValueError(
-                f"expected [num_blocks, num_layers, 2, num_kv_heads, block_size, head_dim], "
-                f"got {tuple(kv_cache.shape)}"
+                f"expected [num_blocks, num_layers, 2 (K, V) or 1 (latent), num_kv_heads, "
+                f"block_size, head_dim], got {tuple(kv_cache.shape)}"
             )
-        num_blocks, num_layers, _, heads_local, block_size, head_dim = kv_cache.shape
+        num_blocks, num_layers, num_kv_entries, heads_local, block_size, head_dim = kv_cache.shape
         if not kv_cache[0].is_contiguous():
             raise ValueError("each block of the KV cache must be contiguous")
         dtype = str(kv_cache.dtype).removeprefix("torch.")
@@ -262,6 +299,7 @@ class KVLayout:
             tp_size=tp_size,
             total_num_layers=total_num_layers,
             scale_layout=scale_layout,
+            num_kv_entries=num_kv_entries,
         )
         if layout.num_kv_heads_local != heads_local:
             raise ValueError(

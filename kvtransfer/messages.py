@@ -121,11 +121,18 @@ class PushRequest(_Message):
     timeout_s: float  # the owner gives up writing before the reader stops waiting
     first_block: int = 0  # write the lease's blocks from this index on (partial receive)
     # (as many as ``block_ids``: a peer pull reads a prefix of the lease)
+    # The lease's block indices to write, one per ``block_ids`` (a latent cache's round-robin
+    # share, kvtransfer/tp_mapping.py); empty: ``first_block`` on, consecutively.
+    block_indices: tuple[int, ...] = ()
     kind: ClassVar[str] = "push"
 
     def __post_init__(self) -> None:
         if self.first_block < 0:
             raise ValueError(f"first_block must be >= 0, got {self.first_block}")
+        if self.block_indices and len(self.block_indices) != len(self.block_ids):
+            raise ValueError(
+                f"{len(self.block_indices)} block indices for {len(self.block_ids)} blocks"
+            )
 
 
 class StreamReservation(_Message):

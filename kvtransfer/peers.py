@@ -10,16 +10,26 @@ from kvtransfer.backend import KVBackend
 from kvtransfer.errors import KVTransferError, PeerLostError
 from kvtransfer.layout import KVLayout, check_compatible
 from kvtransfer.messages import CompletionNotice, HandshakeMetadata, encode
-from kvtransfer.tp_mapping import Segment, plan_for_pair
+from kvtransfer.tp_mapping import Segment, plan_for_pair, replica_segments
 
 logger = logging.getLogger(__name__)
 
 
 @dataclass
 class Peer:
+    """A handshaken peer and what a whole-request transfer moves with it, per block.
+
+    For K/V caches the stream segments are the same as the whole-request ones. For a latent
+    cache (MLA) every pair holding common layers can move whole rows (the receiver spreads a
+    request's blocks round robin over the prefill ranks), while a layer-wise stream still
+    comes from the one prefill rank :func:`~kvtransfer.tp_mapping.source_heads` picks.
+    """
+
     meta: HandshakeMetadata
     read_segments: tuple[Segment, ...]  # the peer is the source, we read (or it pushes to us)
     write_segments: tuple[Segment, ...]  # we are the source, the peer the destination
+    stream_read_segments: tuple[Segment, ...] = ()
+    stream_write_segments: tuple[Segment, ...] = ()
 
 
 class PeerTable:
@@ -58,10 +68,16 @@ class PeerTable:
         old = self._peer_of_worker.get(meta.worker_id)
         if old is not None and old != name:
             self.drop(old, f"replaced by incarnation {meta.incarnation}")
-        read_segments = plan_for_pair(meta.layout, self.layout)
-        write_segments = plan_for_pair(self.layout, meta.layout)
+        read_segments = replica_segments(meta.layout, self.layout)
+        write_segments = replica_segments(self.layout, meta.layout)
         self.backend.connect(name, meta.agent_metadata, meta.layout, read_segments, write_segments)
-        self._peers[name] = Peer(meta, read_segments, write_segments)
+        self._peers[name] = Peer(
+            meta,
+            read_segments,
+            write_segments,
+            stream_read_segments=plan_for_pair(meta.layout, self.layout),
+            stream_write_segments=plan_for_pair(self.layout, meta.layout),
+        )
         self._peer_of_worker[meta.worker_id] = name
         return name
 

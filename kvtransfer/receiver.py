@@ -1,11 +1,16 @@
 """Decode side: receives in progress (connector thread only).
 
 A receive is one request's KV arriving into blocks the decode worker allocated: one
-*part* per prefill rank that holds some of our heads. Pull posts one READ per part
-(its "done" notice rides on the READ); push sends one PushRequest per part and waits
-for the writer's notice. The receive's future completes only when no part can write
+*part* per prefill rank that holds some of our heads. Pull posts one READ per part (its
+"done" notice rides on the READ); push sends one PushRequest per part and waits for the
+writer's notice. The receive's future completes only when no part can write
 into our blocks any more (done, cancelled, acknowledged, or past the deadline that
 bounds the writer's own), so the worker may free or reuse the blocks right after.
+
+A latent cache (MLA) is whole on every prefill rank, so each part carries only a
+round-robin share of the blocks (``tp_mapping.latent_block_sources``): each block is read
+once. Every prefill rank's lease counts us as a reader, so one whose share is empty is
+told "skipped" when the receive starts, and frees its blocks then rather than at expiry.
 """
 
 from __future__ import annotations
@@ -28,7 +33,7 @@ from kvtransfer.errors import (
 from kvtransfer.layout import KVLayout
 from kvtransfer.messages import CompletionNotice, KVHandle, PushRequest, encode
 from kvtransfer.peers import PeerTable
-from kvtransfer.tp_mapping import count_merged_descriptors
+from kvtransfer.tp_mapping import count_merged_descriptors, latent_block_sources
 
 
 @dataclass
@@ -37,6 +42,7 @@ class Part:
 
     handle: KVHandle
     peer: str
+    positions: tuple[int, ...] | None = None  # indices into handle.block_ids; None: all
     state: str = "new"  # new | posted | done | cancelled | failed | lost
     xfer: object | None = None  # pull: the READ in flight
 
@@ -140,25 +146,53 @@ class Receiver:
             inc.parts.append(Part(handle, handle.agent_name))
         if not inc.parts:
             raise ValueError("no handle holds any of this rank's kv heads")
+        if self._layout.is_latent:
+            self._share_latent_blocks(inc, len(block_ids))
         return inc
+
+    def _share_latent_blocks(self, inc: Incoming, num_blocks: int) -> None:
+        """Give each part its round-robin share of the blocks, per prefill stage; tell a
+        prefill rank with no share that we read nothing from it (its lease counts us)."""
+        stages: dict[tuple[int, int], list[Part]] = {}
+        for part in inc.parts:
+            stages.setdefault(self._peers.get(part.peer).meta.layout.layer_range, []).append(part)
+        kept = []
+        for parts in stages.values():
+            by_rank = {self._peers.get(p.peer).meta.layout.tp_rank: p for p in parts}
+            first_block = parts[0].handle.first_block
+            shares = latent_block_sources(
+                first_block, num_blocks, list(by_rank), self._layout.tp_rank
+            )
+            for rank, positions in shares.items():
+                part = by_rank[rank]
+                if positions:
+                    part.positions = positions
+                    kept.append(part)
+                else:
+                    self.decline([part.handle], "skipped")
+        inc.parts = kept
 
     def _start_part(self, inc: Incoming, part: Part, block_ids, timeout: float) -> None:
         handle, peer = part.handle, self._peers.get(part.peer)
-        inc.num_bytes += len(block_ids) * sum(s.length for s in peer.read_segments)
+        src_ids, dst_ids, lease_indices = handle.block_ids, tuple(block_ids), ()
+        if part.positions is not None:  # a latent share (_share_latent_blocks)
+            src_ids = tuple(handle.block_ids[i] for i in part.positions)
+            dst_ids = tuple(dst_ids[i] for i in part.positions)
+            lease_indices = tuple(handle.first_block + i for i in part.positions)
+        inc.num_bytes += len(dst_ids) * sum(s.length for s in peer.read_segments)
         inc.num_descriptors += count_merged_descriptors(
-            handle.block_ids, block_ids, peer.read_segments,
+            src_ids, dst_ids, peer.read_segments,
             peer.meta.layout.block_stride, self._layout.block_stride,
         )  # fmt: skip
         try:
             if inc.direction == "pull":
                 done = CompletionNotice(handle.agent_name, handle.lease_id, inc.req_id, "done")
-                part.xfer = self._backend.post(
-                    part.peer, "READ", block_ids, handle.block_ids, encode(done)
-                )
+                part.xfer = self._backend.post(part.peer, "READ", dst_ids, src_ids, encode(done))
             else:
                 request = PushRequest(
-                    handle.lease_id, inc.req_id, block_ids, timeout, handle.first_block
-                )
+                    handle.lease_id, inc.req_id, dst_ids, timeout, handle.first_block,
+                    lease_indices,
+                )  # fmt: skip
                 self._backend.send_notif(part.peer, encode(request))
             part.state = "posted"
         except PeerLostError as exc:

@@ -100,6 +100,13 @@ class Sender:
             fail = LeaseExpiredError(f"no lease {request.lease_id} (expired or released)")
         elif not peer.write_segments:
             fail = LayoutMismatchError(f"{sender} holds none of this rank's kv heads")
+        elif request.block_indices:
+            # A latent cache's round-robin share: these blocks of the lease, in this order.
+            if not all(0 <= i < len(lease.block_ids) for i in request.block_indices):
+                fail = KVTransferError(
+                    f"block indices {request.block_indices} outside the lease's "
+                    f"{len(lease.block_ids)} blocks"
+                )
         elif request.first_block + len(request.block_ids) > len(lease.block_ids):
             # A partial receive reads the lease's blocks from first_block on (a peer pull
             # only a prefix of them): never past the lease's end.
@@ -109,6 +116,8 @@ class Sender:
             done = CompletionNotice(self.name, request.lease_id, request.req_id, "done")
             end = request.first_block + len(request.block_ids)
             source = lease.block_ids[request.first_block : end]
+            if request.block_indices:
+                source = [lease.block_ids[i] for i in request.block_indices]
             try:
                 xfer = self._backend.post(sender, "WRITE", source, request.block_ids, encode(done))
             except KVTransferError as exc:

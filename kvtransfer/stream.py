@@ -102,7 +102,7 @@ class StreamSender:
             peer = self._peers.get(reservation.agent_name)
             if peer is None:
                 raise PeerLostError(f"no handshake with {reservation.agent_name} (or it died)")
-            if peer.write_segments:
+            if peer.stream_write_segments:
                 outs.append(_Out(reservation))
         timeout = min((r.timeout_s for r in reservations), default=0.0)
         deadline = self._clock() + timeout * STREAM_WRITE_FRACTION
@@ -190,7 +190,9 @@ class StreamSender:
         if not src:
             return False
         peer = self._peers.get(out.reader)
-        segments = segments_for_layers(peer.write_segments, self._layout, layers) if peer else ()
+        segments = (
+            segments_for_layers(peer.stream_write_segments, self._layout, layers) if peer else ()
+        )
         if not segments:
             return False
         try:

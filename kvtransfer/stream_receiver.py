@@ -75,9 +75,9 @@ class StreamReceiver:
             peer = self._peers.get(name)
             if peer is None:
                 raise PeerLostError(f"no handshake with {name} (or it died)")
-            if peer.read_segments:  # it holds some of our heads and layers
+            if peer.stream_read_segments:  # it holds some of our heads and layers
                 waiting[name] = "waiting"
-                num_bytes += len(block_ids) * sum(s.length for s in peer.read_segments)
+                num_bytes += len(block_ids) * sum(s.length for s in peer.stream_read_segments)
         if not waiting:
             raise ValueError("no source holds any of this rank's kv heads")
         now = self._clock()

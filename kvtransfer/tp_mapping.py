@@ -15,6 +15,12 @@ Inside one block the region of (layer, K/V, head) is contiguous on both sides, s
 copy between two ranks is a short list of :class:`Segment` byte ranges relative to the
 start of a block, the same for every block. When both ranks hold the same heads and
 layers the list is a single segment: the whole block. Pure functions, no I/O.
+
+A latent cache (MLA: one replicated "head", ``KVLayout.is_latent``) is whole on every
+prefill rank. A decode rank then takes each block once, from one prefill rank of the
+stage, chosen round robin by block position (:func:`latent_block_sources`), so a request's
+reads are spread over the prefill ranks instead of all landing on one; every decode rank
+reads (or declines) a part from every prefill rank of the stages it overlaps.
 """
 
 from __future__ import annotations
@@ -61,18 +67,25 @@ def num_readers(
     src_layers: tuple[int, int] | None = None,
     total_num_layers: int = 0,
     dst_pp_size: int = 1,
+    is_latent: bool = False,
 ) -> int:
     """How many decode ranks read from prefill rank ``src_tp_rank`` (0: none needs it).
+
+    A latent cache (``is_latent``): every decode rank of the overlapping stages sends one
+    notice (its round-robin share read, or "skipped" when its share is empty).
 
     With pipeline stages on either side: ``src_layers`` are the prefill rank's layers
     ``[start, end)`` of the model's ``total_num_layers`` (None: all of them), and the
     decode worker splits them over ``dst_pp_size`` stages; only the decode stages whose
     layers overlap the prefill rank's read from it.
     """
-    per_stage = sum(
-        src_tp_rank in source_heads(num_kv_heads, src_tp_size, dst_rank, dst_tp_size)
-        for dst_rank in range(dst_tp_size)
-    )
+    if is_latent:  # every decode rank reads a share of the blocks, or declines (module doc)
+        per_stage = dst_tp_size
+    else:
+        per_stage = sum(
+            src_tp_rank in source_heads(num_kv_heads, src_tp_size, dst_rank, dst_tp_size)
+            for dst_rank in range(dst_tp_size)
+        )
     if dst_pp_size == 1 or src_layers is None:
         return per_stage * dst_pp_size
     overlapping = sum(
@@ -88,20 +101,25 @@ def _overlap(a: tuple[int, int], b: tuple[int, int]) -> tuple[int, int] | None:
 
 
 def plan_segments(src: KVLayout, dst: KVLayout, heads: Sequence[int]) -> tuple[Segment, ...]:
-    """Byte ranges (per block) that carry ``heads`` of the layers both hold, K and V, from
-    src to dst (model layers, whichever pipeline stage holds them on each side).
+    """Byte ranges (per block) that carry ``heads`` of the layers both hold, K and V (or the
+    latent row), from src to dst (model layers, whichever pipeline stage holds them on each
+    side).
 
     Adjacent ranges are merged, so equal head and layer slices give one whole-block
     segment.
     """
-    if src.total_num_layers != dst.total_num_layers or src.head_bytes != dst.head_bytes:
-        raise ValueError("layouts differ in layers or head size; check_compatible first")
+    if (
+        src.total_num_layers != dst.total_num_layers
+        or src.head_bytes != dst.head_bytes
+        or src.num_kv_entries != dst.num_kv_entries
+    ):
+        raise ValueError("layouts differ in layers, entries or head size; check_compatible first")
     layers = _overlap(src.layer_range, dst.layer_range)
     if layers is None:
         return ()
     segments: list[Segment] = []
     for layer in range(*layers):
-        for kv in (0, 1):
+        for kv in range(src.num_kv_entries):  # K and V, or the one latent row
             for head in heads:
                 src_offset = src.region_offset(layer, kv, head)
                 dst_offset = dst.region_offset(layer, kv, head)
@@ -129,6 +147,33 @@ def plan_for_pair(src: KVLayout, dst: KVLayout) -> tuple[Segment, ...]:
     return plan_segments(src, dst, heads.get(src.tp_rank, ()))
 
 
+def replica_segments(src: KVLayout, dst: KVLayout) -> tuple[Segment, ...]:
+    """What a pair can move whatever :func:`source_heads` chose: for a latent cache the
+    whole rows of the layers both hold (any prefill rank may serve any block); for K/V
+    caches the pair's plan (:func:`plan_for_pair`)."""
+    if src.is_latent and dst.is_latent:
+        return plan_segments(src, dst, (0,))
+    return plan_for_pair(src, dst)
+
+
+def latent_block_sources(
+    first_block: int, num_blocks: int, src_tp_ranks: Sequence[int], dst_tp_rank: int
+) -> dict[int, tuple[int, ...]]:
+    """Latent cache, one decode rank and one prefill stage: ``{prefill rank: positions}``.
+
+    Positions ``0 .. num_blocks - 1`` of the blocks received (the request's blocks from
+    ``first_block`` on) go round robin over ``src_tp_ranks`` (the stage's prefill ranks),
+    offset by ``dst_tp_rank`` so that decode ranks start on different prefill ranks: block
+    ``first_block + i`` comes from ``ranks[(first_block + i + dst_tp_rank) % len(ranks)]``.
+    Every rank is a key; an empty tuple means this decode rank reads nothing from it.
+    """
+    ranks = sorted(src_tp_ranks)
+    plan: dict[int, list[int]] = {rank: [] for rank in ranks}
+    for i in range(num_blocks):
+        plan[ranks[(first_block + i + dst_tp_rank) % len(ranks)]].append(i)
+    return {rank: tuple(positions) for rank, positions in plan.items()}
+
+
 def segments_for_layers(
     segments: Sequence[Segment], src: KVLayout, layers: tuple[int, int]
 ) -> tuple[Segment, ...]:
@@ -142,7 +187,7 @@ def segments_for_layers(
     held = _overlap(src.layer_range, layers)
     if held is None:
         return ()
-    layer_bytes = 2 * src.num_kv_heads_local * src.head_bytes
+    layer_bytes = src.layer_bytes
     lo = (held[0] - src.first_layer) * layer_bytes
     hi = (held[1] - src.first_layer) * layer_bytes
     out = []

@@ -112,7 +112,7 @@ class Cluster:
 
                 def connector(eng, on_release, name=name):
                     layout = KVLayout.from_tensor(
-                        eng.kv_cache, model_id="tiny", num_kv_heads=eng.arch.num_key_value_heads
+                        eng.kv_cache, model_id="tiny", num_kv_heads=eng.arch.kv_cache_heads
                     )
                     return create_connector(
                         config, layout, eng.kv_cache, name, on_release, fabric=self.fabric

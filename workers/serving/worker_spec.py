@@ -110,7 +110,7 @@ def connector_factory(spec: WorkerSpec, rank: int) -> Callable:
         layout = KVLayout.from_tensor(
             engine.kv_cache,
             model_id=spec.model_id,
-            num_kv_heads=engine.arch.num_key_value_heads,
+            num_kv_heads=engine.arch.kv_cache_heads,  # MLA: 1, the latent row
             tp_rank=parallel.tp_rank,
             tp_size=parallel.tp_size,
             first_layer=engine.layer_range[0],
