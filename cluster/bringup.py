@@ -162,7 +162,10 @@ def bring_up(config: ClusterConfig) -> Cluster:
     num_ranks = sum(p.replicas * p.tensor_parallel * p.pipeline_parallel for _, p in pools)
     # A local Ray instance of ours gets CPUs for as many workers as live scaling may reach.
     most_ranks = max(p.tensor_parallel * p.pipeline_parallel for _, p in pools)
-    started = connect_ray(max(num_ranks, config.router.scale_max_replicas * most_ranks))
+    most_workers = config.router.scale_max_replicas
+    if config.planner.enabled:  # the planner's budget, where scaling sets no bound
+        most_workers = most_workers or config.planner.max_workers
+    started = connect_ray(max(num_ranks, most_workers * most_ranks))
     cluster = Cluster(config, router=None, listener=None, started_ray=started)  # type: ignore[arg-type]
     try:
         metrics_root = ""
@@ -239,6 +242,10 @@ def bring_up(config: ClusterConfig) -> Cluster:
             tracing=_tracing(config),
             provisioner=cluster.provisioner,
         )
+        if config.planner.enabled:  # docs/planner.md; on a Ray of our own: no autoscaler
+            from cluster.planner_ray import attach_planner
+
+            attach_planner(cluster.router, config, templates, has_autoscaler=not started)
     except BaseException:
         cluster.shutdown()
         raise

@@ -21,6 +21,7 @@ from typing import Any, Literal
 import yaml
 from pydantic import model_validator
 
+from cluster.config_planner import PlannerSection
 from cluster.config_router import RouterSection
 from cluster.config_schema import (
     ConfigError,
@@ -231,6 +232,9 @@ class ClusterConfig(ConfigSection):
     tracing: TracingSection = section(
         TracingSection, "OpenTelemetry traces, one per request across router and workers"
     )
+    planner: PlannerSection = section(
+        PlannerSection, "The SLA planner: pool sizes decided from the measured load (off)"
+    )
 
     @model_validator(mode="after")
     def _check_sections(self) -> ClusterConfig:
@@ -273,6 +277,12 @@ class ClusterConfig(ConfigSection):
             raise ValueError(
                 f"router.scale_max_replicas ({router.scale_max_replicas}) is below "
                 f"prefill.replicas + decode.replicas ({num_workers})"
+            )
+        planner = self.planner
+        if planner.enabled and 0 < router.scale_max_replicas < planner.max_workers:
+            raise ValueError(
+                f"planner.max_workers ({planner.max_workers}) is above "
+                f"router.scale_max_replicas ({router.scale_max_replicas})"
             )
         return self
 

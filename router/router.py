@@ -34,6 +34,7 @@ from router.errors import ErrorCode, RouterError
 from router.events import GenerateEvent
 from router.metrics import MIGRATIONS
 from router.migration import WorkerLost, check_limit, no_worker_left, reroute
+from router.observer import Background, LoadObserver
 from router.peer_prefix import PeerExports
 from router.pending import SETTLE_TIMEOUT_S, Pending
 from router.policy import RouteDecision
@@ -95,6 +96,9 @@ class Router:
             args = (config.scale_down_grace_s, config.scale_max_replicas)
             self.scaling = Scaling(self, provisioner, *args)
         self.attempts = Attempts(config, self._by_name, self.prefill, self.decode, self.peers)
+        # The SLA planner's feed and loop (cluster/planner_loop.py), when planner.enabled.
+        self.observer: LoadObserver | None = None
+        self.planner: Background | None = None
         self.quotas = Quotas(
             QuotaConfig(
                 config.max_queued_requests,
@@ -115,10 +119,14 @@ class Router:
             if time.monotonic() > deadline:
                 raise TimeoutError("workers did not report within the start-up timeout")
             await asyncio.sleep(0.05)
+        if self.planner is not None:
+            self.planner.start()
 
     async def stop(self) -> None:
         """Stop listening; restarts in progress are cancelled (the cluster cleans up)."""
         self.is_stopped = True
+        if self.planner is not None:
+            await self.planner.stop()
         if self.recovery is not None:
             await self.recovery.stop()
         if self.scaling is not None:
@@ -272,6 +280,8 @@ class Router:
         if cfg.request_idle_timeout_s > 0:
             pending.idle_timeout_s = cfg.request_idle_timeout_s
         self._requests[key] = pending
+        if self.observer is not None:
+            self.observer.arrived(key, len(token_ids))
         settled = False
         try:
             async for out in self._run(pending, valid, token_ids):
@@ -368,8 +378,13 @@ class Router:
         try:
             await pending.settle(self.decode)
         finally:
-            self._requests.pop(pending.stream.request_id, None)
+            stream = pending.stream
+            self._requests.pop(stream.request_id, None)
             self.quotas.release(pending.principal)
+            if self.observer is not None:
+                self.observer.ended(
+                    stream.request_id, stream.num_output_tokens, stream.num_cached_tokens
+                )
 
     def _spawn(self, coro) -> None:
         """A background task, referenced until done (asyncio keeps only weak references)."""
@@ -389,6 +404,8 @@ class Router:
         if not view.is_alive or view.client is not client:
             return
         view.update(batch.report)
+        if self.observer is not None:
+            self.observer.batch(view, batch)
         for event in batch.events:
             pending = self._requests.get(event.request_id)
             if pending is not None:

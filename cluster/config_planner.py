@@ -1,0 +1,68 @@
+"""The ``planner`` section of the cluster config: the SLA planner sizes the pools itself.
+
+Off by default: the pools keep the sizes of ``prefill.replicas`` and ``decode.replicas``
+(and whatever ``baton scale`` sets). On, the router process runs the planner's loop
+(``cluster/planner_loop.py``, docs/planner.md) every ``interval_seconds``.
+"""
+
+from __future__ import annotations
+
+from pydantic import model_validator
+
+from cluster.config_schema import ConfigSection, option
+from cluster.planner.policy import PlannerConfig
+from cluster.planner.simulator import PoolLimits
+
+
+class PlannerSection(ConfigSection):
+    enabled: bool = option(
+        False,
+        "Size the prefill and decode pools to the SLA below (docs/planner.md); off: the "
+        "pools keep their configured sizes (and baton scale's)",
+    )
+    interval_seconds: float = option(
+        10.0, "Seconds between two decisions (the observation window's length)", gt=0.0
+    )
+    ttft_p90_ms: float = option(1000.0, "SLA: p90 time to first token, milliseconds", gt=0.0)
+    itl_p90_ms: float = option(100.0, "SLA: p90 inter-token latency, milliseconds", gt=0.0)
+    max_workers: int = option(4, "Most prefill + decode workers the planner may run together", ge=2)
+    min_prefill: int = option(1, "Fewest prefill workers the planner keeps", ge=1)
+    min_decode: int = option(1, "Fewest decode workers the planner keeps", ge=1)
+    cooldown_seconds: float = option(
+        60.0,
+        "After a change (the planner's or a manual one), no scale-down for this long; "
+        "at least the time a new worker takes to join",
+        ge=0.0,
+    )
+    down_margin: float = option(
+        0.8,
+        "Scale down only when the smaller pool's predicted p90 is at most this share of "
+        "the SLA (room against reversals)",
+        gt=0.0,
+        le=1.0,
+    )
+    warmup_steps: int = option(
+        20, "A new worker's first step records left out of the step-time fits", ge=0
+    )
+
+    @model_validator(mode="after")
+    def _check_minimums(self) -> PlannerSection:
+        if self.min_prefill + self.min_decode > self.max_workers:
+            raise ValueError(
+                f"max_workers: {self.max_workers} is below min_prefill + min_decode "
+                f"({self.min_prefill + self.min_decode})"
+            )
+        return self
+
+    def policy_config(self, limits: PoolLimits) -> PlannerConfig:
+        """The decision core's settings (``limits``: the pools' engine settings)."""
+        return PlannerConfig(
+            ttft_p90_ms=self.ttft_p90_ms,
+            itl_p90_ms=self.itl_p90_ms,
+            max_workers=self.max_workers,
+            min_prefill=self.min_prefill,
+            min_decode=self.min_decode,
+            cooldown_s=self.cooldown_seconds,
+            down_margin=self.down_margin,
+            limits=limits,
+        )
