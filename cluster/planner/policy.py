@@ -3,12 +3,16 @@
 A pure state machine (observations in, decisions out; the actuator that adds or drains
 workers is elsewhere), so every rule below is tested as a function:
 
-1. **Forecast** the next window's arrival rate: Holt's linear smoothing (level + trend) of
-   the windows' rates, never below zero.
+1. **Forecast** the next window's arrival rate and the rate to plan for
+   (``cluster/planner/forecast.py``): the larger of Holt's forecast and the rate just seen,
+   plus ``headroom_sigmas`` of a Poisson window's spread.
 2. **Predict** p90 TTFT and ITL for candidate pool sizes by replaying the last window's
-   requests (their own prompt and output lengths, so a bimodal mix stays bimodal) at the
-   forecast rate through the simulation (``cluster/planner/simulator.py``) fed by the
-   online step-time fits (``cluster/planner/step_model.py``).
+   requests (their own prompt and output lengths, so a bimodal mix stays bimodal) through
+   the simulation (``cluster/planner/simulator.py``) fed by the online step-time fits
+   (``cluster/planner/step_model.py``): first as they came (the queue a busy window leaves
+   is the next one's backlog: a pool that falls behind is seen falling behind before its
+   TTFT shows it), then again at the planned rate as the next window, whose p90 TTFT is the
+   prediction.
 3. **Decide** the smallest prefill count whose predicted p90 TTFT meets ``ttft_p90_ms``
    and the smallest decode count whose p90 ITL meets ``itl_p90_ms`` (each pool is searched
    with the other at its current size), within ``max_workers`` together and never below the
@@ -16,8 +20,9 @@ workers is elsewhere), so every rule below is tested as a function:
 4. **Stability by construction** (the failure modes of Dynamo's planner issues):
    - up at once, by as many as needed; down by one per tick, only after ``cooldown_s``
      since the last change (the measured time to add a worker), and only when the smaller
-     pool is predicted to meet the SLA with ``down_margin`` to spare: at constant load the
-     decision cannot go up and back down (no 2<->1 oscillation);
+     pool is predicted to meet the SLA with ``down_margin`` to spare in each of the last
+     ``down_windows`` windows, each at its own planned rate: one quiet window among busy
+     ones does not shrink a pool that the next busy one needs back (no 2<->1 oscillation);
    - the replica counts are re-read every tick: a count that differs from the last decision
      is a manual change, which wins: it is the new base, and the planner leaves it alone for
      ``cooldown_s`` unless the SLA needs more;
@@ -27,9 +32,11 @@ workers is elsewhere), so every rule below is tested as a function:
 
 from __future__ import annotations
 
+from collections import deque
 from dataclasses import dataclass, field, replace
 
-from cluster.planner.simulator import PoolLimits, SimRequest, simulate
+from cluster.planner.forecast import RateForecast, plan_rate
+from cluster.planner.simulator import PoolLimits, SimRequest, percentile, simulate
 from cluster.planner.step_model import StepModel
 
 
@@ -42,6 +49,8 @@ class PlannerConfig:
     min_decode: int = 1
     cooldown_s: float = 60.0  # at least the measured time to add a worker
     down_margin: float = 0.8  # scale down only if the smaller pool's p90 <= margin x target
+    down_windows: int = 6  # ... in each of this many last windows
+    headroom_sigmas: float = 1.0  # plan for this many Poisson deviations above the rate
     smoothing: float = 0.5  # Holt's level weight
     trend_smoothing: float = 0.3
     limits: PoolLimits = field(default_factory=PoolLimits)
@@ -54,6 +63,8 @@ class PlannerConfig:
                 f"planner.max_workers ({self.max_workers}) is below min_prefill + min_decode "
                 f"({self.min_prefill + self.min_decode})"
             )
+        if self.down_windows < 1:
+            raise ValueError(f"planner: down_windows must be >= 1, got {self.down_windows}")
 
 
 @dataclass(frozen=True)
@@ -72,7 +83,7 @@ class Decision:
     prefill: int
     decode: int
     reason: str
-    forecast_rate: float = 0.0  # requests per second
+    forecast_rate: float = 0.0  # requests per second planned for (headroom included)
     predicted_ttft_p90_ms: float = 0.0  # at the decided sizes
     predicted_itl_p90_ms: float = 0.0
 
@@ -81,47 +92,54 @@ class Decision:
         return "hold" not in self.reason
 
 
+@dataclass(frozen=True)
+class _Workload:
+    """A window replayed as it came, then as the next window at the planned rate; only the
+    second part's TTFT is the prediction (the first is its backlog)."""
+
+    requests: tuple[SimRequest, ...]
+    first_predicted: int  # index of the next window's first request
+
+
 class Planner:
     """Call ``tick`` once per window; ``step_model`` is fed by the workers' step records."""
 
     def __init__(self, config: PlannerConfig, step_model: StepModel) -> None:
         self.config = config
         self.step_model = step_model
-        self._level: float | None = None
-        self._trend = 0.0
+        self._forecast = RateForecast(config.smoothing, config.trend_smoothing)
+        self._windows: deque[tuple[tuple[SimRequest, ...], float]] = deque(
+            maxlen=config.down_windows
+        )
         self._last: tuple[int, int] | None = None
         self._last_change_s = float("-inf")
+        self._cache: dict[tuple[int, int, int], tuple[float, float]] = {}
 
-    def _forecast(self, rate: float) -> float:
-        cfg = self.config
-        if self._level is None:
-            self._level = rate
-            return rate
-        previous = self._level
-        self._level = cfg.smoothing * rate + (1 - cfg.smoothing) * (previous + self._trend)
-        self._trend = (
-            cfg.trend_smoothing * (self._level - previous) + (1 - cfg.trend_smoothing) * self._trend
-        )
-        return max(0.0, self._level + self._trend)
+    def _workload(self, requests: tuple[SimRequest, ...], window_s: float, rate: float):
+        if not requests or rate <= 0:
+            return _Workload((), 0)
+        start = requests[0].arrival_s
+        scale = (len(requests) / window_s) / rate  # the gaps squeezed to ``rate``
+        seen = [replace(r, arrival_s=r.arrival_s - start) for r in requests]
+        ahead = [replace(r, arrival_s=window_s + r.arrival_s * scale) for r in seen]
+        return _Workload((*seen, *ahead), len(seen))
 
-    def _workload(self, obs: Observation, rate: float) -> list[SimRequest]:
-        """The window's requests with their gaps stretched or squeezed to ``rate``."""
-        if not obs.requests or rate <= 0:
-            return []
-        observed = len(obs.requests) / obs.window_s
-        scale = observed / rate
-        start = obs.requests[0].arrival_s
-        return [replace(r, arrival_s=(r.arrival_s - start) * scale) for r in obs.requests]
-
-    def _p90s(self, work: list[SimRequest], prefill: int, decode: int) -> tuple[float, float]:
-        if not work:
+    def _p90s(self, work: _Workload, prefill: int, decode: int) -> tuple[float, float]:
+        if not work.requests:
             return 0.0, 0.0
-        result = simulate(work, prefill, decode, self.step_model, self.config.limits)
-        return result.ttft_p90 * 1e3, result.itl_p90 * 1e3
+        key = (id(work), prefill, decode)  # the tick's workloads live until the cache clears
+        if key not in self._cache:
+            result = simulate(work.requests, prefill, decode, self.step_model, self.config.limits)
+            ttft = percentile(result.ttft_s[work.first_predicted :], 0.9)
+            self._cache[key] = (ttft * 1e3, result.itl_p90 * 1e3)
+        return self._cache[key]
 
     def tick(self, obs: Observation) -> Decision:
         cfg = self.config
-        rate = self._forecast(len(obs.requests) / obs.window_s)
+        observed = len(obs.requests) / obs.window_s
+        forecast = self._forecast.update(observed)
+        self._windows.append((obs.requests, obs.window_s))
+        rate = plan_rate(forecast, observed, obs.window_s, cfg.headroom_sigmas)
         current = (obs.prefill, obs.decode)
         manual = self._last is not None and current != self._last
         if manual:  # an operator's change is the new base; hold it for a cooldown
@@ -129,13 +147,20 @@ class Planner:
         self._last = current
         if not self.step_model.is_ready:
             return Decision(*current, "hold: step-time fits still warming up", rate)
-        work = self._workload(obs, rate)
+        self._cache.clear()
+        work = self._workload(obs.requests, obs.window_s, rate)
+        # each recent window at its own planned rate: the ones a scale-down must also meet
+        recent = [
+            self._workload(reqs, w, plan_rate(forecast, len(reqs) / w, w, cfg.headroom_sigmas))
+            for reqs, w in self._windows
+        ]
         budget_p = cfg.max_workers - cfg.min_decode
         need_p = self._smallest(work, "ttft", obs.decode, cfg.min_prefill, budget_p)
         need_d = self._smallest(work, "itl", need_p, cfg.min_decode, cfg.max_workers - need_p)
-        target_p = self._step_towards(obs.prefill, need_p, work, "ttft", obs.now_s, obs.decode)
-        target_d = self._step_towards(obs.decode, need_d, work, "itl", obs.now_s, target_p)
+        target_p = self._step_towards(obs.prefill, need_p, recent, "ttft", obs.now_s, obs.decode)
+        target_d = self._step_towards(obs.decode, need_d, recent, "itl", obs.now_s, target_p)
         ttft, itl = self._p90s(work, target_p, target_d)
+        self._cache.clear()
         if (target_p, target_d) == current:
             why = "hold: manual change respected" if manual else "hold: sizes meet the SLA"
             if need_p > obs.prefill or need_d > obs.decode:
@@ -145,32 +170,36 @@ class Planner:
         self._last_change_s = obs.now_s
         verb = "up" if target_p + target_d > sum(current) else "down"
         reason = (
-            f"scale {verb}: forecast {rate:.2f} req/s; predicted p90 TTFT {ttft:.0f} ms "
+            f"scale {verb}: forecast {forecast:.2f} req/s, planned {rate:.2f}; predicted p90 TTFT {ttft:.0f} ms "
             f"(SLA {cfg.ttft_p90_ms:.0f}), ITL {itl:.1f} ms (SLA {cfg.itl_p90_ms:.0f})"
         )
         return Decision(target_p, target_d, reason, rate, ttft, itl)
 
-    def _meets(self, work, metric: str, prefill: int, decode: int, margin: float) -> bool:
-        ttft, itl = self._p90s(work, prefill, decode)
+    def _meets(self, work: _Workload, metric: str, pair: tuple[int, int], margin: float) -> bool:
+        ttft, itl = self._p90s(work, *pair)
         if metric == "ttft":
             return ttft <= margin * self.config.ttft_p90_ms
         return itl <= margin * self.config.itl_p90_ms
 
-    def _smallest(self, work, metric: str, other: int, low: int, high: int) -> int:
+    def _smallest(self, work: _Workload, metric: str, other: int, low: int, high: int) -> int:
         """The smallest size in [low, high] of the pool that ``metric`` depends on that
         meets it (``high`` when none does)."""
         for size in range(low, max(low, high) + 1):
             pair = (size, other) if metric == "ttft" else (other, size)
-            if self._meets(work, metric, *pair, margin=1.0):
+            if self._meets(work, metric, pair, margin=1.0):
                 return size
         return max(low, high)
 
-    def _step_towards(self, now: int, need: int, work, metric: str, t: float, other: int) -> int:
-        """Up at once; down by one, after the cooldown, with the margin to spare."""
+    def _step_towards(
+        self, now: int, need: int, recent: list[_Workload], metric: str, t: float, other: int
+    ) -> int:
+        """Up at once; down by one, after the cooldown, with the margin to spare in each of
+        the recent windows."""
         if need >= now:
             return need
         if t - self._last_change_s < self.config.cooldown_s:
             return now
         smaller = now - 1
         pair = (smaller, other) if metric == "ttft" else (other, smaller)
-        return smaller if self._meets(work, metric, *pair, margin=self.config.down_margin) else now
+        margin = self.config.down_margin
+        return smaller if all(self._meets(w, metric, pair, margin) for w in recent) else now

@@ -31,6 +31,9 @@ class OnlineFit:
     _xtx: list[list[float]] = field(init=False)
     _xty: list[float] = field(init=False)
     num_records: int = field(init=False, default=0)
+    # The solve is cached until the next record: a simulation asks for a step's cost
+    # hundreds of thousands of times between two records.
+    _coefficients: tuple[float, ...] | None = field(init=False, default=None)
 
     def __post_init__(self) -> None:
         n = self.num_features
@@ -47,9 +50,15 @@ class OnlineFit:
             for j in range(self.num_features):
                 row[j] = f * row[j] + x[i] * x[j]
         self.num_records += 1
+        self._coefficients = None
 
     def coefficients(self) -> tuple[float, ...]:
         """The fitted coefficients (Gaussian elimination with partial pivoting)."""
+        if self._coefficients is None:
+            self._coefficients = self._solve()
+        return self._coefficients
+
+    def _solve(self) -> tuple[float, ...]:
         n = self.num_features
         a = [[*row, self._xty[i]] for i, row in enumerate(self._xtx)]
         for i in range(n):

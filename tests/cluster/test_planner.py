@@ -6,9 +6,11 @@ left out)."""
 from __future__ import annotations
 
 import itertools
+import random
 
 import pytest
 
+from cluster.planner.forecast import RateForecast, plan_rate
 from cluster.planner.policy import Observation, Planner, PlannerConfig
 from cluster.planner.simulator import PoolLimits, SimRequest, percentile, simulate
 from cluster.planner.step_model import DecodeStep, OnlineFit, PrefillStep, StepModel
@@ -148,3 +150,68 @@ def test_no_decision_before_the_fits_have_records_and_bad_configs_refused():
     assert (decision.prefill, decision.decode, decision.is_change) == (2, 3, False)
     with pytest.raises(ValueError, match="max_workers \\(1\\) is below"):
         PlannerConfig(max_workers=1)
+
+
+def _golden_trace() -> list[SimRequest]:
+    """Two minutes of Poisson arrivals with a step in the middle and a bimodal prompt mix."""
+    rng = random.Random(38)
+    t, out = 0.0, []
+    while t < 120.0:
+        t += rng.expovariate(3.0 if 40 <= t < 80 else 1.5)
+        prompt = rng.randint(600, 1500) if rng.random() < 0.2 else rng.randint(20, 300)
+        out.append(SimRequest(t, prompt, rng.randint(1, 60)))
+    return out
+
+
+def test_the_fast_simulation_gives_the_per_token_versions_figures_exactly():
+    # Figures of the simulator before its speed-up (a per-token loop, the fit solved at
+    # every step), to the last bit: the speed-up changed how, not what, it computes.
+    model = StepModel(warmup_steps=0)
+    for i in range(40):
+        tokens = 64 + 37 * i
+        seconds = 0.020 + 0.0005 * tokens + 0.00001 * tokens * tokens / 1000
+        model.observe(PrefillStep("p0", seconds, tokens, tokens * tokens / 1000))
+        batch, kv = 1 + i % 16, 500 * (1 + i)
+        model.observe(DecodeStep("d0", 0.010 + 0.001 * batch + 0.0002 * kv / 1000, batch, kv))
+    limits = PoolLimits(max_batched_tokens=512, max_num_seqs=8)
+    requests = _golden_trace()
+    golden = {  # pools: (sum of TTFTs, sum of ITLs, p90 TTFT, p90 ITL)
+        (1, 1): (81.275445043358, 81.98761858698035, 0.8427916903544883, 0.01336939997132217),
+        (2, 1): (46.80461985916531, 80.94305198652478, 0.5946697036614488, 0.013242799969826734),
+        (1, 2): (81.275445043358, 77.2350027848598, 0.8427916903544883, 0.012189599969535458),
+        (3, 3): (43.8161011318144, 76.24735078405521, 0.587226099547081, 0.011249599970581335),
+    }
+    for pools, expected in golden.items():
+        result = simulate(requests, *pools, model, limits)
+        assert len(result.itl_s) == 6860
+        assert (sum(result.ttft_s), sum(result.itl_s), result.ttft_p90, result.itl_p90) == expected
+
+
+def test_plan_rate_covers_a_step_and_a_windows_spread():
+    forecast = RateForecast()
+    for _ in range(5):
+        forecast.update(1.0)
+    after_step = forecast.update(5.0)
+    assert after_step < 5.0  # the smoothed level lags the step ...
+    # ... so the planner sizes for what it just saw, plus one Poisson sigma of a window
+    assert plan_rate(after_step, 5.0, 10.0, 1.0) == pytest.approx(5.0 + (5.0 / 10.0) ** 0.5)
+    assert plan_rate(3.0, 1.0, 10.0, 0.0) == 3.0  # a rising trend is planned for as well
+    assert plan_rate(0.0, 0.0, 10.0, 1.0) == 0.0
+
+
+def test_a_busy_window_among_quiet_ones_keeps_the_pool_up():
+    # Load that alternates around the 1-vs-2 prefill threshold: one scale-up, then held
+    # (each of the last down_windows windows must fit the smaller pool), never flapping.
+    rates = [2.0] * 2 + [11.0, 6.0, 6.0, 11.0, 6.0, 6.0] * 4
+    decisions = _run(_planner(), rates)
+    prefill = [d.prefill for d in decisions]
+    assert max(prefill) >= 2
+    first_up = next(i for i, p in enumerate(prefill) if p >= 2)
+    assert all(p >= 2 for p in prefill[first_up:]), prefill
+
+
+def test_a_large_deficit_is_met_in_one_step_of_several_replicas():
+    decisions = _run(_planner(), [1.0] * 3 + [30.0] * 2)
+    assert decisions[2].prefill == 1
+    assert decisions[3].prefill >= 3  # one decision, not one replica a tick
+    assert "scale up" in decisions[3].reason
