@@ -193,7 +193,16 @@ class KVTransferSection(ConfigSection):
     timeout_seconds: float = transfer_option("transfer_timeout_s")
     on_failure: Literal["recompute", "fail"] = transfer_option("on_failure")
     allow_fault_injection: bool = transfer_option("allow_fault_injection")
-    layerwise: Literal["auto", "off"] = transfer_option("layerwise")
+    layerwise: Literal["auto", "on", "off"] = transfer_option("layerwise")
+    layerwise_min_tokens: int = transfer_option("layerwise_min_tokens")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _layerwise_words(cls, data: Any) -> Any:
+        # YAML 1.1 reads a bare `on` / `off` as a boolean: take them as the words meant.
+        if isinstance(data, dict) and isinstance(data.get("layerwise"), bool):
+            data = {**data, "layerwise": "on" if data["layerwise"] else "off"}
+        return data
 
     @model_validator(mode="after")
     def _check_timeout(self) -> KVTransferSection:

@@ -19,14 +19,14 @@ from kvtransfer.tp_mapping import Segment
 DIRECTIONS = ("auto", "pull", "push")
 BACKENDS = ("nixl", "local")
 ON_FAILURE = ("recompute", "fail")
-LAYERWISE = ("auto", "off")
+LAYERWISE = ("auto", "on", "off")
 
 
-def _setting(default: Any, doc: str, *, gt: float | None = None) -> Any:
+def _setting(default: Any, doc: str, *, gt: float | None = None, ge: float | None = None) -> Any:
     """A hand-off setting the cluster YAML exposes: its default and its one-line doc and
     bound, in metadata keyed by the arguments of ``cluster.config_schema.option``
     (kvtransfer/ may not import cluster/), so the YAML edge checks and documents it from here."""
-    meta = {"doc": doc, "ge": None, "le": None, "gt": gt, "lt": None}
+    meta = {"doc": doc, "ge": ge, "le": None, "gt": gt, "lt": None}
     return dataclasses.field(default=default, metadata=meta)
 
 
@@ -67,9 +67,19 @@ class KVTransferConfig:
         "Layer-wise KV hand-off (docs/kvtransfer.md): auto = the prefill worker streams a "
         "request's KV layer group by layer group while it computes, when its measured "
         "compute and link numbers predict a gain (one-rank prefill and decode workers); "
-        "off = always the whole-request hand-off",
+        "on = it streams every request whose uncached prompt has at least "
+        "layerwise_min_tokens tokens (testing, measuring); off = always the whole-request "
+        "hand-off",
     )
-    """Whether a prefill worker may stream requests' KV layer-wise ("auto") or never ("off")."""
+    """Whether a prefill worker streams requests' KV layer-wise when its numbers predict a
+    gain ("auto"), for every prompt of at least ``layerwise_min_tokens`` ("on": the
+    numbers are not asked, so a CPU test or a benchmark streams for sure), or never."""
+    layerwise_min_tokens: int = _setting(
+        512,
+        "With layerwise: on, the shortest uncached prompt (tokens) streamed layer-wise",
+        ge=1,
+    )
+    """``layerwise: on``'s threshold (the router compares a request's uncached prompt)."""
     handshake_timeout_s: float = 10.0
     """Deadline of adding a peer (loading its metadata, preparing descriptor lists)."""
     idle_poll_s: float = 0.01
@@ -110,6 +120,10 @@ class KVTransferConfig:
             raise ValueError(
                 f"kv_transfer.transfer_timeout_s ({self.transfer_timeout_s}) must be below "
                 f"lease_seconds ({self.lease_seconds}): a pull may not outlive the lease"
+            )
+        if self.layerwise_min_tokens < 1:
+            raise ValueError(
+                f"kv_transfer.layerwise_min_tokens must be >= 1, got {self.layerwise_min_tokens}"
             )
         if self.progress_delay_us < 0:
             raise ValueError(

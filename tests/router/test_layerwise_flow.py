@@ -240,3 +240,29 @@ def test_a_prefill_worker_dying_mid_stream_migrates_with_the_same_tokens(model_d
     out = run(cluster, body)
     assert len(crashed) == 1 and out[2].timing.prefill_worker != crashed[0]
     assert out[0] == want[0]
+
+
+def test_the_mla_latent_cache_streams_with_the_whole_request_tokens(tmp_path_factory):
+    """DeepSeek's latent cache (one entry per token and layer, docs/mla.md) streamed one
+    layer per write (``layerwise: on``: no number asked) gives the whole-request tokens."""
+    mla_dir = make_model(tmp_path_factory.mktemp("layerwise-mla") / "tiny", "deepseek-v3", "tiny")
+    want = whole_request_tokens(mla_dir, [LONG, SHORT])
+    transfer = {"layerwise": "on", "layerwise_min_tokens": 32, "transfer_timeout_s": 15}
+    cluster = Cluster(mla_dir, disaggregation="always", transfer=transfer)
+    prefill, decode = cluster.services["prefill-0"], cluster.services["decode-0"]
+    assert prefill.connector.layout.num_kv_entries == 1  # the latent row
+    assert prefill.stream.stats.group_size(num_tokens=200) == 1
+
+    async def body(router):
+        assert await threshold(router) == 32
+        assert num_tokens(router, SHORT) < 32 <= num_tokens(router, LONG)
+        out = [await collect(router, req(p)) for p in (LONG, SHORT)]
+        await cluster.settled()
+        assert_clean(cluster)
+        return out
+
+    outs = run(cluster, body)
+    assert [o[0] for o in outs] == want
+    assert prefill.stream.num_opened == 1 and decode.stream.num_reserved == 1  # LONG only
+    assert prefill.metrics._streams["done"]._value.get() == 1
+    assert prefill.metrics._streams["failed"]._value.get() == 0

@@ -14,6 +14,9 @@ hand-off costs; this keeps the inputs, measured here:
   keep fewer, larger groups or the whole request: the safe side.
 
 Numbers missing (no prefill step, fewer than two transfer sizes): no layer-wise hand-off.
+``kv_transfer.layerwise: on`` (``forced_min_tokens``) asks no number for the choice:
+every prompt of at least that many tokens streams, in the plan's groups when it predicts
+a gain, else one layer per write (a test or a benchmark then streams for sure).
 The router learns the shortest prompt that would go layer-wise from each report
 (``layerwise_min_tokens``) and reserves decode blocks first for those; the request's
 group size is chosen here again when it arrives (one group per chunk if the numbers
@@ -45,13 +48,16 @@ class LayerwiseStats:
         chunk_tokens: int,
         max_prompt_tokens: int,
         min_gain: float = 0.05,
+        forced_min_tokens: int = 0,
     ):
+        """``forced_min_tokens`` > 0: ``kv_transfer.layerwise: on`` with that threshold."""
         self.num_layers = num_layers
         self.block_size = block_size
         self.block_layer_bytes = block_layer_bytes  # KV bytes of one layer of one block
         self.chunk_tokens = chunk_tokens  # the engine's token budget per step
         self.max_prompt_tokens = max_prompt_tokens
         self.min_gain = min_gain
+        self.forced_min_tokens = forced_min_tokens
         self.layer_s_per_token: float | None = None
         self._links: deque[tuple[int, float]] = deque(maxlen=MAX_SAMPLES)
         self._min_tokens = 0
@@ -107,12 +113,16 @@ class LayerwiseStats:
         or every layer at once (one write per chunk) when it no longer predicts a gain."""
         plan = self.plan(num_tokens)
         if plan is None or plan.group_size is None:
-            return self.num_layers
+            # Forced (layerwise: on): layer-wise all the same, one layer per write.
+            return 1 if self.forced_min_tokens else self.num_layers
         return plan.group_size
 
     def min_tokens(self) -> int:
         """The shortest prompt the plan streams layer-wise (0: none), for the report;
-        recomputed at most every ``THRESHOLD_EVERY_S`` when a number changed."""
+        recomputed at most every ``THRESHOLD_EVERY_S`` when a number changed; forced:
+        the configured one."""
+        if self.forced_min_tokens:
+            return min(self.forced_min_tokens, self.max_prompt_tokens)
         now = time.monotonic()
         if not self._changed or now - self._computed_at < THRESHOLD_EVERY_S:
             return self._min_tokens

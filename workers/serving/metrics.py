@@ -101,6 +101,13 @@ PEER_PULLS = Counter(
     "or unused (declined: its own cache covered the prefix, or the request ended first)",
     (*LABELS, "result"),
 )
+# Layer-wise hand-off (docs/kvtransfer.md): counted by the prefill worker when a stream's
+# future completes, ``result`` = done (every layer landed) or failed (aborted included).
+LAYERWISE_STREAMS = Counter(
+    "baton_kv_layerwise_streams",
+    "Layer-wise KV streams a prefill worker ended: result=done (every layer written) or failed",
+    (*LABELS, "result"),
+)
 SPEC_STEPS = Counter(
     "baton_spec_decode_verify_steps",
     "Speculative verify steps (one per speculating request per engine step)",
@@ -160,6 +167,7 @@ class WorkerMetrics:
             result: PEER_PULLS.labels(*labels, result)
             for result in ("received", "recomputed", "unused")
         }
+        self._streams = {r: LAYERWISE_STREAMS.labels(*labels, r) for r in ("done", "failed")}
         self._spec_steps = SPEC_STEPS.labels(*labels)
         self._spec_draft = SPEC_DRAFT_TOKENS.labels(*labels)
         self._spec_accepted = SPEC_ACCEPTED_TOKENS.labels(*labels)
@@ -231,6 +239,10 @@ class WorkerMetrics:
     def receive_saved(self, source: str, num_bytes: int) -> None:
         """A receive from ``source`` succeeded; the held blocks saved ``num_bytes``."""
         self._receives[source][2].inc(num_bytes)
+
+    def stream_ended(self, is_done: bool) -> None:
+        """Prefill: a layer-wise stream's future completed (done, or failed/aborted)."""
+        self._streams["done" if is_done else "failed"].inc()
 
     def peer_pull(self, result: str) -> None:
         """A peer pull ended on this worker: ``received``, ``recomputed`` or ``unused``."""

@@ -94,7 +94,7 @@ class EngineService:
             self.traces,
         )
         self.stream = self.transport.stream = StreamTransport(  # loop thread only
-            engine, self.connector, self._layerwise_stats(), self._wake.set
+            engine, self.connector, self._layerwise_stats(), self._wake.set, self.metrics
         )
         self._leases: dict[str, tuple[float, int]] = {}  # prefill: link numbers
         self._thread = threading.Thread(target=self._loop, name=f"engine-{name}", daemon=True)
@@ -146,15 +146,20 @@ class EngineService:
                 )
 
     def _layerwise_stats(self) -> LayerwiseStats | None:
-        """Prefill with kv_transfer.layerwise auto, one rank on both sides: the numbers
-        the layer-wise hand-off is chosen from (workers/serving/layerwise_stats.py)."""
+        """Prefill with kv_transfer.layerwise auto or on, one rank on both sides: the
+        numbers the layer-wise hand-off is chosen from (workers/serving/layerwise_stats.py)."""
         kv, engine = self.kv, self.engine
-        if (
-            self.role != "prefill"
-            or self.connector is None
-            or getattr(getattr(self.connector, "config", None), "layerwise", "off") != "auto"
-            or (kv.world_size, kv.dst_tp_size, kv.dst_pp_size) != (1, 1, 1)
-        ):
+        config = getattr(self.connector, "config", None)
+        mode = getattr(config, "layerwise", "off")
+        if self.role != "prefill" or self.connector is None or mode not in ("auto", "on"):
+            return None
+        if (kv.world_size, kv.dst_tp_size, kv.dst_pp_size) != (1, 1, 1):
+            # The follower ranks run no layer hook yet (docs/kvtransfer.md, "Not done yet").
+            logger.warning(
+                "%s: kv_transfer.layerwise %s ignored: a TP/PP pair (world %d, decode TP %d, "
+                "PP %d) keeps the whole-request hand-off",
+                self.name, mode, kv.world_size, kv.dst_tp_size, kv.dst_pp_size,
+            )  # fmt: skip
             return None
         cache = engine.kv_cache
         stats = LayerwiseStats(
@@ -163,6 +168,7 @@ class EngineService:
             block_layer_bytes=cache[0, 0].numel() * cache.element_size(),
             chunk_tokens=engine.config.max_num_batched_tokens,
             max_prompt_tokens=engine.max_model_len - 1,
+            forced_min_tokens=config.layerwise_min_tokens if mode == "on" else 0,
         )
         engine.step_times.listeners.append(stats.observe_step)
         self._reports.layerwise_min_tokens = stats.min_tokens

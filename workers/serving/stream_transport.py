@@ -33,6 +33,7 @@ from workers.engine.outputs import StreamDelta
 from workers.protocol.wire import TokenEvent, WorkItem
 from workers.serving.events import token_event
 from workers.serving.layerwise_stats import LayerwiseStats
+from workers.serving.metrics import WorkerMetrics
 
 logger = logging.getLogger(__name__)
 
@@ -62,11 +63,13 @@ class StreamTransport:
         connector: KVConnector | None,
         stats: LayerwiseStats | None,
         wake,
+        metrics: WorkerMetrics | None = None,
     ):
         self.engine = engine
         self.connector = connector
         self.stats = stats  # prefill with kv_transfer.layerwise auto: the numbers
         self._wake = wake
+        self.metrics = metrics
         self.outs: dict[str, _Out] = {}  # prefill: streams in flight
         self._streamed: set[str] = set()  # prefill: first token not out yet
         self.incoming: dict[str, _In] = {}  # decode: reserved, until the receive ends
@@ -150,6 +153,8 @@ class StreamTransport:
                 continue
             del self.outs[rid]
             self.engine.layerwise.ended(rid)  # frees them if the request is no longer here
+            if self.metrics is not None:
+                self.metrics.stream_ended(out.future.exception() is None)
             if out.future.exception() is not None:
                 logger.warning("layer-wise stream of %s failed: %s", rid, out.future.exception())
             elif self.stats is not None and out.last_posted:
