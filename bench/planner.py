@@ -1,6 +1,7 @@
 """The SLA planner against the best static pools, replayed through the simulator (issue 38).
 
     python -m bench.planner [--mooncake TRACE.jsonl] [--json bench/planner.json]
+    python -m bench.planner --validate [--validate-seconds 180]   # bench/planner_validate.py
 
 Traces:
 - **sine + bursts**: a rate that follows a sine (a day compressed into ``period_s``) with
@@ -288,8 +289,33 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", type=Path, help="write the results here")
     parser.add_argument("--skip-24h", action="store_true")
     parser.add_argument("--only-24h", action="store_true")
+    parser.add_argument(
+        "--validate", action="store_true", help="the simulator against real engines, per window"
+    )
+    parser.add_argument("--validate-seconds", type=float, default=180.0)
+    parser.add_argument("--validate-rate", type=float, nargs=2, default=(0.5, 2.0))
+    parser.add_argument("--validate-model", choices=("tiny", "small"), default="small")
+    parser.add_argument("--validate-raw", type=Path, help="keep the run's records here (pickle)")
     args = parser.parse_args(argv)
     setup = Setup()
+    if args.validate:
+        from bench.planner_validate import validate
+
+        low, high = args.validate_rate
+        text = json.dumps(
+            validate(
+                args.validate_seconds,
+                low=low,
+                high=high,
+                size=args.validate_model,
+                raw=args.validate_raw,
+            ),
+            indent=2,
+        )
+        print(text)
+        if args.json:
+            args.json.write_text(text + "\n")
+        return 0
     if args.only_24h:
         print(json.dumps(speed_24h(setup), indent=2))
         return 0

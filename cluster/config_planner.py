@@ -41,8 +41,26 @@ class PlannerSection(ConfigSection):
         gt=0.0,
         le=1.0,
     )
+    down_windows: int = option(
+        6,
+        "Scale down only when the smaller pool fits with down_margin in each of this many "
+        "last windows, each at its own planned rate (one quiet window shrinks nothing)",
+        ge=1,
+    )
+    headroom_sigmas: float = option(
+        1.0,
+        "Plan for the forecast rate plus this many Poisson standard deviations of a "
+        "window's arrivals (0: the rate alone)",
+        ge=0.0,
+    )
     warmup_steps: int = option(
         20, "A new worker's first step records left out of the step-time fits", ge=0
+    )
+    spread_records: int = option(
+        2048,
+        "Recent step records whose spread around the fit the simulation replays (p90s "
+        "are set by slow steps, not the mean); 0: the mean fit alone",
+        ge=0,
     )
 
     @model_validator(mode="after")
@@ -64,5 +82,7 @@ class PlannerSection(ConfigSection):
             min_decode=self.min_decode,
             cooldown_s=self.cooldown_seconds,
             down_margin=self.down_margin,
+            down_windows=self.down_windows,
+            headroom_sigmas=self.headroom_sigmas,
             limits=limits,
         )

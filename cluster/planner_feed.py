@@ -5,10 +5,14 @@ The workers send no step records of their own: each engine step's token events r
 router as one batch with the worker's report (``workers/serving/service.py``), so a
 worker's steps are read off its batches here, router-side:
 
-- **a step's time**: from the worker's previous batch (a report alone counts: the worker's
-  loop sends it between steps) or, when later, the moment the step's newest request could
-  have started there (its arrival at a prefill worker, its prefill's end at a decode
-  worker: an idle gap is not a step), to this batch, as the router receives it;
+- **a step's time**: from the worker's previous batch that carried a step's output or,
+  when later, the moment the step's newest request could have started there (its arrival
+  at a prefill worker, its prefill's end at a decode worker: an idle gap is not a step),
+  to this batch, as the router receives it. A batch without output (a heartbeat report, a
+  receive's notice) does not start a step: the work between two steps (taking in handed-off
+  KV, commands, the events' delivery) delays every running request's next token as much as
+  the step itself (a record that started at a heartbeat was short of the tokens' gap; the
+  validation against real engines, ``bench/planner_validate.py``, compares the two);
 - **prefill**: the requests whose first token (or KV handle) the batch carries, with their
   uncached prompt tokens (``num_prompt_tokens - num_cached_tokens``). A long prompt's
   chunks before its last send nothing, so one record may span several steps (the fit's
@@ -67,7 +71,7 @@ class _Request:
 class _Worker:
     client: object
     worker_id: str
-    last_batch_s: float | None = None
+    last_step_s: float | None = None  # its last batch with a step's output
 
 
 class LoadFeed:
@@ -112,9 +116,10 @@ class LoadFeed:
             step = self._prefill_step(state, batch, now)
         else:
             step = self._decode_step(state, batch, now)
-        if step is not None and step.seconds > 0:
-            self._steps.append(step)
-        state.last_batch_s = now
+        if step is not None:
+            state.last_step_s = now
+            if step.seconds > 0:
+                self._steps.append(step)
 
     def _worker(self, view: WorkerView) -> _Worker:
         state = self._workers.get(view.name)
@@ -126,7 +131,7 @@ class LoadFeed:
         return state
 
     def _prefill_step(self, state: _Worker, batch: OutputBatch, now: float) -> PrefillStep | None:
-        num_tokens, work, started = 0, 0.0, state.last_batch_s
+        num_tokens, work, started = 0, 0.0, state.last_step_s
         for event in batch.events:
             if not (event.token_ids or event.kv_handles or event.kv_streamed):
                 continue
@@ -144,7 +149,7 @@ class LoadFeed:
         return PrefillStep(state.worker_id, now - started, num_tokens, work)
 
     def _decode_step(self, state: _Worker, batch: OutputBatch, now: float) -> DecodeStep | None:
-        num_seqs, kv_tokens, started = 0, 0, state.last_batch_s
+        num_seqs, kv_tokens, started = 0, 0, state.last_step_s
         for event in batch.events:
             req = self._requests.get(event.request_id)
             if req is None or not event.token_ids:

@@ -88,7 +88,8 @@ def attach_planner(
         max_batched_tokens=config.prefill.max_num_batched_tokens,
         max_num_seqs=config.decode.max_num_seqs,
     )
-    planner = Planner(section.policy_config(limits), StepModel(section.warmup_steps))
+    model = StepModel(section.warmup_steps, spread_records=section.spread_records)
+    planner = Planner(section.policy_config(limits), model)
     feed = LoadFeed(section.interval_seconds)
     actuator = RayActuator(router.scaling, templates, has_autoscaler)
     metrics = PlannerMetrics(router.config.model_name)

@@ -16,6 +16,10 @@ requests (arrival time, uncached prompt tokens, output tokens) through:
   each running sequence one token and costs ``StepModel.decode_seconds(batch, kv_tokens)``;
   each token's ITL is its step's time.
 
+Each step's fitted time is multiplied by one of the fit's recorded ratios measured / fitted
+(``StepModel``'s spread, when it keeps one), taken in a fixed low-discrepancy order per
+worker: a p90 is set by the slow steps, which a mean fit leaves out.
+
 Deterministic (no random draws): the same inputs give the same figures, which the planner's
 stability relies on. Cost: O(steps x workers), with no per-token Python work (a decode
 step's KV tokens come from a running sum, finished sequences from a heap) and the fits
@@ -27,7 +31,7 @@ from __future__ import annotations
 import heapq
 from collections import deque
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from cluster.planner.step_model import StepModel
 
@@ -70,6 +74,14 @@ def percentile(values: Sequence[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, max(0, int(q * len(ordered) + 0.999999) - 1))]
 
 
+_GOLDEN = 0.6180339887498949  # Weyl sequence step: the spread's ratios in a mixed order
+
+
+def spread_factor(spread: tuple[float, ...], step: int) -> float:
+    """The ratio a worker's ``step``-th step is multiplied by (``StepModel`` spreads)."""
+    return spread[int((step * _GOLDEN) % 1.0 * len(spread))] if spread else 1.0
+
+
 def simulate_prefill(
     requests: Sequence[SimRequest], num_workers: int, model: StepModel, limits: PoolLimits
 ) -> list[float]:
@@ -85,6 +97,8 @@ def simulate_prefill(
     running: list[list[tuple[int, int, bool]]] = [[] for _ in range(num_workers)]
     budget_per_step = limits.max_batched_tokens
     prefill_seconds = model.prefill_seconds
+    spread = model.prefill.spread()
+    num_steps = [0] * num_workers
 
     def start_step(worker: int, now: float) -> None:
         budget, chunks, work = budget_per_step, [], 0.0
@@ -100,7 +114,11 @@ def simulate_prefill(
             chunks.append((index, take, entry[1] == 0))
             if entry[1] == 0:
                 queue.popleft()
-        busy_until[worker] = now + prefill_seconds(budget_per_step - budget, work)
+        seconds = prefill_seconds(budget_per_step - budget, work)
+        if spread:
+            seconds *= spread_factor(spread, num_steps[worker])
+            num_steps[worker] += 1
+        busy_until[worker] = now + seconds
         running[worker] = chunks
         heapq.heappush(events, (busy_until[worker], 0, worker))
 
@@ -124,14 +142,30 @@ def simulate_prefill(
     return done
 
 
+@dataclass
+class DecodeSpans:
+    """Which decode steps gave each request its tokens, kept only when asked for (the
+    validation groups ITL by request; the planner needs the pooled figures only)."""
+
+    step_s: list[list[float]] = field(default_factory=list)  # per worker, each step's time
+    spans: dict[int, tuple[int, int, int]] = field(default_factory=dict)  # req: worker, from, to
+
+    def itl_of(self, index: int) -> list[float]:
+        """The request's inter-token times (its decode steps'); [] for one token."""
+        span = self.spans.get(index)
+        return [] if span is None else self.step_s[span[0]][span[1] : span[2]]
+
+
 def simulate_decode(
     requests: Sequence[SimRequest],
     ready_s: Sequence[float],
     num_workers: int,
     model: StepModel,
     limits: PoolLimits,
+    spans: DecodeSpans | None = None,
 ) -> list[float]:
-    """Every generated token's inter-token time, for requests arriving at ``ready_s``."""
+    """Every generated token's inter-token time, for requests arriving at ``ready_s``;
+    ``spans``, when given, is filled with each request's steps."""
     order = sorted(range(len(requests)), key=lambda i: ready_s[i])
     waiting: deque[int] = deque()
     # No per-token work: a worker counts its steps, and a sequence that joins at step n0 with
@@ -147,6 +181,9 @@ def simulate_decode(
     next_arrival = 0
     max_num_seqs = limits.max_num_seqs
     decode_seconds = model.decode_seconds
+    spread = model.decode.spread()
+    if spans is not None:
+        spans.step_s = [[] for _ in range(num_workers)]
 
     def admit(now: float) -> None:
         nonlocal next_arrival
@@ -157,12 +194,15 @@ def simulate_decode(
             worker = min(range(num_workers), key=lambda w: (len(ends[w]), w))
             if len(ends[worker]) >= max_num_seqs:
                 return
-            req = requests[waiting.popleft()]
+            index = waiting.popleft()
+            req = requests[index]
             if req.output_tokens > 1:  # the first token came from prefill
                 n0 = steps[worker]
                 base = req.prompt_tokens + 1 - n0
                 heapq.heappush(ends[worker], (n0 + req.output_tokens - 1, base))
                 kv_base[worker] += base
+                if spans is not None:
+                    spans.spans[index] = (worker, n0, n0 + req.output_tokens - 1)
             if clock[worker] < now:
                 clock[worker] = now
 
@@ -178,8 +218,12 @@ def simulate_decode(
         batch = len(heap)
         n = steps[worker]
         step = decode_seconds(batch, kv_base[worker] + batch * n)
+        if spread:
+            step *= spread_factor(spread, n)
         clock[worker] = now + step
         itl.extend([step] * batch)
+        if spans is not None:
+            spans.step_s[worker].append(step)
         n += 1
         steps[worker] = n
         while heap and heap[0][0] <= n:

@@ -14,10 +14,20 @@ so it needs each pool's step time as a function of the work in the step, not a m
 records, and costs O(features^2) per record. A new worker's first ``warmup_steps`` records
 are left out (``StepModel.observe``): cold caches, compilation and the first allocations
 make them slow, and counting them over-scales the pool (Dynamo #12430).
+
+**The spread** (``spread_records`` > 0): a fit gives a step's *mean* time, but a p90 is
+set by the slow steps: on a shared CPU a decode step's time varies by 2x with the same
+batch (another thread's step, the OS), and the validation against real engines
+(``bench/planner_validate.py``) measured p90 ITL 1.3-2x the fitted mean at light load.
+So the fit also keeps its last records and offers their ratios to the fit
+(``spread()``, sorted), which the simulation multiplies its steps by in a fixed
+low-discrepancy order: the replay keeps the steps' measured distribution and stays
+deterministic.
 """
 
 from __future__ import annotations
 
+from collections import deque
 from dataclasses import dataclass, field
 
 
@@ -28,17 +38,21 @@ class OnlineFit:
     num_features: int
     forgetting: float = 0.999
     ridge: float = 1e-9  # keeps the system solvable before every feature has varied
+    spread_records: int = 0  # the last records kept for ``spread`` (0: none)
     _xtx: list[list[float]] = field(init=False)
     _xty: list[float] = field(init=False)
     num_records: int = field(init=False, default=0)
     # The solve is cached until the next record: a simulation asks for a step's cost
     # hundreds of thousands of times between two records.
     _coefficients: tuple[float, ...] | None = field(init=False, default=None)
+    _recent: deque[tuple[tuple[float, ...], float]] = field(init=False)
+    _spread: tuple[float, ...] | None = field(init=False, default=None)
 
     def __post_init__(self) -> None:
         n = self.num_features
         self._xtx = [[0.0] * n for _ in range(n)]
         self._xty = [0.0] * n
+        self._recent = deque(maxlen=self.spread_records)
 
     def add(self, x: tuple[float, ...], y: float) -> None:
         if len(x) != self.num_features:
@@ -51,6 +65,22 @@ class OnlineFit:
                 row[j] = f * row[j] + x[i] * x[j]
         self.num_records += 1
         self._coefficients = None
+        if self.spread_records:
+            self._recent.append((x, y))
+            self._spread = None
+
+    def spread(self) -> tuple[float, ...]:
+        """The recent records' ratios measured / fitted, sorted ((): none kept); each
+        ratio bounded to [0.25, 4] so one stalled step does not stand for many."""
+        if self._spread is None:
+            coef = self.coefficients()
+            ratios = []
+            for x, y in self._recent:
+                fitted = sum(c * v for c, v in zip(coef, x, strict=True))
+                if fitted > 0:
+                    ratios.append(min(4.0, max(0.25, y / fitted)))
+            self._spread = tuple(sorted(ratios))
+        return self._spread
 
     def coefficients(self) -> tuple[float, ...]:
         """The fitted coefficients (Gaussian elimination with partial pivoting)."""
@@ -98,10 +128,12 @@ class DecodeStep:
 class StepModel:
     """Fits of both pools' step times, fed with the workers' step records."""
 
-    def __init__(self, warmup_steps: int = 20, forgetting: float = 0.999) -> None:
+    def __init__(
+        self, warmup_steps: int = 20, forgetting: float = 0.999, spread_records: int = 0
+    ) -> None:
         self.warmup_steps = warmup_steps
-        self.prefill = OnlineFit(3, forgetting)
-        self.decode = OnlineFit(3, forgetting)
+        self.prefill = OnlineFit(3, forgetting, spread_records=spread_records)
+        self.decode = OnlineFit(3, forgetting, spread_records=spread_records)
         self._seen: dict[str, int] = {}
 
     def _past_warmup(self, worker_id: str) -> bool:

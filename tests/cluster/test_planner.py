@@ -215,3 +215,25 @@ def test_a_large_deficit_is_met_in_one_step_of_several_replicas():
     assert decisions[2].prefill == 1
     assert decisions[3].prefill >= 3  # one decision, not one replica a tick
     assert "scale up" in decisions[3].reason
+
+
+def test_the_steps_spread_sets_the_p90_and_the_replay_stays_deterministic():
+    # Decode steps of 10 ms, one in five 25 ms (another thread's step): the mean fit alone
+    # predicts about their mean at a p90 ITL; replaying the recorded ratios gives the slow
+    # steps' 25.
+    def fed(spread_records: int) -> StepModel:
+        model = StepModel(warmup_steps=0, spread_records=spread_records)
+        for i in range(200):
+            model.observe(PrefillStep("p0", 0.02 + 0.0005 * (64 + i), 64 + i, 0.0))
+            model.observe(DecodeStep("d0", 0.025 if i % 5 == 0 else 0.010, 1 + i % 4, 100))
+        return model
+
+    spread, mean = fed(100), fed(0)
+    assert mean.decode.spread() == () and len(spread.decode.spread()) == 100
+    ratios = spread.decode.spread()
+    assert ratios == tuple(sorted(ratios)) and 1.9 < ratios[-1] < 2.1
+    requests = workload(1.0, 30, prompt=100, output=40)
+    with_spread = simulate(requests, 1, 1, spread)
+    assert simulate(requests, 1, 1, mean).itl_p90 < 0.017
+    assert with_spread.itl_p90 == pytest.approx(0.025, rel=0.15)
+    assert simulate(requests, 1, 1, spread) == with_spread  # the same figures every time

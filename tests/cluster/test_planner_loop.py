@@ -252,6 +252,25 @@ def test_the_feed_reads_steps_ttft_and_itl_off_the_batches():
     assert feed.take(102.0).steps == ()  # handed over once
 
 
+def test_a_report_without_output_does_not_start_a_step():
+    # A heartbeat (or a receive's notice) between two decode steps: the step still spans
+    # token batch to token batch, as the tokens' gap does.
+    clock = Clock()
+    feed = LoadFeed(INTERVAL_S, clock)
+    decode = FakeView(FakeClient("decode-0", "decode"))
+    clock.now = 100.0
+    feed.arrived("r1", 10)
+    feed._requests["r1"].ready_s = feed._requests["r1"].last_token_s = 100.0  # prefilled
+    for now, events in ((100.1, (TokenEvent("r1", (8,), False),)), (100.15, ())):
+        clock.now = now
+        feed.batch(decode, batch("decode-0", "decode", *events))
+    clock.now = 100.2
+    feed.batch(decode, batch("decode-0", "decode", TokenEvent("r1", (9,), False)))
+    window = feed.take(101.0)
+    assert [s.seconds for s in window.steps] == pytest.approx([0.1, 0.1])
+    assert window.itl_s == pytest.approx((0.1, 0.1))
+
+
 def test_a_restarted_worker_is_a_new_worker_to_the_fits():
     clock = Clock()
     feed = LoadFeed(INTERVAL_S, clock)
@@ -323,6 +342,8 @@ def test_the_ray_actuator_asks_the_autoscaler_only_where_there_is_one(monkeypatc
         ({"planner": {"ttft_p90_ms": "fast"}}, "planner.ttft_p90_ms: expected a number"),
         ({"planner": {"down_margin": 1.5}}, "planner.down_margin: must be <= 1"),
         ({"planner": {"cooldown": 5}}, "planner.cooldown: unknown key"),
+        ({"planner": {"down_windows": 0}}, "planner.down_windows"),
+        ({"planner": {"headroom_sigmas": -1}}, "planner.headroom_sigmas"),
         (
             {"planner": {"min_prefill": 3, "min_decode": 2, "max_workers": 4}},
             "planner: max_workers: 4 is below min_prefill + min_decode (5)",
@@ -342,12 +363,12 @@ def test_planner_is_off_by_default_and_its_settings_reach_the_policy():
     from cluster.planner.simulator import PoolLimits
 
     assert parse_config({}).planner.enabled is False
-    section = parse_config(
-        {"planner": {"enabled": True, "ttft_p90_ms": 500, "max_workers": 3}}
-    ).planner
+    settings = {"enabled": True, "ttft_p90_ms": 500, "max_workers": 3, "down_windows": 2}
+    section = parse_config({"planner": {**settings, "headroom_sigmas": 0.5}}).planner
     policy = section.policy_config(PoolLimits(max_batched_tokens=512))
     assert (policy.ttft_p90_ms, policy.max_workers, policy.limits.max_batched_tokens) == (
         500,
         3,
         512,
     )
+    assert (policy.down_windows, policy.headroom_sigmas) == (2, 0.5)
