@@ -238,7 +238,7 @@ def build_decode_graphs(
 ) -> DecodeGraphs | None:
     """Captured decode graphs for the engine, or None where they do not apply (not CUDA
     unless a ``capture`` is given; ``limit`` 0: off). Capture failures leave None too."""
-    if limit <= 0:
+    if limit <= 0 or (capture is None and device.type != "cuda"):
         return None
     if not reads_lengths_on_device(model):
         # The references size their loops from the host-side lengths, which a replay
@@ -246,8 +246,6 @@ def build_decode_graphs(
         logger.info("decode graphs off: the model's op set is not the Triton one")
         return None
     if capture is None:
-        if device.type != "cuda":
-            return None
         capture = cuda_capture(device)
     sizes = graph_batch_sizes(max_num_seqs, limit)
     graphs = DecodeGraphs(model, kv_cache, block_size, max_model_len, sizes, device, capture)
