@@ -60,7 +60,7 @@ def compile_only(arch: int, hidden: int) -> None:
                 signature[name] = int_pointers[name]
             elif name in fp32_pointers:
                 signature[name] = "*fp32"
-            elif name == "kv_ptr" and kv_ptr:
+            elif name in ("kv_ptr", "cache_ptr") and kv_ptr:
                 signature[name] = kv_ptr
             elif name.endswith("_ptr"):
                 signature[name] = f"*{dtype}"
@@ -172,10 +172,11 @@ def compile_only(arch: int, hidden: int) -> None:
             print(f"| moe down | {dtype} | {config} | {result} |")
         # MLA decode on the latent cache, DeepSeek-V3's shapes (R 512, P 64, 16 heads a program).
         block_n, warps = mla.launch_config(torch_dtype)
-        for is_split in (False, True):
+        for is_split, is_fp8 in ((False, False), (True, False), (True, True)):
             constants = dict(BLOCK_H=16, RANK=512, RANK_PAD=512, ROPE=64, ROPE_PAD=64)
             constants |= dict(BLOCK_SIZE=16, BLOCK_N=block_n, IS_SPLIT=is_split)
-            constants |= dict(DOT_PRECISION=precision)
-            config = f"R=512 P=64 split={is_split} BLOCK_N={block_n} warps={warps}"
-            result = usage(mla._mla_decode_kernel, dtype, constants, warps, 2)
+            constants |= dict(DOT_PRECISION=precision, IS_FP8=is_fp8)
+            config = f"R=512 P=64 split={is_split} fp8={is_fp8} BLOCK_N={block_n} warps={warps}"
+            cache = "*u8" if is_fp8 else ""  # an FP8 latent cache: packed uint8 rows
+            result = usage(mla._mla_decode_kernel, dtype, constants, warps, 2, kv_ptr=cache)
             print(f"| mla decode | {dtype} | {config} | {result} |")
