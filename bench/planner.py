@@ -295,7 +295,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--validate-seconds", type=float, default=180.0)
     parser.add_argument("--validate-rate", type=float, nargs=2, default=(0.5, 2.0))
     parser.add_argument("--validate-model", choices=("tiny", "small"), default="small")
-    parser.add_argument("--validate-raw", type=Path, help="keep the run's records here (pickle)")
+    parser.add_argument("--validate-raw", type=Path, help="keep the run's records here (JSON)")
     args = parser.parse_args(argv)
     setup = Setup()
     if args.validate:

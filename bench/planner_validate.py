@@ -20,12 +20,13 @@ window's predicted p90s are compared with the measured ones (within 20%: the iss
 from __future__ import annotations
 
 import asyncio
-import pickle
 import random
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+
+import msgspec
 
 from cluster.planner.simulator import (
     DecodeSpans,
@@ -196,7 +197,7 @@ def validate(
         measured, windows = asyncio.run(main())
         wall = time.perf_counter() - wall
     if raw is not None:  # for analysis without another run
-        raw.write_bytes(pickle.dumps((measured, windows)))
+        raw.write_bytes(msgspec.json.encode((measured, windows)))  # JSON, never pickle
     result = compare(measured, windows, window_s, tolerance)
     result["trace"] = {
         "duration_s": duration_s,
