@@ -124,6 +124,37 @@ def decode(
     return out
 
 
+def decode_over_connectors(
+    p: LLMEngine, d: LLMEngine, p_conn, d_conn, prompts, held: list[StreamDelta]
+) -> tuple[dict[str, list[StreamDelta]], dict[str, int]]:
+    """``decode`` with the blocks moved by real connectors (greedy): the prefill side offers
+    each held request, the decode side receives into the blocks its engine asks for.
+    Returns each request's deltas and the bytes its transfer moved."""
+    handles = {
+        h.request_id: p_conn.offer(
+            h.request_id,
+            list(h.held_block_ids),
+            num_tokens=len(prompt),
+            first_token_id=h.token_ids[0],
+        )
+        for h, prompt in zip(held, prompts, strict=True)
+    }
+    for prompt, h in zip(prompts, held, strict=True):
+        d.add_request(prompt, GREEDY, h.request_id, remote_first_token=h.token_ids[0])
+    out: dict[str, list[StreamDelta]] = defaultdict(list)
+    moved: dict[str, int] = {}
+    while d.has_unfinished_requests():
+        for delta in d.step():
+            out[delta.request_id].append(delta)
+        for receive in d.take_kv_receives():
+            request_id, dst = receive.request_id, receive.block_ids
+            handle = handles[request_id].from_block(receive.first_block)
+            moved[request_id] = d_conn.receive([handle], list(dst)).result(timeout=30).num_bytes
+            assert p.release_held(request_id)
+            d.kv_received(request_id, True)
+    return out, moved
+
+
 @pytest.mark.parametrize("ok", [True, False], ids=["transferred", "recomputed"])
 def test_hand_off_gives_the_aggregated_tokens(engines, prompts, ok):
     agg, p, d = engines

@@ -30,7 +30,15 @@ from workers import LLM, SamplingParams
 from workers.engine.config import EngineConfig
 from workers.engine.llm_engine import LLMEngine
 
-from .test_engine_roles import BS, GREEDY, aggregated, assert_no_blocks_in_use, prefill, tokens
+from .test_engine_roles import (
+    BS,
+    GREEDY,
+    aggregated,
+    assert_no_blocks_in_use,
+    decode_over_connectors,
+    prefill,
+    tokens,
+)
 
 
 @pytest.fixture(scope="module")
@@ -120,33 +128,11 @@ def test_latent_hand_off_over_nixl_gives_the_aggregated_tokens(model_dir, prompt
 
     released: list[str] = []
     p_conn, d_conn = connector(p, "prefill", released), connector(d, "decode", [])
-    moved: dict[str, int] = {}
     try:
         d_conn.add_peer(p_conn.metadata())
         p_conn.add_peer(d_conn.metadata())
         held = prefill(p, prompts, params)
-        handles = {
-            h.request_id: p_conn.offer(
-                h.request_id,
-                list(h.held_block_ids),
-                num_tokens=len(prompt),
-                first_token_id=h.token_ids[0],
-            )
-            for h, prompt in zip(held, prompts, strict=True)
-        }
-        for prompt, h in zip(prompts, held, strict=True):
-            d.add_request(prompt, GREEDY, h.request_id, remote_first_token=h.token_ids[0])
-        out: dict[str, list] = {}
-        while d.has_unfinished_requests():
-            for delta in d.step():
-                out.setdefault(delta.request_id, []).append(delta)
-            for receive in d.take_kv_receives():
-                request_id, dst = receive.request_id, receive.block_ids
-                handle = handles[request_id].from_block(receive.first_block)
-                result = d_conn.receive([handle], list(dst)).result(timeout=30)
-                moved[request_id] = result.num_bytes
-                assert p.release_held(request_id)
-                d.kv_received(request_id, True)
+        out, moved = decode_over_connectors(p, d, p_conn, d_conn, prompts, held)
         for h, w in zip(held, want, strict=True):
             assert [h.token_ids[0], *tokens(out[h.request_id])] == w
     finally:
