@@ -8,6 +8,7 @@ import re
 
 from prometheus_client.metrics import MetricWrapperBase
 
+import cluster.planner_metrics
 import router.metrics
 import workers.serving.metrics
 import workers.serving.tier_metrics
@@ -20,7 +21,13 @@ DASHBOARD = json.loads((CHART / "dashboards" / "baton.json").read_text())
 def recorded_series() -> dict[str, str]:
     """Every sample name Baton exposes -> its metric's name."""
     series = {}
-    for module in (workers.serving.metrics, workers.serving.tier_metrics, router.metrics):
+    modules = (
+        workers.serving.metrics,
+        workers.serving.tier_metrics,
+        router.metrics,
+        cluster.planner_metrics,
+    )
+    for module in modules:
         for metric in vars(module).values():
             if not isinstance(metric, MetricWrapperBase):
                 continue
