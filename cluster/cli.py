@@ -22,7 +22,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from cluster import cli_models
+from cluster import cli_models, cli_profile
 from cluster.cli_models import DTYPES as _DTYPES
 from cluster.cli_terminal import (
     EXIT_FAILURE,
@@ -306,6 +306,12 @@ _COMMANDS = (
         "load-test a running router: TTFT, TPOT, ITL, E2E, throughput, goodput (JSON, plots)",
         _bench.add_arguments,
         _bench.run,
+    ),
+    _Command(
+        "profile",
+        "measure a config's step times on this machine in minutes, for planner.profile",
+        cli_profile.add_arguments,
+        cli_profile.run,
     ),
     _Command(
         "status",

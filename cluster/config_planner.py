@@ -7,10 +7,11 @@ Off by default: the pools keep the sizes of ``prefill.replicas`` and ``decode.re
 
 from __future__ import annotations
 
-from pydantic import model_validator
+from pydantic import field_validator, model_validator
 
 from cluster.config_schema import ConfigSection, option
 from cluster.planner.policy import PlannerConfig
+from cluster.planner.profile import load_profile
 from cluster.planner.simulator import PoolLimits
 
 
@@ -62,6 +63,20 @@ class PlannerSection(ConfigSection):
         "are set by slow steps, not the mean); 0: the mean fit alone",
         ge=0,
     )
+
+    profile: str | None = option(
+        None,
+        "A step-time profile from `baton profile` (JSON): the fits start from its records, "
+        "so the planner decides from its first tick, and serving refines them; unset: "
+        "learned online from the workers' first steps",
+    )
+
+    @field_validator("profile")
+    @classmethod
+    def _check_profile(cls, path: str | None) -> str | None:
+        if path is not None:
+            load_profile(path)  # ValueError naming the file and what is wrong with it
+        return path
 
     @model_validator(mode="after")
     def _check_minimums(self) -> PlannerSection:

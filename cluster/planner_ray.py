@@ -17,6 +17,7 @@ import ray
 
 from cluster.config import ClusterConfig
 from cluster.planner.policy import Planner
+from cluster.planner.profile import StepProfile, load_profile
 from cluster.planner.simulator import PoolLimits
 from cluster.planner.step_model import StepModel
 from cluster.planner_feed import LoadFeed
@@ -76,6 +77,31 @@ class RayActuator:
         return True
 
 
+def seed_from_profile(model: StepModel, profile: StepProfile, templates: Templates) -> int:
+    """Seed the fits with ``baton profile``'s records; a profile of another model or of
+    other step-shaping settings is still used (serving corrects it), with a warning
+    naming what differs."""
+    added = model.seed(profile.steps())
+    spec = templates["decode"][0]
+    differs = [
+        key
+        for key, value in profile.engine.items()
+        if key not in ("dtype", "max_model_len")  # resolved at load: "auto" is not a value
+        and hasattr(spec.engine, key)
+        and str(getattr(spec.engine, key)) != str(value)
+    ]
+    if profile.model != spec.model_id:
+        differs.insert(0, f"model ({profile.model!r}, serving {spec.model_id!r})")
+    if differs:
+        logger.warning(
+            "planner.profile: measured with other settings (%s); the fits start from it "
+            "and follow the served steps",
+            ", ".join(differs),
+        )
+    logger.info("planner: %d step records from the profile of %s", added, profile.created)
+    return added
+
+
 def attach_planner(
     router: Router, config: ClusterConfig, templates: Templates, has_autoscaler: bool
 ) -> PlannerLoop:
@@ -89,6 +115,8 @@ def attach_planner(
         max_num_seqs=config.decode.max_num_seqs,
     )
     model = StepModel(section.warmup_steps, spread_records=section.spread_records)
+    if section.profile is not None:
+        seed_from_profile(model, load_profile(section.profile), templates)
     planner = Planner(section.policy_config(limits), model)
     feed = LoadFeed(section.interval_seconds)
     actuator = RayActuator(router.scaling, templates, has_autoscaler)

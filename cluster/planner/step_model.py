@@ -28,6 +28,7 @@ deterministic.
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 
@@ -145,11 +146,25 @@ class StepModel:
         """Add a step record; False when it was left out (the worker's warm-up)."""
         if not self._past_warmup(step.worker_id):
             return False
+        self._add(step)
+        return True
+
+    def seed(self, steps: Iterable[PrefillStep | DecodeStep]) -> int:
+        """Add measured records that are no worker's warm-up (``baton profile``'s, taken
+        after its own warm-up): the fits can plan before the first worker has served.
+        Online records then outweigh them as they come (the fits' forgetting). Returns
+        how many were added."""
+        count = 0
+        for step in steps:
+            self._add(step)
+            count += 1
+        return count
+
+    def _add(self, step: PrefillStep | DecodeStep) -> None:
         if isinstance(step, PrefillStep):
             self.prefill.add((1.0, float(step.tokens), step.attention_work), step.seconds)
         else:
             self.decode.add((1.0, float(step.batch), step.kv_tokens / 1000.0), step.seconds)
-        return True
 
     def forget_worker(self, worker_id: str) -> None:
         """A worker left the pool: a new one under the same id warms up again."""
