@@ -10,26 +10,27 @@ and the model's vocab_size is exactly the tokenizer's, so every sampled id decod
 
 Weights are random but deterministic from the seed, and scaled (not the 0.02 training
 init) so that activations keep unit size through the layers and logits spread over a few
-units: greedy generations wander over many tokens instead of repeating one.
+units: greedy generations wander over many tokens instead of repeating one. The tokenizer
+files are ``cluster/tools/make_tokenizer.py``'s; DeepSeek's layer shapes
+``cluster/tools/make_deepseek.py``'s.
 """
 
 from __future__ import annotations
 
 import json
 import math
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 from safetensors.torch import save_file
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 from tqdm import tqdm
 
-from cluster.tools.corpus import corpus_lines
-from cluster.tools.families import FAMILIES, Family
+from cluster.tools.families import FAMILIES
 from cluster.tools.make_deepseek import deepseek_config, deepseek_layer_specs
+from cluster.tools.make_tokenizer import build_tokenizer, generation_config, tokenizer_config
 
 ARCHS = ("llama", "qwen2", "qwen3", "mistral", "mixtral", "qwen2-moe", "qwen3-moe", "deepseek-v3")
 SIZES = ("tiny", "small")
@@ -111,9 +112,9 @@ def make_model(
     family = FAMILIES[arch]
     tokenizer = build_tokenizer(arch, config["vocab_size"])
     tokenizer.save(str(out / "tokenizer.json"))
-    _write_json(out / "tokenizer_config.json", _tokenizer_config(tokenizer, family, config))
+    _write_json(out / "tokenizer_config.json", tokenizer_config(tokenizer, family, config))
     _write_json(out / "config.json", config)
-    _write_json(out / "generation_config.json", _generation_config(config, family))
+    _write_json(out / "generation_config.json", generation_config(config, family))
     tensors = _random_weights(config, seed, progress)
     save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
     return out
@@ -238,43 +239,6 @@ _ARCHITECTURES = {
     "qwen3-moe": "Qwen3MoeForCausalLM",
     "deepseek-v3": "DeepseekV3ForCausalLM",
 }
-
-
-def build_tokenizer(arch: str, vocab_size: int, lines: Iterable[str] | None = None) -> Tokenizer:
-    """Train the byte-level BPE tokenizer of ``arch`` with exactly ``vocab_size`` ids on
-    ``lines`` (default: ``cluster.tools.corpus``).
-
-    Special tokens take ids 0..; llama and mistral add BOS in the post-processor, qwen
-    adds nothing (as their real tokenizers do).
-    """
-    family = FAMILIES[arch]
-    tokenizer = Tokenizer(models.BPE())
-    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tokenizer.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size,
-        special_tokens=list(family.special_tokens),
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
-    )
-    tokenizer.train_from_iterator(corpus_lines() if lines is None else lines, trainer)
-    if tokenizer.get_vocab_size() != vocab_size:
-        raise RuntimeError(
-            f"the corpus yields {tokenizer.get_vocab_size()} tokens, fewer than {vocab_size}"
-        )
-    byte_level = processors.ByteLevel(trim_offsets=False)
-    if family.tokenizer_bos is None:
-        tokenizer.post_processor = byte_level
-    else:
-        bos = family.tokenizer_bos
-        bos_id = family.special_tokens.index(bos)
-        template = processors.TemplateProcessing(
-            single=f"{bos}:0 $A:0",
-            pair=f"{bos}:0 $A:0 {bos}:1 $B:1",
-            special_tokens=[(bos, bos_id)],
-        )
-        tokenizer.post_processor = processors.Sequence([byte_level, template])
-    return tokenizer
 
 
 def num_parameters(config: Mapping[str, Any]) -> int:
@@ -403,39 +367,6 @@ def _random_weights(
             tensors[name] = weight.to(dtype).contiguous()
             bar.update(weight.numel())
     return tensors
-
-
-def _tokenizer_config(tokenizer: Tokenizer, family: Family, config: Mapping[str, Any]) -> dict:
-    added = {
-        str(token_id): {
-            "content": token.content,
-            "lstrip": False,
-            "normalized": False,
-            "rstrip": False,
-            "single_word": False,
-            "special": True,
-        }
-        for token_id, token in sorted(tokenizer.get_added_tokens_decoder().items())
-    }
-    chat = {"chat_template": family.chat_template} if family.chat_template else {}
-    return {
-        **chat,
-        "added_tokens_decoder": added,
-        "bos_token": family.tokenizer_bos,
-        "clean_up_tokenization_spaces": False,
-        "eos_token": family.tokenizer_eos,
-        "model_max_length": config["max_position_embeddings"],
-        "pad_token": None,
-        "tokenizer_class": "PreTrainedTokenizerFast",
-    }
-
-
-def _generation_config(config: Mapping[str, Any], family: Family) -> dict[str, Any]:
-    eos_ids = [family.special_tokens.index(token) for token in family.eos]
-    return {
-        "bos_token_id": config["bos_token_id"],
-        "eos_token_id": eos_ids if len(eos_ids) > 1 else eos_ids[0],
-    }
 
 
 def _write_json(path: Path, data: Mapping[str, Any]) -> None:
