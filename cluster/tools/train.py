@@ -35,13 +35,8 @@ from safetensors.torch import load_file, save_file
 from tokenizers import Tokenizer
 
 from cluster.tools.families import FAMILIES
-from cluster.tools.make_model import (
-    _generation_config,
-    _tokenizer_config,
-    _write_json,
-    build_tokenizer,
-    make_config,
-)
+from cluster.tools.make_model import _write_json, make_config
+from cluster.tools.make_tokenizer import build_tokenizer, generation_config, tokenizer_config
 from cluster.tools.train_corpus import eval_windows, stdlib_split, token_stream
 from cluster.tools.train_llama import RMS_NORM_EPS, ROPE_THETA, LlamaShape, TrainableLlama
 from cluster.tools.train_loop import (
@@ -354,10 +349,10 @@ def _write_model(out: Path, model: TrainableLlama, recipe: Recipe, tokenizer: To
     config = hf_config(recipe, model.shape)
     tokenizer.save(str(out / "tokenizer.json"))
     _write_json(
-        out / "tokenizer_config.json", _tokenizer_config(tokenizer, FAMILIES["llama"], config)
+        out / "tokenizer_config.json", tokenizer_config(tokenizer, FAMILIES["llama"], config)
     )
     _write_json(out / "config.json", config)
-    _write_json(out / "generation_config.json", _generation_config(config, FAMILIES["llama"]))
+    _write_json(out / "generation_config.json", generation_config(config, FAMILIES["llama"]))
     dtype = getattr(torch, recipe.dtype)
     tensors = {name: t.detach().to(dtype).contiguous() for name, t in model.state_dict().items()}
     save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
