@@ -49,7 +49,11 @@ def run_make_model(args: argparse.Namespace) -> int:
 
     config = make_config(args.arch, args.size, dtype=args.dtype)
     if args.quantize is not None and args.arch in ("mixtral", "qwen2-moe", "qwen3-moe"):
-        raise ValueError(f"--quantize: {args.arch} is a MoE model, which loads unquantized only")
+        raise ValueError(
+            f"--quantize: {args.arch} is a MoE model, whose quantized checkpoints Baton does "
+            "not read; write it unquantized and serve it with quantization: fp8 or int4 "
+            "(quantized on load)"
+        )
     out = make_model(
         args.dir,
         args.arch,

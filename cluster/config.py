@@ -42,6 +42,7 @@ from workers.engine.config import (
     EngineConfig,
     ExpertDispatch,
     KVCacheDtype,
+    OnboardMode,
     Quantization,
     SpeculativeMethod,
 )
@@ -94,6 +95,8 @@ class PoolSection(ConfigSection):
     max_num_seqs: int = engine_option("max_num_seqs")
     expert_parallel: int = engine_option("expert_parallel")
     expert_dispatch: ExpertDispatch = engine_option("expert_dispatch")
+    expert_rebalance_steps: int = engine_option("expert_rebalance_steps")
+    expert_redundant: int = engine_option("expert_redundant")
     cuda_graph_max_batch: int = engine_option("cuda_graph_max_batch")
     # Narrower than the engine's (no cuda:N): Ray assigns each rank its GPU.
     device: Literal["auto", "cpu", "cuda"] = engine_option("device")
@@ -162,6 +165,7 @@ class KVCacheSection(ConfigSection):
     disk_tier_gib: float = engine_option("kv_disk_tier_gib")
     disk_tier_secret_file: str | None = engine_option("kv_disk_tier_secret_file")
     peer_sharing: bool = engine_option("kv_peer_sharing")
+    onboard_layerwise: OnboardMode = engine_option("kv_tier_onboard")
 
     @model_validator(mode="after")
     def _check_tiers(self) -> KVCacheSection:
@@ -273,6 +277,11 @@ class ClusterConfig(ConfigSection):
                 raise ValueError(
                     f"{role}.expert_parallel: must be 1 (off) or {role}.tensor_parallel "
                     f"({pool.tensor_parallel}), got {pool.expert_parallel}"
+                )
+            if pool.expert_rebalance_steps and pool.expert_parallel == 1:
+                raise ValueError(
+                    f"{role}.expert_rebalance_steps: needs {role}.expert_parallel > 1 (one "
+                    f"rank holds every expert: no rank load to balance); set it to 0"
                 )
         check_tiers_single_rank(self.kv_cache.has_tier, pools)
         router = self.router

@@ -35,6 +35,12 @@ def check_pool_parallel(
                 f"{role}.expert_parallel: {pool.expert_parallel} does not divide the "
                 f"model's {arch.num_experts} experts"
             )
+        most = arch.num_experts - arch.num_experts // pool.expert_parallel
+        if pool.expert_rebalance_steps and pool.expert_redundant > most:
+            raise ValueError(
+                f"{role}.expert_redundant: {pool.expert_redundant} spare slots per rank, but "
+                f"a rank can copy at most the {most} experts it does not hold"
+            )
     elif arch.num_experts:  # every expert's intermediate dimension split over the ranks
         splits.append(("moe_intermediate_size", arch.moe_intermediate_size))
     elif pool.expert_parallel > 1:

@@ -22,9 +22,13 @@ with one scatter, and a token's k slots are summed in slot order (what the Trito
 does), so a token's result does not depend on how many tokens share the batch beyond the
 matmuls' own row-blocking. (One scatter per layer, not an ``index_add_`` per expert: on a
 loaded 2-core machine each parallel region of those cost about a millisecond.)
+``grouped_moe`` is that loop over any expert weights (a callable per expert): quantized
+experts run through it (``kernels/moe_quant.py``).
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torch
 
@@ -141,13 +145,32 @@ def fused_moe(
     first_expert: int = 0,
 ) -> torch.Tensor:
     """The experts' weighted sum for each token (module docstring); mutates nothing."""
-    num_tokens, hidden_size = hidden.shape
+    hidden_size = hidden.shape[1]
     num_local, two_i, _ = w13.shape
     if w13.shape[2] != hidden_size or w2.shape != (num_local, hidden_size, two_i // 2):
         raise ValueError(
             f"fused_moe: w13 {tuple(w13.shape)} / w2 {tuple(w2.shape)} do not fit hidden "
             f"size {hidden_size} (want [E, 2I, H] and [E, H, I])"
         )
+
+    def expert_mlp(expert: int, x: torch.Tensor) -> torch.Tensor:
+        return silu_and_mul(x @ w13[expert].t()) @ w2[expert].t()
+
+    return grouped_moe(hidden, topk_weights, topk_ids, num_local, expert_mlp, first_expert)
+
+
+def grouped_moe(
+    hidden: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    num_local: int,
+    expert_mlp: Callable[[int, torch.Tensor], torch.Tensor],
+    first_expert: int = 0,
+) -> torch.Tensor:
+    """``fused_moe`` over any expert weights: ``expert_mlp(e, x)`` is local expert ``e``'s
+    ``w2 @ silu_and_mul(w13 @ x)`` for its rows ``x`` [count, H] (dense weights, or the
+    quantized ones of ``kernels/moe_quant.py``), called once per *active* expert."""
+    num_tokens, hidden_size = hidden.shape
     top_k = topk_ids.shape[1]
     order, counts = sort_by_expert(topk_ids, first_expert, num_local)
     rows = hidden[order // top_k]  # [P, H] each held pair's token, grouped by expert
@@ -157,8 +180,7 @@ def fused_moe(
         if count == 0:
             continue
         x = rows[start : start + count]  # [count, H], contiguous
-        y = silu_and_mul(x @ w13[expert].t()) @ w2[expert].t()  # [count, H]
-        out_rows[start : start + count] = y
+        out_rows[start : start + count] = expert_mlp(expert, x)  # [count, H]
         start += count
     out_rows *= topk_weights.flatten()[order, None]
     # Back to (token, slot) order, pairs held elsewhere 0, each token's slots summed in slot

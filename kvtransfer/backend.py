@@ -66,7 +66,7 @@ class KVTransferConfig:
         "off",
         "Layer-wise KV hand-off (docs/kvtransfer.md): auto = the prefill worker streams a "
         "request's KV layer group by layer group while it computes, when its measured "
-        "compute and link numbers predict a gain (one-rank prefill and decode workers); "
+        "compute and link numbers predict a gain (any TP/PP layouts on either side); "
         "on = it streams every request whose uncached prompt has at least "
         "layerwise_min_tokens tokens (testing, measuring); off = always the whole-request "
         "hand-off",

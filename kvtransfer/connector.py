@@ -227,9 +227,17 @@ class KVConnector:
         )
         return encode(reservation), future
 
-    def peer_agent(self, worker_id: str) -> str | None:
-        """The agent name of a handshaken peer worker's live incarnation (None: none)."""
-        return self._call(lambda: self._peers.agent_of(worker_id), self.config.handshake_timeout_s)
+    def withdraw_stream(self, req_id: str) -> None:
+        """Decode side: end an ``expect_stream`` whose reservation was never given to any
+        prefill rank (its future fails at once: nobody can write the blocks)."""
+        fn = partial(self._stream_receiver.withdraw, req_id)
+        self._call(fn, self.config.handshake_timeout_s)
+
+    def replica_agents(self, worker_id: str) -> tuple[str, ...]:
+        """The agents of every rank of replica ``worker_id`` (the sources of a stream from
+        it); raises KVTransferError unless every rank is handshaken."""
+        fn = partial(self._peers.replica_agents, worker_id)
+        return self._call(fn, self.config.handshake_timeout_s)
 
     def open_stream(self, req_id: str, reservations: Sequence[bytes]) -> Future:
         """Prefill side, before the request's first chunk: write its KV to the decode

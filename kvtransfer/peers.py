@@ -10,7 +10,7 @@ from kvtransfer.backend import KVBackend
 from kvtransfer.errors import KVTransferError, PeerLostError
 from kvtransfer.layout import KVLayout, check_compatible
 from kvtransfer.messages import CompletionNotice, HandshakeMetadata, encode
-from kvtransfer.tp_mapping import Segment, plan_for_pair, replica_segments
+from kvtransfer.tp_mapping import Segment, replica_segments
 
 logger = logging.getLogger(__name__)
 
@@ -20,9 +20,10 @@ class Peer:
     """A handshaken peer and what a whole-request transfer moves with it, per block.
 
     For K/V caches the stream segments are the same as the whole-request ones. For a latent
-    cache (MLA) every pair holding common layers can move whole rows (the receiver spreads a
-    request's blocks round robin over the prefill ranks), while a layer-wise stream still
-    comes from the one prefill rank :func:`~kvtransfer.tp_mapping.source_heads` picks.
+    cache (MLA) every pair holding common layers moves whole rows, in both hand-offs: a
+    request's blocks are spread round robin over the stage's prefill ranks
+    (:func:`~kvtransfer.tp_mapping.latent_block_sources`; a stream's writes likewise,
+    ``stream.py``), so every such prefill rank is a source of every decode rank.
     """
 
     meta: HandshakeMetadata
@@ -49,10 +50,32 @@ class PeerTable:
     def get(self, name: str) -> Peer | None:
         return self._peers.get(name)
 
-    def agent_of(self, worker_id: str) -> str | None:
-        """The agent name of worker ``worker_id``'s live incarnation, if handshaken."""
-        name = self._peer_of_worker.get(worker_id)
-        return name if name in self._peers else None
+    def replica_agents(self, worker_id: str) -> tuple[str, ...]:
+        """The live agents of every rank of replica ``worker_id``: its rank 0 (the worker's
+        name) and its other ranks (``<name>.rank<k>``, ``WorkerSpec.rank_name``). Raises
+        KVTransferError unless they are all handshaken: each layer of the model held by
+        ``tp_size`` distinct ranks (a stream missing a rank would end "done" without that
+        rank's heads)."""
+        ranks = [
+            (name, peer.meta.layout)
+            for name, peer in self._peers.items()
+            if _is_rank_of(peer.meta.worker_id, worker_id)
+        ]
+        if not ranks:
+            raise KVTransferError(f"no KV handshake with {worker_id}")
+        total = ranks[0][1].total_num_layers
+        holders: dict[int, set[int]] = {layer: set() for layer in range(total)}
+        for _name, layout in ranks:
+            for layer in range(*layout.layer_range):
+                holders[layer].add(layout.tp_rank)
+        tp_size = ranks[0][1].tp_size
+        missing = [layer for layer, held in holders.items() if len(held) != tp_size]
+        if missing or any(layout.tp_size != tp_size for _n, layout in ranks):
+            raise KVTransferError(
+                f"{worker_id}: {len(ranks)} ranks handshaken, not all of its replica "
+                f"(layers {missing[:4]} lack a TP rank)"
+            )
+        return tuple(sorted(name for name, _layout in ranks))
 
     def on_drop(self, callback: Callable[[str, PeerLostError], None]) -> None:
         """``callback(name, error)`` runs when a peer is dropped, before it is unloaded."""
@@ -75,8 +98,8 @@ class PeerTable:
             meta,
             read_segments,
             write_segments,
-            stream_read_segments=plan_for_pair(meta.layout, self.layout),
-            stream_write_segments=plan_for_pair(self.layout, meta.layout),
+            stream_read_segments=read_segments,
+            stream_write_segments=write_segments,
         )
         self._peer_of_worker[meta.worker_id] = name
         return name
@@ -114,3 +137,11 @@ class PeerTable:
             self.drop(peer, str(exc))
         except KVTransferError:
             logger.warning("notice to %s for %s lost", peer, req_id, exc_info=True)
+
+
+def _is_rank_of(worker_id: str, replica: str) -> bool:
+    """``worker_id`` names rank 0 of ``replica`` (its name) or another of its ranks."""
+    rest = worker_id.removeprefix(replica)
+    return worker_id == replica or (
+        rest != worker_id and rest.startswith(".rank") and rest[5:].isdigit()
+    )

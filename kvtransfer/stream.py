@@ -6,7 +6,9 @@ Decode (``StreamReceiver``) reserves: it gives the prefill ranks a
 layer group of each finished chunk as soon as the forward pass has stored it
 (``write``), without a notification; the stream's last write carries the only "done"
 notice and is posted once every earlier write of the stream has completed, so the
-notice arrives after all the data. Notifications are O(1) per request.
+notice arrives after all the data. Notifications are O(1) per request. A latent cache
+(MLA), whole on every prefill rank of a stage, is written round robin: each block by
+one of them (``_latent_share``); every one still ends its part with "done".
 
 Who frees what:
 
@@ -34,7 +36,7 @@ from kvtransfer.errors import (
 from kvtransfer.layout import KVLayout
 from kvtransfer.messages import StreamNotice, StreamReservation, encode
 from kvtransfer.peers import PeerTable
-from kvtransfer.tp_mapping import segments_for_layers
+from kvtransfer.tp_mapping import latent_block_sources, segments_for_layers
 
 # The prefill side stops writing after this fraction of the decode side's timeout.
 STREAM_WRITE_FRACTION = 0.5
@@ -140,6 +142,9 @@ class StreamSender:
                     f"{first_block + len(block_ids) - 1} of {req_id!r}"
                 )
                 continue
+            if self._layout.is_latent:  # our round-robin share of the blocks only
+                share = self._latent_share(out, first_block + skip, len(src))
+                src, dst = tuple(src[i] for i in share), [dst[i] for i in share]
             write = (src, tuple(dst), layers)
             if is_last:
                 out.last = write
@@ -183,6 +188,20 @@ class StreamSender:
             self._progress_one(stream, now)
 
     # ---- internals ----------------------------------------------------------------------
+    def _latent_share(self, out: _Out, first_block: int, num_blocks: int) -> tuple[int, ...]:
+        """Positions of the prompt blocks ``first_block ..`` that this prefill rank writes
+        to ``out``'s reader: a latent cache is whole on every rank of our stage, so each
+        block comes from one of them, ``(block + decode rank) % prefill TP`` (the same
+        round robin as the whole-request hand-off, ``tp_mapping.latent_block_sources``)."""
+        peer = self._peers.get(out.reader)
+        if peer is None:
+            return ()
+        layout = self._layout
+        shares = latent_block_sources(
+            first_block, num_blocks, range(layout.tp_size), peer.meta.layout.tp_rank
+        )
+        return shares[layout.tp_rank]
+
     def _post(self, out: _Out, write: tuple, notif: bytes) -> bool:
         """Post one WRITE; False (and nothing posted) when the reader holds none of
         these layers."""

@@ -28,6 +28,7 @@ from kvtransfer.errors import (
 from kvtransfer.layout import KVLayout
 from kvtransfer.messages import StreamNotice, StreamReservation, encode
 from kvtransfer.peers import PeerTable
+from kvtransfer.tp_mapping import latent_block_sources
 
 
 @dataclass
@@ -77,7 +78,8 @@ class StreamReceiver:
                 raise PeerLostError(f"no handshake with {name} (or it died)")
             if peer.stream_read_segments:  # it holds some of our heads and layers
                 waiting[name] = "waiting"
-                num_bytes += len(block_ids) * sum(s.length for s in peer.stream_read_segments)
+                num_blocks = self._num_blocks_from(peer.meta.layout, first_block, len(block_ids))
+                num_bytes += num_blocks * sum(s.length for s in peer.stream_read_segments)
         if not waiting:
             raise ValueError("no source holds any of this rank's kv heads")
         now = self._clock()
@@ -85,6 +87,15 @@ class StreamReceiver:
         self._streams[req_id] = inc
         name = self._peers.backend.name
         return StreamReservation(name, req_id, tuple(block_ids), timeout, first_block)
+
+    def _num_blocks_from(self, src: KVLayout, first_block: int, num_blocks: int) -> int:
+        """How many of our blocks prefill rank ``src`` writes: all, or for a latent cache
+        its round-robin share (``stream.py``)."""
+        if not self._layout.is_latent:
+            return num_blocks
+        ranks = range(src.tp_size)
+        shares = latent_block_sources(first_block, num_blocks, ranks, self._layout.tp_rank)
+        return len(shares[src.tp_rank])
 
     def on_notice(self, sender: str, notice: StreamNotice) -> None:
         inc = self._streams.get(notice.req_id)
@@ -103,6 +114,13 @@ class StreamReceiver:
         inc = self._streams.get(req_id)
         if inc is not None and inc.error is None:
             inc.error = TransferAbortedError(f"request {req_id!r} aborted")
+
+    def withdraw(self, req_id: str) -> None:
+        """The reservation never left this worker (another rank of the replica could not
+        reserve): no writer has it, so the receive ends now, without waiting for answers."""
+        inc = self._streams.get(req_id)
+        if inc is not None:
+            self._finish(inc, TransferAbortedError(f"reservation of {req_id!r} withdrawn"))
 
     def shutdown(self) -> None:
         for inc in list(self._streams.values()):

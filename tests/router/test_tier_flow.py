@@ -48,8 +48,9 @@ def test_a_prefix_in_a_workers_host_tier_draws_the_request_there(model_dir):
                 num_kv_blocks=64, max_num_seqs=4, max_num_batched_tokens=128, detokenize=False,
             )
         )  # fmt: skip
-        # The reporting side reads .tiers; stopping the service closes them.
-        engine.kv_tiers = SimpleNamespace(tiers=(tier,), close=lambda: FlushStats())
+        # The reporting side reads .tiers; stopping the service closes them; a step reads
+        # .layerwise (no layer-wise onboarding here).
+        engine.kv_tiers = SimpleNamespace(tiers=(tier,), close=lambda: FlushStats(), layerwise=None)
         metrics = WorkerMetrics("decode", "tiny", f"{name}-tierflow")
         services.append(EngineService(engine, name, "decode", metrics=metrics))
     tokenizer = Tokenizer.from_dir(model_dir)

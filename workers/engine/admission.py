@@ -5,9 +5,10 @@ and ``max_num_seqs``) and moves it between its queues; this module decides what 
 request starts with. Its prompt's leading blocks that the pool's prefix cache holds are
 shared (they count as computed); with **KV tiers** (docs/kv-tiers.md) the hit continues
 through the tiers below the pool (host memory, disk), and the blocks found there are
-onboarded into fresh blocks before the request's first chunk: they count as computed too,
-like a prefix hit. Fewer may arrive than were found (an unreadable block): the request
-computes from the first missing one. A request that still needs its prompt logprobs
+onboarded into fresh blocks before the request's first chunk, or layer-wise while it
+computes (``kv_tiers/layer_onboard.py``): they count as computed too, like a prefix hit.
+Fewer may arrive than were found (an unreadable block): the request computes from the
+first missing one. A request that still needs its prompt logprobs
 (``Request.needs_prompt_logprobs``) takes no hit at all: every prompt position's logits
 are computed (vLLM skips the prefix cache for such requests too).
 
@@ -38,6 +39,9 @@ class NotAdmitted(Enum):
     """Why ``Admission`` admitted no request (it changed nothing in the pool)."""
 
     NO_BLOCKS = "no_blocks"  # too few free blocks: the request waits at the head of the queue
+    # Its prefix is being onboarded layer-wise for a request admitted in this step: it
+    # shares those blocks from the pool next step instead of reading them again.
+    NEXT_STEP = "next_step"
     DECLINED = "declined"  # a peer prefix this worker already holds: admit it as any other
 
 
@@ -61,13 +65,15 @@ class Admission:
     def allocate(self, req: Request, budget: int) -> int | NotAdmitted:
         """Blocks for ``req``'s cached prefix (shared from the pool, onboarded from the
         tiers) and its first chunk of up to ``budget`` tokens; returns the tokens now
-        computed (the chunk starts there), or NO_BLOCKS (nothing allocated)."""
+        computed (the chunk starts there), or NO_BLOCKS / NEXT_STEP (nothing allocated)."""
         bm = self.block_manager
         if req.needs_prompt_logprobs:  # every prompt position's logits are needed (as vLLM)
             prefix, hit = PrefixHit((), ()), None
         else:
             prefix = bm.find_prefix(req.token_ids, req.cache_root)
             hit = self.tiers.find(req.token_ids, prefix, req.cache_root) if self.tiers else None
+            if hit is not None and hit.num_blocks and self.tiers.layerwise.is_onboarding(hit):
+                return NotAdmitted.NEXT_STEP  # (its blocks enter the pool when the step ends)
         num_cached = (prefix.num_blocks + (hit.num_blocks if hit else 0)) * bm.block_size
         num_new = min(req.num_tokens - num_cached, budget)
         if not bm.allocate_slots(req.request_id, num_cached, num_new, prefix):
@@ -76,7 +82,14 @@ class Admission:
             # Fewer blocks may arrive than found: the caller computes from the first missing
             # one. The blocks allocated cover it: num_cached only goes down, and the chunk's
             # end (num_cached + its budget-capped length) with it.
-            num_cached = self._onboard(req, prefix, hit)
+            assert self.tiers is not None
+            if self.tiers.layerwise.applies(hit):
+                # Onboarded while this step's chunk computes; what fails to arrive is rolled
+                # back by that step (``LayerOnboarder.settle``), the same rule applied later.
+                num_cached = self.tiers.start_onboard(req.request_id, prefix, hit)
+                req.num_onboarded_tokens = hit.num_blocks * bm.block_size
+            else:
+                num_cached = self._onboard(req, prefix, hit)
         return num_cached
 
     def allocate_receiving(self, req: Request) -> int | NotAdmitted:
@@ -109,6 +122,8 @@ class Admission:
         if not bm.allocate_slots(req.request_id, num_cached, num_remote - num_cached, prefix):
             return NotAdmitted.NO_BLOCKS
         if hit is not None and hit.num_blocks:
+            # Synchronous: a receiving request runs no step that could wait per layer (its
+            # blocks wait for the transfer, which takes longer anyway).
             num_cached = self._onboard(req, prefix, hit)  # fewer may arrive: receive those
         return num_cached
 

@@ -24,6 +24,7 @@ Dtype = Literal["auto", "float32", "float16", "bfloat16"]
 KVCacheDtype = Literal["auto", "fp8_e4m3"]
 SpeculativeMethod = Literal["ngram", "draft"]
 Quantization = Literal["none", "fp8", "int4"]  # workers/models/quant/formats.py QUANTIZATIONS
+OnboardMode = Literal["off", "auto", "on"]  # workers/engine/kv_tiers/layer_onboard.py
 ExpertDispatch = Literal["allreduce", "alltoall"]  # workers/models/expert_parallel.py
 
 
@@ -96,6 +97,12 @@ class EngineConfig:
         "with it and a forged or copied one is refused; unset = checksums only "
         "(docs/security.md)",
     )
+    kv_tier_onboard: OnboardMode = setting(
+        "off",
+        "KV tiers: onboard a prefix hit layer group by layer group while the first chunk "
+        "computes: off (synchronous, at admission), on, or auto (a disk hit, or a host hit "
+        "of 64+ blocks); off by default until measured on an accelerator (docs/kv-tiers.md)",
+    )
     kv_peer_sharing: bool = setting(
         False, "Pull prefixes other workers hold (G4) over NIXL instead of recomputing"
     )
@@ -112,6 +119,17 @@ class EngineConfig:
         "allreduce",
         "MoE with expert_parallel: allreduce (each rank its experts over all tokens, one "
         "all-reduce) or alltoall (token slices sent to the experts' ranks and back)",
+    )
+    # The expert placement rebalancer (docs/moe.md, "Rebalancer"): copies of hot experts
+    # in spare slots, swapped in one layer per step while the replica keeps serving.
+    expert_rebalance_steps: int = setting(
+        0,
+        "MoE with expert_parallel: replan the spare expert slots every this many steps "
+        "from the expert load since the last plan; 0 = off",
+        ge=0,
+    )
+    expert_redundant: int = setting(
+        1, "Spare expert slots per rank the rebalancer fills (used when it is on)", ge=1
     )
     max_num_seqs: int = setting(64, "Most requests running at once on a replica", ge=1)
     # Longer prompts are prefilled in chunks of at most this many tokens.
@@ -162,6 +180,11 @@ class EngineConfig:
                 f"max_num_seqs ({self.max_num_seqs})"
             )
         self._check_speculative()
+        if self.expert_rebalance_steps and self.expert_parallel == 1:
+            raise ValueError(
+                "expert_rebalance_steps: needs expert_parallel > 1 (one rank holds every "
+                "expert: there is no rank load to balance); set it to 0"
+            )
 
     def _check_speculative(self) -> None:
         if self.speculative_ngram_min > self.speculative_ngram_max:

@@ -19,7 +19,7 @@ connector stream abandoned (``KVConnector.abandon_stream``).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 from kvtransfer.layerwise import layer_groups
@@ -37,6 +37,18 @@ class _Stream:
     write: WriteLayers
     num_sent_blocks: int = 0  # prompt blocks whose writes went out in earlier chunks
     num_chunks: int = 0  # chunks done (layers_ready counts chunks x layers)
+
+
+@dataclass(frozen=True)
+class StreamChunk:
+    """One streamed request's prefill chunk of a step: what the hook needs of it (rank 0
+    sends these to the other ranks of a replica with the step, ``workers/parallel/``)."""
+
+    request_id: str
+    start_pos: int
+    num_tokens: int
+    num_prompt_tokens: int
+    block_ids: tuple[int, ...]  # the request's blocks up to the chunk's end
 
 
 @dataclass(frozen=True)
@@ -60,6 +72,7 @@ class LayerwiseStreams:
         self.num_layers = num_layers
         self._streams: dict[str, _Stream] = {}
         self._handoff = handoff  # who frees the blocks (``open`` / ``ended``)
+        self.launched: list[StreamChunk] = []  # the streamed chunks of the step being sent
 
     def __contains__(self, request_id: str) -> bool:
         return request_id in self._streams
@@ -91,17 +104,50 @@ class LayerwiseStreams:
         self.remove(request_id)
         return self._handoff.stream_ended(request_id) if self._handoff is not None else False
 
+    def chunks_of(self, sched: SchedulerOutput, requests: Sequence[Request]) -> list[StreamChunk]:
+        """The streamed prefill chunks of a step. ``requests``: one per chunk."""
+        if not self._streams:
+            return []
+        return [
+            StreamChunk(
+                chunk.request_id,
+                chunk.start_pos,
+                chunk.num_tokens,
+                req.num_prompt_tokens,
+                tuple(chunk.block_ids),
+            )
+            for chunk, req in zip(sched.chunks, requests, strict=True)
+            if chunk.request_id in self._streams and chunk.start_pos < req.num_prompt_tokens
+        ]
+
+    def launching(self, sched: SchedulerOutput, requests: Mapping[str, Request]) -> None:
+        """The engine is about to send a step (``ModelRunner.launch``): its streamed chunks
+        are ``launched`` until the next one, for the other ranks of a replica."""
+        if not self._streams:
+            self.launched = []
+            return
+        self.launched = self.chunks_of(sched, [requests[c.request_id] for c in sched.chunks])
+
+    def take_launched(self) -> list[StreamChunk]:
+        """The streamed chunks of the step being sent, once (a step sent without a
+        ``launching`` before it gets none, never an earlier step's)."""
+        launched, self.launched = self.launched, []
+        return launched
+
     def hook_for(
         self, sched: SchedulerOutput, requests: Sequence[Request]
     ) -> Callable[[int], None] | None:
         """The per-layer hook of a step (None when no chunk of it streams): called with
         the local index of each layer once its KV is stored. ``requests``: one per chunk."""
-        if not self._streams:
-            return None
+        return self.hook_for_chunks(self.chunks_of(sched, requests))
+
+    def hook_for_chunks(self, chunks: Sequence[StreamChunk]) -> Callable[[int], None] | None:
+        """``hook_for`` from the step's streamed chunks (a rank other than 0 gets them from
+        rank 0 with the step; chunks of requests not streamed here are skipped)."""
         jobs = []
-        for chunk, req in zip(sched.chunks, requests, strict=True):
+        for chunk in chunks:
             stream = self._streams.get(chunk.request_id)
-            num_prompt = req.num_prompt_tokens
+            num_prompt = chunk.num_prompt_tokens
             if stream is None or chunk.start_pos >= num_prompt:
                 continue  # not streamed, or a decode step past the prompt
             end = chunk.start_pos + chunk.num_tokens

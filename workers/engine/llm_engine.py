@@ -50,6 +50,7 @@ from workers.engine.speculative.stats import SpecDecodeStats
 from workers.engine.step_inputs import StepInputs
 from workers.engine.step_outputs import StepOutputs
 from workers.engine.step_times import StepTimes
+from workers.models.expert_rebalance import ExpertRebalancer, moe_blocks
 from workers.models.gguf import derive_model_dir, is_gguf_file
 from workers.models.gguf.derive import default_cache_dir
 from workers.models.hub import is_hub_path, resolve_hub_path
@@ -91,6 +92,7 @@ class LLMEngine:
             deterministic=config.deterministic,
             expert_parallel=config.expert_parallel > 1,
             expert_dispatch=config.expert_dispatch,
+            expert_redundant=config.expert_redundant if config.expert_rebalance_steps else 0,
         )
         check_single_rank(config, self.parallel.tp_size, self.parallel.pp_size, batches_in_flight)
         check_single_rank_tiers(config, self.parallel)
@@ -158,6 +160,13 @@ class LLMEngine:
         self.runner = ModelRunner(
             self.model, self.kv_cache, config.block_size, self.device, before_forward
         )
+        if config.expert_rebalance_steps:  # every rank: rank 0 decides, all swap alike
+            self.runner.rebalancer = ExpertRebalancer(
+                moe_blocks(self.model),
+                config.expert_rebalance_steps,
+                self.parallel.tp_rank,
+                self.parallel.group,
+            )
         if self.parallel.tp_size == 1 and self.parallel.pp_size == 1:  # captured at start-up
             self.runner.graphs = build_decode_graphs(
                 self.model, self.kv_cache, config.block_size, self.max_model_len,
@@ -384,10 +393,17 @@ class LLMEngine:
         model or sampler raises, no request of a batch in flight advances (their blocks
         stay allocated for a retry) and the finals of aborted requests are kept."""
         start = self._spec_clock()
-        before_prepare = None
+        spec_prepare = None
         if self.spec is not None and not self._in_flight:
             self.spec.propose(self.scheduler, self.max_model_len)
-            before_prepare = partial(self.spec.before_prepare, requests=self.scheduler.requests)
+            spec_prepare = partial(self.spec.before_prepare, requests=self.scheduler.requests)
+
+        def before_prepare(sched: SchedulerOutput) -> None:
+            if spec_prepare is not None:
+                spec_prepare(sched)
+            # The other ranks of a replica run this step's layer-wise writes too (ReplicaKV).
+            self.layerwise.launching(sched, self.scheduler.requests)
+
         self._in_flight.launch(self.scheduler, self.runner, before_prepare)
         if not self._in_flight:
             deltas, self._pending = self._pending, []
@@ -412,8 +428,13 @@ class LLMEngine:
         batch = self._in_flight.popleft()
         self._last_sched = batch.sched
         t0 = time.perf_counter()
+        # A chunk whose prefix a tier onboards layer-wise waits per layer (kv_tiers/).
+        onboard = self.kv_tiers.layerwise if self.kv_tiers is not None else None
+        onboard = onboard if onboard is not None and onboard.jobs else None
         try:
             hook = self.layerwise.hook_for(batch.sched, batch.requests)
+            if onboard is not None:
+                hook = onboard.hook_for(batch.requests, hook)
             if hook is None:
                 logits = self.runner.run(batch.inputs)
             else:  # a chunk streams its KV layer group by layer group (layerwise.py)
@@ -426,6 +447,8 @@ class LLMEngine:
             if prompt_rows is not None:
                 logits = logits[:num_sampled]
             live, logits = batch.live(self.scheduler.requests, logits)
+            if onboard is not None:  # a chunk whose prefix failed to arrive is dropped
+                live, logits = onboard.settle(batch.requests, live, logits, self.scheduler)
             sampled, verified = self._sample(live, logits)
             prompt: dict[str, list[TokenLogprobs]] = {}
             if prompt_rows is not None:
@@ -436,6 +459,8 @@ class LLMEngine:
                 ]
                 prompt = prompt_logprobs(prompt_rows, chunks, self.vocab_size)
         except BaseException:
+            if onboard is not None:
+                onboard.cancel_all(batch.requests, self.scheduler)
             self._in_flight.cancel(batch, self.scheduler)
             if self.spec is not None:
                 self.spec.cancelled(batch.requests)

@@ -28,6 +28,7 @@ from workers.engine.request import Request
 from workers.engine.scheduler import SchedulerOutput
 from workers.engine.step_inputs import StepInputs
 from workers.models.base import CausalLM
+from workers.models.expert_rebalance import ExpertRebalancer
 
 
 class ModelRunner:
@@ -46,6 +47,8 @@ class ModelRunner:
         self.before_forward = before_forward
         # Decode steps replayed from captured graphs (CUDA, one rank; set by the engine).
         self.graphs: DecodeGraphs | None = None
+        # MoE expert placement swaps (expert_rebalance: on); set by the engine.
+        self.rebalancer: ExpertRebalancer | None = None
 
     def prepare_inputs(self, sched: SchedulerOutput, requests: Mapping[str, Request]) -> StepInputs:
         """The step's flat batch as host arrays."""
@@ -100,6 +103,8 @@ class ModelRunner:
             sample_indices=tuple(sample_indices),
             block_copies=tuple(sched.block_copies),
             prompt_logprob_indices=tuple(prompt_logprob_indices),
+            # Rank 0 decides; the flag travels with the step so every rank starts alike.
+            expert_rebalance=self.rebalancer is not None and self.rebalancer.due(),
         )
 
     def to_device(
@@ -139,6 +144,8 @@ class ModelRunner:
         ``layer_hook(i)`` runs after the stage's ``i``-th layer, once its KV is stored (a
         layer-wise hand-off: ``workers/engine/layerwise.py``)."""
         copy_blocks(self.kv_cache, inputs.block_copies)
+        if self.rebalancer is not None:  # between forwards: no forward reads a moving slot
+            self.rebalancer.on_step(inputs.expert_rebalance)
         graphs = self.graphs
         if layer_hook is None and graphs is not None and graphs.takes(inputs):
             return graphs.run(inputs)

@@ -266,7 +266,7 @@ class Scheduler:
                     break
                 continue
             num_cached = self.admission.allocate(req, budget)
-            if num_cached is NotAdmitted.NO_BLOCKS:
+            if isinstance(num_cached, NotAdmitted):  # NO_BLOCKS, or NEXT_STEP
                 break  # FCFS: no one overtakes the head of the queue
             assert isinstance(num_cached, int)
             # After any onboarding: fewer blocks may have arrived than found.

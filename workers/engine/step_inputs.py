@@ -34,6 +34,7 @@ class StepMsg(msgspec.Struct, frozen=True, array_like=True, forbid_unknown_field
     sample_indices: tuple[int, ...]
     block_copies: tuple[tuple[int, int], ...]
     prompt_logprob_indices: tuple[int, ...] = ()
+    expert_rebalance: bool = False
 
 
 @dataclass(frozen=True)
@@ -53,6 +54,9 @@ class StepInputs:
     # Flat positions whose logits score the next prompt token (prompt logprobs); their
     # rows follow the sampled ones. Empty unless a request asked for prompt_logprobs.
     prompt_logprob_indices: tuple[int, ...] = ()
+    # MoE: this step starts an expert placement rebalance on every rank, before its forward
+    # (workers/models/expert_rebalance.py).
+    expert_rebalance: bool = False
 
     @property
     def logits_indices(self) -> tuple[int, ...]:
@@ -84,6 +88,7 @@ class StepInputs:
             self.sample_indices,
             self.block_copies,
             self.prompt_logprob_indices,
+            self.expert_rebalance,
         )
 
     @classmethod
@@ -105,6 +110,7 @@ class StepInputs:
             sample_indices=msg.sample_indices,
             block_copies=msg.block_copies,
             prompt_logprob_indices=msg.prompt_logprob_indices,
+            expert_rebalance=msg.expert_rebalance,
         )
         if (
             inputs.positions.shape[0] != num_tokens

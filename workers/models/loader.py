@@ -39,6 +39,7 @@ from workers.models.layers import (
     pack_lm_head_bfloat16,
 )
 from workers.models.parallel import ParallelContext
+from workers.models.quant.experts import quantize_experts
 from workers.models.registry import get_model_class
 
 logger = logging.getLogger(__name__)
@@ -77,10 +78,20 @@ def load_model(
     """
     config = ArchConfig.from_model_dir(model_dir)
     spec = quant.resolve_spec(model_dir, quantization)
-    if spec is not None and config.num_experts:
+    if spec is not None and config.deepseek is not None:
+        # MLA reads kv_b_proj's weight as per-head matrices (workers/models/mla.py), which
+        # an int4-packed layer no longer has; its experts would quantize as below.
         raise ValueError(
             f"{config.architecture}: quantized weights ({spec.method}) are not supported for "
-            "Mixture-of-Experts models yet; serve the checkpoint unquantized"
+            "multi-head latent attention models yet; serve the checkpoint unquantized"
+        )
+    if spec is not None and config.num_experts and not spec.is_on_load:
+        # Quantized on load only (quant/experts.py): no reader maps a published layout's
+        # per-expert tensors (or a GGUF file's) onto the stacked experts yet.
+        raise ValueError(
+            f"{config.architecture}: quantized Mixture-of-Experts checkpoints ({spec.method}, "
+            f"{spec.layout}) are not supported; load the unquantized checkpoint with "
+            f"quantization: {spec.method} (quantized on load)"
         )
     model_cls = get_model_class(config.architecture)
     files = _weight_files(Path(model_dir))
@@ -110,6 +121,8 @@ def load_model(
                 )
                 load_weights(model, weights, config)
             num_int4 = quant.finalize(model, dtype, device, use_triton=ops.is_triton)
+            if config.num_experts:
+                quantize_experts(model, spec.method, device, use_triton=ops.is_triton)
             logger.info("weights: %s (%s), %d int4 kernels", spec.method, spec.layout, num_int4)
             if (
                 num_int4

@@ -13,7 +13,14 @@ each rank's ``fused_moe`` is a partial sum, added up in ``SparseMoeBlock.combine
 on a single rank). Expert parallel (``parallel.expert_parallel``, docs/moe.md): the same TP
 ranks hold whole experts instead, ``E / tp_size`` consecutive ones each
 (``ExpertPlacement``), and the layer's tokens reach them through the configured dispatcher
-(``workers/models/expert_parallel.py``: one all-reduce, or all-to-all both ways).
+(``workers/models/expert_parallel.py``: one all-reduce, or all-to-all both ways). With the
+rebalancer on, each rank also holds ``expert_redundant`` spare rows for copies of hot
+experts, and the layer's ``ExpertMap`` turns each pair's expert into one copy's slot
+before dispatch (``workers/models/expert_rebalance.py``).
+
+Quantized (``quantization: fp8 | int4`` on load): after loading, each rank's stacks become
+``kernels/moe_quant.py``'s (``workers/models/quant/experts.py``), and the layer runs them
+through ``kernels.moe.grouped_moe``, one call per active expert (docs/moe.md).
 
 Checkpoint layouts (``ExpertNames`` maps both onto ``w13`` / ``w2``):
 - per expert, as on the Hub and as transformers' ``save_pretrained`` writes them:
@@ -37,9 +44,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from kernels import KernelOps
-from kernels.moe import select_experts
+from kernels.moe import grouped_moe, select_experts
+from kernels.moe_quant import QuantizedExperts
 from workers.models.arch_config import ArchConfig
 from workers.models.expert_parallel import ExpertPlacement, make_dispatcher
+from workers.models.expert_rebalance import ExpertMap
 from workers.models.layers import _check_shape, default_weight_loader, new_param
 from workers.models.llama import LlamaForCausalLM, LlamaMLP
 from workers.models.parallel import ParallelContext, divide
@@ -75,6 +84,7 @@ class FusedExperts(nn.Module):
         parallel: ParallelContext,
         first_expert: int = 0,
         num_local_experts: int | None = None,
+        num_spare: int = 0,
     ) -> None:
         super().__init__()
         self.parallel = parallel
@@ -91,9 +101,27 @@ class FusedExperts(nn.Module):
                 f"held here, but the model has {num_experts}"
             )
         self.shard_size = divide(intermediate_size, parallel.tp_size, "moe_intermediate_size")
-        size, num_local = self.shard_size, self.num_local_experts
-        self.w13 = new_param((num_local, 2 * size, hidden_size), self.weight_loader)
-        self.w2 = new_param((num_local, hidden_size, size), self.weight_loader)
+        # Rows past the experts held here: the rebalancer's spare slots, filled only when
+        # it copies an expert in (zero until then: never routed to).
+        size, num_rows = self.shard_size, self.num_local_experts + num_spare
+        self.w13 = new_param((num_rows, 2 * size, hidden_size), self.weight_loader)
+        self.w2 = new_param((num_rows, hidden_size, size), self.weight_loader)
+        if num_spare:
+            self.w13.data[-num_spare:].zero_()
+            self.w2.data[-num_spare:].zero_()
+        # model.quantization fp8 / int4: the stacks that replace w13 / w2 after loading.
+        self.quantized: QuantizedExperts | None = None
+
+    def set_quantized(self, quantized: QuantizedExperts) -> None:
+        """Compute with ``quantized`` (this rank's rows of ``w13`` / ``w2``, quantized by
+        ``workers/models/quant/experts.py``) from now on and free the dense stacks."""
+        del self.w13, self.w2
+        self.quantized = quantized
+
+    def stacked(self) -> tuple[torch.Tensor, ...]:
+        """The tensors holding the experts (dense, or quantized values and scales), each
+        [rows, ...] with row ``e`` all of slot ``e``: what the rebalancer copies."""
+        return self.quantized.tensors if self.quantized is not None else (self.w13, self.w2)
 
     def weight_loader(
         self, param: torch.Tensor, loaded_weight: torch.Tensor, shard_id: ExpertShard
@@ -117,14 +145,15 @@ class FusedExperts(nn.Module):
                 param.data[local, offset : offset + size].copy_(loaded_weight[cols])
             return
         held = slice(self.first_expert, self.first_expert + self.num_local_experts)
+        rows = param.data[: self.num_local_experts]  # the spare rows stay as they are
         if piece == "gate_up":  # [E, 2I, H]: every expert's gate rows, then its up rows
             _check_shape(loaded_weight, (self.num_experts, 2 * inter, hidden))
             up_cols = slice(inter + cols.start, inter + cols.stop)
-            param.data[:, :size].copy_(loaded_weight[held, cols])
-            param.data[:, size:].copy_(loaded_weight[held, up_cols])
+            rows[:, :size].copy_(loaded_weight[held, cols])
+            rows[:, size:].copy_(loaded_weight[held, up_cols])
         elif piece == "down":  # [E, H, I]
             _check_shape(loaded_weight, (self.num_experts, hidden, inter))
-            param.data.copy_(loaded_weight[held, :, cols])
+            rows.copy_(loaded_weight[held, :, cols])
         else:
             raise ValueError(f"bad stacked expert piece {piece!r}")
 
@@ -161,10 +190,20 @@ class SparseMoeBlock(nn.Module):
         self.renormalize = config.norm_topk_prob
         self.gate = ReplicatedLinear(config.hidden_size, config.num_experts)
         self.dispatch = None
-        expert_parallel = parallel
+        self.expert_map: ExpertMap | None = None  # expert_redundant > 0: the rebalancer's
+        self.first_slot = first_expert  # fused_moe's id of this rank's first weight row
+        expert_parallel, num_spare = parallel, 0
         if parallel.expert_parallel and parallel.tp_size > 1:
-            placement = ExpertPlacement(config.num_experts, parallel.tp_rank, parallel.tp_size)
+            ep_size, num_spare = parallel.tp_size, parallel.expert_redundant
+            placement = ExpertPlacement(config.num_experts, parallel.tp_rank, ep_size)
             first_expert, num_local_experts = placement.first_expert, placement.num_local_experts
+            if num_spare:
+                check_redundant(num_spare, config.num_experts, ep_size)
+                self.expert_map = ExpertMap(config.num_experts, ep_size, num_spare)
+                # The dispatchers see S = E/N + R physical slots per rank as the "experts".
+                slots = num_local_experts + num_spare
+                placement = ExpertPlacement(ep_size * slots, parallel.tp_rank, ep_size)
+            self.first_slot = placement.first_expert
             self.dispatch = make_dispatcher(placement, parallel.expert_dispatch, parallel.group)
             expert_parallel = ParallelContext()  # whole experts: no TP split inside one
         self.experts = FusedExperts(
@@ -174,6 +213,7 @@ class SparseMoeBlock(nn.Module):
             expert_parallel,
             first_expert,
             num_local_experts,
+            num_spare,
         )
         self.shared_expert: LlamaMLP | None = None
         self.shared_expert_gate: ReplicatedLinear | None = None
@@ -191,6 +231,8 @@ class SparseMoeBlock(nn.Module):
             router_logits, self.top_k, renormalize=self.renormalize
         )
         count_expert_tokens(self.expert_tokens, topk_ids)
+        if self.expert_map is not None:  # each pair to one copy of its expert
+            topk_ids = self.expert_map.physical(topk_ids)
         if self.dispatch is not None:  # expert parallel: the whole layer on every rank
             out = self.dispatch(hidden_states, topk_weights, topk_ids, self._local_experts)
         else:
@@ -205,13 +247,18 @@ class SparseMoeBlock(nn.Module):
         self, hidden: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor
     ) -> torch.Tensor:
         """The weighted sum over each row's pairs whose experts are held here, [rows, H]."""
+        quantized = self.experts.quantized
+        if quantized is not None:  # no fused kernel: one matmul pair per active expert
+            return grouped_moe(
+                hidden, topk_weights, topk_ids, quantized.num_rows, quantized.mlp, self.first_slot
+            )
         return self.ops.fused_moe(
             hidden,
             self.experts.w13,
             self.experts.w2,
             topk_weights,
             topk_ids,
-            first_expert=self.experts.first_expert,
+            first_expert=self.first_slot,
         )
 
     def combine(self, out: torch.Tensor) -> torch.Tensor:
@@ -219,6 +266,17 @@ class SparseMoeBlock(nn.Module):
         their intermediate slices, as ``RowParallelLinear`` does; a no-op on one rank.
         (Expert parallelism sums through its dispatcher instead.)"""
         return self.parallel.all_reduce(out)
+
+
+def check_redundant(num_redundant: int, num_experts: int, ep_size: int) -> None:
+    """Refuse more spare slots per rank than experts the rank does not hold already."""
+    most = num_experts - num_experts // ep_size
+    if not 0 <= num_redundant <= most:
+        raise ValueError(
+            f"expert_redundant: {num_redundant} spare slots per rank, but with "
+            f"expert_parallel {ep_size} a rank holds {num_experts // ep_size} of the "
+            f"{num_experts} experts and can copy at most {most} others"
+        )
 
 
 def count_expert_tokens(expert_tokens: torch.Tensor, topk_ids: torch.Tensor) -> None:

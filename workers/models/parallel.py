@@ -38,6 +38,8 @@ class ParallelContext:
     # rather than each expert's intermediate dimension; how tokens reach them.
     expert_parallel: bool = False
     expert_dispatch: str = "allreduce"
+    # Spare expert slots per rank for the rebalancer (expert_rebalance.py); 0 = off.
+    expert_redundant: int = 0
 
     def __post_init__(self) -> None:
         if self.tp_size < 1 or not 0 <= self.tp_rank < self.tp_size:

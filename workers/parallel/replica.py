@@ -1,9 +1,10 @@
 """Joining the ranks of one replica: the process group, the control link, agreed sizes.
 
 Each rank is its own process (a Ray actor in the cluster, a spawned process in tests).
-The model's collectives use the default group (NCCL on CUDA, gloo on CPU), or with
-pipeline stages one group per stage's tensor-parallel ranks; the activations pass from
-stage to stage point to point on the default group. Rank 0's commands always travel on
+The model's collectives use one group per stage's tensor-parallel ranks (NCCL on CUDA,
+gloo on CPU), with a deadline for a hung peer far tighter than bring-up's
+(``MODEL_GROUP_TIMEOUT_S``); the activations pass from stage to stage point to point on
+the default group. Rank 0's commands always travel on
 a gloo group (host memory, ``workers/parallel/rank_link.py``): on CPU that is the default group
 itself. The other ranks' answers travel on a gloo group of their own. How ranks map to (stage, TP rank): ``workers/models/parallel.py``.
 """
@@ -25,6 +26,11 @@ from workers.parallel.rank_link import RankLink
 # connections close). Generous: the ranks of a large model finish loading at different
 # times, and the first collective waits for the slowest.
 GROUP_TIMEOUT_S = 600.0
+# A collective of the model (attention's all-reduce, the experts' dispatch) waits this long
+# for a hung (alive but stuck) peer. Once loaded, a stage's ranks run the same layers in
+# lockstep and every collective resynchronises them, so a wait this long is a stuck rank,
+# not a slow one: the step raises and the replica's requests migrate (docs/moe.md).
+MODEL_GROUP_TIMEOUT_S = 60.0
 
 
 def free_port(host: str) -> int:
@@ -55,11 +61,14 @@ def join_replica(
     # 0 reads them while its engine thread uses the other groups (workers/parallel/rank_link.py).
     replies = dist.new_group(backend="gloo")
     stage, tp_rank = stage_and_tp_rank(rank, tp_size, pp_size)
-    tp_group = None  # the default group: every rank is in this stage
-    if pp_size > 1 and tp_size > 1:
-        # Creating a group is collective: every rank creates every stage's, in order.
+    tp_group = None  # one rank per stage: the model has no collective
+    if tp_size > 1:
+        # Creating a group is collective: every rank creates every stage's, in order. Its
+        # own timeout, not the bring-up's: the model's collectives start after loading.
+        timeout = datetime.timedelta(seconds=MODEL_GROUP_TIMEOUT_S)
         for other in range(pp_size):
-            group = dist.new_group([rank_of(other, t, tp_size, pp_size) for t in range(tp_size)])
+            ranks = [rank_of(other, t, tp_size, pp_size) for t in range(tp_size)]
+            group = dist.new_group(ranks, timeout=timeout)
             if other == stage:
                 tp_group = group
     parallel = ParallelContext(tp_rank, tp_size, tp_group, stage, pp_size)

@@ -16,6 +16,9 @@ other ranks):
   all parts have, and fails if any part failed (then the whole prompt is recomputed or
   the request fails, as ``on_failure`` says; nothing is admitted half-received).
 - **abort** / **decline** go to every rank.
+- **layer-wise** (``expect_stream``, ``open_stream``): every rank reserves, or writes, its
+  own heads of its own layers; reservations and a stream's end wait for every rank
+  (``replica_streams.py``); each step's streamed chunks travel with its command.
 
 The other ranks' news (handles, ended leases, finished receives) comes back on its own,
 as it happens (``workers/parallel/rank_link.py``); ``poll`` takes it in. Rank 0 never waits for
@@ -48,6 +51,7 @@ from kvtransfer import KVConnector, KVHandle, TransferResult
 from kvtransfer.errors import TransferFailedError
 from kvtransfer.messages import decode_as as decode_kv
 from kvtransfer.messages import encode as encode_kv
+from workers.engine.layerwise import LayerwiseStreams, StreamChunk
 from workers.engine.step_inputs import StepInputs
 from workers.parallel.rank_link import RankLink
 from workers.parallel.replica import leave_replica
@@ -56,9 +60,13 @@ from workers.parallel.replica_messages import (
     RankCommand,
     RankReply,
     ReceiveOp,
+    ReserveOp,
+    StreamChunkOp,
+    StreamOpenOp,
     decode_reply,
     encode_command,
 )
+from workers.parallel.replica_streams import ReplicaStreams
 
 logger = logging.getLogger(__name__)
 
@@ -102,6 +110,8 @@ class ReplicaKV:
         self._in_flight: Callable[[], int] = lambda: 0
         self._drain: Callable[[], None] = lambda: None
         self._step_msgs: deque[int] = deque(maxlen=64)  # link numbers of step commands
+        self.streams = ReplicaStreams(self.world_size)
+        self._launched: Callable[[], Sequence[StreamChunk]] = lambda: ()
         self.rounds = 0  # commands sent (stats, tests)
         if link is not None:  # the other ranks' news, read from now on; wakes the loop
             link.start_replies(lambda: self._wake())
@@ -123,6 +133,11 @@ class ReplicaKV:
         self._in_flight = in_flight
         self._drain = drain
 
+    def bind_streams(self, layerwise: LayerwiseStreams) -> None:
+        """The engine's layer-wise streams: each step's streamed chunks go to the other
+        ranks with it (``LayerwiseStreams.take_launched``)."""
+        self._launched = layerwise.take_launched
+
     def local_released(self, request_id: str, reason: str) -> None:
         """Rank 0's connector thread: its lease ended."""
         self._local_released.put((request_id, reason))
@@ -130,8 +145,13 @@ class ReplicaKV:
 
     # ---- the loop thread ---------------------------------------------------------------
     def before_forward(self, inputs: StepInputs) -> None:
-        """The engine's hook: the other ranks run the same forward pass."""
-        self._round(step=inputs)
+        """The engine's hook: the other ranks run the same forward pass (and the same
+        layer-wise writes, of their heads and layers)."""
+        chunks = tuple(
+            StreamChunkOp(c.request_id, c.start_pos, c.num_tokens, c.num_prompt_tokens, c.block_ids)
+            for c in self._launched()
+        )
+        self._round(step=inputs, stream_chunks=chunks)
 
     def offer(
         self, request_id: str, block_ids: Sequence[int], *, num_tokens: int, first_token_id: int
@@ -175,6 +195,57 @@ class ReplicaKV:
         self._settle(request_id)
         return entry.future
 
+    def expect_stream(
+        self, request_id: str, block_ids: Sequence[int], source: str, first_block: int = 0
+    ) -> tuple[Future, Future]:
+        """Decode, layer-wise: every rank reserves ``block_ids`` for the stream from every
+        rank of the prefill replica ``source``. Returns (every rank's reservation, in rank
+        order; or an error: then ``abort`` the request), and the receive's future (as
+        ``receive``'s). Raises if rank 0 cannot reserve (nothing is reserved then)."""
+        connector = self._require()
+        sources = connector.replica_agents(source)
+        reservation, local = connector.expect_stream(
+            request_id, block_ids, sources, first_block=first_block
+        )
+        if self.link is None:
+            done: Future = Future()
+            done.set_result((reservation,))
+            return done, local
+        reservations = self.streams.reserving(request_id, reservation)
+        entry = _Receiving(Future(), local, set(range(1, self.world_size)))
+        self._receiving[request_id] = entry
+        local.add_done_callback(lambda _f: self._wake())
+        self._round(reserves=(ReserveOp(request_id, source, tuple(block_ids), first_block),))
+        return reservations, entry.future
+
+    def open_stream(
+        self, request_id: str, reservations: Sequence[bytes], group_size: int
+    ) -> Future:
+        """Prefill, layer-wise: every rank writes its part of the request's KV into the
+        decode ranks' ``reservations``, ``group_size`` layers at a time. The future (bytes)
+        completes once no rank's write is in flight: free the blocks after it. Raises if
+        rank 0 cannot open (nothing opened then)."""
+        local = self._require().open_stream(request_id, reservations)
+        if self.link is None:
+            return local
+        future = self.streams.streaming(request_id, local)
+        local.add_done_callback(lambda _f: self._wake())
+        self._round(stream_opens=(StreamOpenOp(request_id, tuple(reservations), group_size),))
+        return future
+
+    def withdraw_stream(self, request_id: str) -> None:
+        """Decode: the reservations never went out; every rank's receive ends at once."""
+        self._require().withdraw_stream(request_id)
+        if self.link is not None:
+            self._round(withdraws=(request_id,))
+
+    def abandon_stream(self, request_id: str, reason: str) -> None:
+        """Prefill: the request ended before its last write; every rank stops (their
+        readers hear "failed")."""
+        self._require().abandon_stream(request_id, reason)
+        if self.link is not None:
+            self._round(stream_aborts=(request_id,))
+
     def abort(self, request_id: str) -> None:
         self._require().abort(request_id)
         if self.link is not None:
@@ -189,7 +260,7 @@ class ReplicaKV:
     @property
     def pending(self) -> bool:
         """An offer or a receive waits for some rank."""
-        return bool(self._offering or self._receiving)
+        return bool(self._offering or self._receiving or self.streams.pending)
 
     def wait_hint(self) -> float | None:
         """How long the loop may sleep before it must ``poll`` again (None: no limit).
@@ -212,6 +283,7 @@ class ReplicaKV:
                 self._round()
         for request_id in list(self._receiving):
             self._settle(request_id)
+        self.streams.settle()
 
     def close(self) -> None:
         """Tell the other ranks to stop (the loop is ending), and take their last news."""
@@ -274,6 +346,11 @@ class ReplicaKV:
                 entry.errors.append(f"rank {reply.rank}: {received.error}")
             entry.seconds = max(entry.seconds, received.seconds)
             entry.num_bytes += received.num_bytes
+        for reserved in reply.reserved:
+            self.streams.reserved(reply.rank, reserved)
+        for streamed in reply.streamed:
+            if self.streams.streamed(reply.rank, streamed):
+                self.abandon_stream(streamed.request_id, f"rank {reply.rank} failed")
 
     def _settle_offer(self, request_id: str) -> None:
         """Complete an offer's future once every rank has answered."""

@@ -2,10 +2,13 @@
 
 Rank 0 runs the scheduler, the sampler and the router's work; the other ranks hold
 their shards of the weights and the KV cache and do what a :class:`RankCommand` says,
-in order: end transfers (``aborts``, ``declines``), offer held blocks (``offers``),
-start receives (``receives``), run a forward pass (``step``). The other ranks send their
-news back on their own, as it happens, in :class:`RankReply` messages: handles of their
-offers, leases that ended, receives that completed (``workers/parallel/rank_link.py``).
+in order: end transfers (``aborts``, ``declines``, ``stream_aborts``, ``withdraws``), offer held
+blocks (``offers``), start receives (``receives``), reserve blocks for a layer-wise
+stream (``reserves``), open streams (``stream_opens``), run a forward pass (``step``,
+with its streamed chunks: ``stream_chunks``). The other ranks send their news back on
+their own, as it happens, in :class:`RankReply` messages: handles of their offers,
+leases that ended, receives that completed, reservations made, streams that ended
+(``workers/parallel/rank_link.py``).
 
 The messages are frozen msgspec structs. Each encodes as ``[kind, version, [fields...]]``
 (msgpack; the struct's fields in order, a command's step as a
@@ -23,8 +26,9 @@ import msgspec
 
 from workers.engine.step_inputs import StepInputs, StepMsg
 
-# 3: msgspec structs, ``[kind, version, [fields...]]``; 4: StepMsg.prompt_logprob_indices.
-REPLICA_WIRE_VERSION = 4
+# 3: msgspec structs, ``[kind, version, [fields...]]``; 4: StepMsg.prompt_logprob_indices;
+# 5: StepMsg.expert_rebalance.
+REPLICA_WIRE_VERSION = 5
 
 
 class _Message(msgspec.Struct, frozen=True, array_like=True, forbid_unknown_fields=True):
@@ -48,14 +52,49 @@ class ReceiveOp(_Message):
     block_ids: tuple[int, ...]
 
 
+class ReserveOp(_Message):
+    """Decode, layer-wise: reserve ``block_ids`` for the stream from every rank of the
+    prefill replica ``source`` (answered with a :class:`Reserved`, then a ``Received``)."""
+
+    request_id: str
+    source: str
+    block_ids: tuple[int, ...]
+    first_block: int
+
+
+class StreamOpenOp(_Message):
+    """Prefill, layer-wise: write the request's KV into these reservations (msgpack
+    StreamReservation, one per decode rank; each rank writes to the ones its heads and
+    layers reach) in groups of ``group_size`` layers (answered with a :class:`Streamed`)."""
+
+    request_id: str
+    reservations: tuple[bytes, ...]
+    group_size: int
+
+
+class StreamChunkOp(_Message):
+    """A streamed request's prefill chunk of the step (``workers/engine/layerwise.py``)."""
+
+    request_id: str
+    start_pos: int
+    num_tokens: int
+    num_prompt_tokens: int
+    block_ids: tuple[int, ...]
+
+
 class RankCommand(_Message):
     seq: int  # rank 0 numbers its commands; a rank that sees a gap stops
     step: StepInputs | None = None  # travels as a StepMsg (see _CommandMsg)
     offers: tuple[OfferOp, ...] = ()
     receives: tuple[ReceiveOp, ...] = ()
-    aborts: tuple[str, ...] = ()  # decode: stop these receives
+    aborts: tuple[str, ...] = ()  # decode: stop these receives (and stream receives)
     declines: tuple[tuple[bytes, ...], ...] = ()  # decode: nothing will be read from these
     stop: bool = False
+    reserves: tuple[ReserveOp, ...] = ()
+    stream_opens: tuple[StreamOpenOp, ...] = ()
+    stream_aborts: tuple[str, ...] = ()  # prefill: abandon these streams
+    stream_chunks: tuple[StreamChunkOp, ...] = ()  # the step's streamed chunks
+    withdraws: tuple[str, ...] = ()  # decode: reservations that never went out
     kind: ClassVar[str] = "cmd"
 
 
@@ -69,6 +108,11 @@ class _CommandMsg(_Message):
     aborts: tuple[str, ...]
     declines: tuple[tuple[bytes, ...], ...]
     stop: bool
+    reserves: tuple[ReserveOp, ...] = ()
+    stream_opens: tuple[StreamOpenOp, ...] = ()
+    stream_aborts: tuple[str, ...] = ()
+    stream_chunks: tuple[StreamChunkOp, ...] = ()
+    withdraws: tuple[str, ...] = ()
 
 
 class Offered(_Message):
@@ -84,11 +128,27 @@ class Received(_Message):
     num_bytes: int = 0
 
 
+class Reserved(_Message):
+    request_id: str
+    reservation: bytes  # empty when the reservation failed (a Received follows)
+    error: str = ""
+
+
+class Streamed(_Message):
+    """A layer-wise stream out of this rank ended: none of its writes is in flight."""
+
+    request_id: str
+    error: str = ""  # empty: every write of this rank landed
+    num_bytes: int = 0
+
+
 class RankReply(_Message):
     rank: int
     offered: tuple[Offered, ...] = ()  # offers this rank made (handle or error)
     released: tuple[str, ...] = ()  # request ids whose lease on this rank ended
     received: tuple[Received, ...] = ()  # receives on this rank that completed
+    reserved: tuple[Reserved, ...] = ()  # layer-wise reservations this rank made
+    streamed: tuple[Streamed, ...] = ()  # layer-wise streams out of this rank that ended
     kind: ClassVar[str] = "reply"
 
 
@@ -119,7 +179,10 @@ _HEAD = msgspec.msgpack.Decoder(_Head)
 def encode_command(cmd: RankCommand) -> bytes:
     step = cmd.step.to_msg() if cmd.step is not None else None
     # The fields of a _CommandMsg, as a tuple (the same array, without building the struct).
-    fields = (cmd.seq, step, cmd.offers, cmd.receives, cmd.aborts, cmd.declines, cmd.stop)
+    fields = (
+        cmd.seq, step, cmd.offers, cmd.receives, cmd.aborts, cmd.declines, cmd.stop,
+        cmd.reserves, cmd.stream_opens, cmd.stream_aborts, cmd.stream_chunks, cmd.withdraws,
+    )  # fmt: skip
     return _ENCODER.encode(("cmd", REPLICA_WIRE_VERSION, fields))
 
 
@@ -130,7 +193,10 @@ def decode_command(data: bytes) -> RankCommand:
         step = StepInputs.from_msg(msg.step) if msg.step is not None else None
     except ValueError as exc:  # msgspec's errors included
         raise ValueError(_refusal(data, RankCommand, exc)) from None
-    return RankCommand(msg.seq, step, msg.offers, msg.receives, msg.aborts, msg.declines, msg.stop)
+    return RankCommand(
+        msg.seq, step, msg.offers, msg.receives, msg.aborts, msg.declines, msg.stop,
+        msg.reserves, msg.stream_opens, msg.stream_aborts, msg.stream_chunks, msg.withdraws,
+    )  # fmt: skip
 
 
 def encode_reply(reply: RankReply) -> bytes:

@@ -252,6 +252,9 @@ class HandoffTransport:
 
     def finish_receives(self) -> None:
         """Tell the engine of every receive that ended (its blocks are free to use)."""
+        if self.stream is not None:
+            for request_id, why in self.stream.take_refused():
+                self._refuse_stream(request_id, why)
         for request_id, receive in list(self.receives.items()):
             future = receive.future
             if not future.done():
@@ -278,6 +281,17 @@ class HandoffTransport:
             else:
                 self._peer_pull_ended(receive, "recomputed")
                 self._transfer_failed(request_id, exc)
+
+    def _refuse_stream(self, request_id: str, why: str) -> None:
+        """Layer-wise: a rank of this replica could not reserve (no reservation went
+        out): stop every rank's, end the request retryably (the router migrates it)."""
+        if request_id not in self.receives:
+            return  # ended meanwhile
+        self._errors[request_id] = why
+        self._retryable.add(request_id)
+        self.receives[request_id].is_cancelled = True
+        self.kv.withdraw_stream(request_id)  # no writer has them: every rank's ends now
+        self.engine.abort_request(request_id)
 
     def _peer_pull_ended(self, receive: _Receive, result: str) -> None:
         if receive.source == "peer":

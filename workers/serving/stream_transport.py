@@ -13,8 +13,12 @@ stream's future). A failed stream is recomputed there, as a failed read is.
 
 Who frees what: the engine's ``KVHandoff`` (prefill: the blocks stay held, also past the
 request's end, until the stream's future completes: ``stream_ended``; decode: the
-blocks are the request's, RECEIVING until the future completes). Loop thread only;
-one-rank workers only (the prefill worker advertises no threshold otherwise).
+blocks are the request's, RECEIVING until the future completes). Loop thread only.
+
+TP/PP replicas: every call goes through ``ReplicaKV`` (``workers/parallel/``): each
+decode rank reserves on its own connector, and the reservations go to the router once
+every rank has one (``poll``); each prefill rank writes its own heads of its own layers,
+and the stream's future completes once every rank's has.
 """
 
 from __future__ import annotations
@@ -30,6 +34,7 @@ from kvtransfer import KVConnector
 from workers.engine.handoff import HandoffState, KVReceive
 from workers.engine.llm_engine import LLMEngine
 from workers.engine.outputs import StreamDelta
+from workers.parallel.replica_kv import ReplicaKV
 from workers.protocol.wire import TokenEvent, WorkItem
 from workers.serving.events import token_event
 from workers.serving.layerwise_stats import LayerwiseStats
@@ -64,15 +69,24 @@ class StreamTransport:
         stats: LayerwiseStats | None,
         wake,
         metrics: WorkerMetrics | None = None,
+        kv: ReplicaKV | None = None,
     ):
         self.engine = engine
         self.connector = connector
+        if kv is None:  # one rank: the connector alone
+            kv = ReplicaKV()
+            kv.bind(connector, lambda rid, reason: None, wake)
+        self.kv = kv  # every stream spans all ranks of the replica
+        kv.bind_streams(engine.layerwise)
         self.stats = stats  # prefill with kv_transfer.layerwise auto: the numbers
         self._wake = wake
         self.metrics = metrics
         self.outs: dict[str, _Out] = {}  # prefill: streams in flight
         self._streamed: set[str] = set()  # prefill: first token not out yet
         self.incoming: dict[str, _In] = {}  # decode: reserved, until the receive ends
+        # decode: every rank's reservations, until all came (a replica of several ranks)
+        self._reserving: dict[str, Future] = {}
+        self.refused: list[tuple[str, str]] = []  # decode: a rank could not reserve
         self.events: list[TokenEvent] = []  # for the loop to publish
         self.num_opened = 0  # prefill: streams opened since start (tests, stats)
         self.num_reserved = 0  # decode: reservations made since start
@@ -89,8 +103,10 @@ class StreamTransport:
         if self.connector is None:
             raise ValueError("no KV connector on this worker")
         rid = item.request_id
+        num_layers = self.engine.layerwise.num_layers
+        group = self.stats.group_size(len(item.prompt_token_ids)) if self.stats else num_layers
         try:
-            future: Future | None = self.connector.open_stream(rid, item.kv_reservations)
+            future: Future | None = self.kv.open_stream(rid, item.kv_reservations, group)
         except Exception as exc:  # (an unknown reader): its deadline ends its wait
             logger.warning(
                 "cannot stream the KV of %s (%s): the decode worker recomputes", rid, exc
@@ -101,14 +117,12 @@ class StreamTransport:
             self.engine.add_request(prompt, item.params, rid, prefill_only=True)
         except Exception:
             if future is not None:
-                self.connector.abandon_stream(rid, "refused")  # the reader recomputes
+                self.kv.abandon_stream(rid, "refused")  # the reader recomputes
             raise
         self._streamed.add(rid)  # its first token's event says kv_streamed either way
         if future is None:
             return
         out = _Out(future)
-        num_layers = self.engine.layerwise.num_layers
-        group = self.stats.group_size(len(item.prompt_token_ids)) if self.stats else num_layers
         connector, per_block = self.connector, self.block_layer_bytes
 
         def write(first_block, block_ids, layers, layers_ready, is_last):
@@ -144,10 +158,16 @@ class StreamTransport:
         hears "failed"); its blocks stay until the stream's future completes."""
         if rid in self.outs and self.connector is not None:
             self.engine.layerwise.remove(rid)
-            self.connector.abandon_stream(rid, "aborted")
+            self.kv.abandon_stream(rid, "aborted")
 
     def poll(self) -> None:
-        """Streams whose future completed: nothing reads their blocks any more."""
+        """Streams whose future completed: nothing reads their blocks any more. Decode:
+        reservations every rank has made go out; those a rank could not make are
+        ``refused`` (the caller aborts the request on every rank)."""
+        for rid, reserving in list(self._reserving.items()):
+            if reserving.done():
+                del self._reserving[rid]
+                self._reserved(rid, reserving)
         for rid, out in list(self.outs.items()):
             if not out.future.done():
                 continue
@@ -186,15 +206,28 @@ class StreamTransport:
         if self.connector is None:
             raise ValueError("no KV connector on this worker")
         source = self.incoming[rid].source
-        agent = self.connector.peer_agent(source)
-        if agent is None:
-            raise ValueError(f"no KV handshake with {source}")
-        reservation, future = self.connector.expect_stream(
-            rid, receive.block_ids, [agent], first_block=receive.first_block
+        reserving, future = self.kv.expect_stream(
+            rid, receive.block_ids, source, first_block=receive.first_block
         )
-        self.events.append(TokenEvent(rid, (), False, kv_reservations=(reservation,)))
         self.num_reserved += 1
+        if reserving.done():
+            self._reserved(rid, reserving)
+        else:
+            self._reserving[rid] = reserving
         return future
+
+    def _reserved(self, rid: str, reserving: Future) -> None:
+        if rid not in self.incoming or self.engine.handoff.state(rid) is HandoffState.ABORTING:
+            return  # ended here meanwhile: no prefill worker may write into these blocks
+        exc = reserving.exception()
+        if exc is not None:
+            self.refused.append((rid, f"cannot reserve KV blocks: {exc}"))
+            return
+        self.events.append(TokenEvent(rid, (), False, kv_reservations=reserving.result()))
+
+    def take_refused(self) -> list[tuple[str, str]]:
+        refused, self.refused = self.refused, []
+        return refused
 
     def ready(self, rid: str, is_cancelled: bool) -> bool:
         """Whether a completed receive may be reported to the engine: a streamed request
@@ -210,6 +243,7 @@ class StreamTransport:
 
     def forget(self, rid: str) -> None:
         self.incoming.pop(rid, None)
+        self._reserving.pop(rid, None)
 
     def take_events(self) -> list[TokenEvent]:
         events, self.events = self.events, []

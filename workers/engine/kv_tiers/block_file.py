@@ -240,3 +240,88 @@ def _check_payload(header: bytearray, payload: memoryview, key: bytes | None) ->
     if flags != 0 or stored != xxhash.xxh3_64_digest(payload)[::-1] + bytes(8):
         return BadBlock.CORRUPT
     return None
+
+
+class RangeReader:
+    """A block file read in ranges of its payload, in order (the layer-wise onboarding:
+    ``kv_tiers/layer_onboard.py`` reads layer group after layer group of every block).
+
+    ``open`` checks the header and the file's length; each ``read`` verifies nothing but
+    the length it got, and feeds the payload's checksum (or MAC): only ``finish``, after the
+    last range, says whether the bytes were the block's. So a bad payload is found after
+    its bytes were used: the caller must be able to undo that (the onboarding recomputes)."""
+
+    def __init__(self, fd: int, flags: int, header: bytearray, key: bytes | None) -> None:
+        self._fd = fd
+        self._header = header
+        self._stored = bytes(header[_MAC_COVERS:56])
+        self._keyed = key is not None
+        self._ok = (flags == KEYED) == self._keyed and flags in (0, KEYED)
+        self._sum = (
+            hmac.new(key, memoryview(header)[:_MAC_COVERS], hashlib.sha256)
+            if key is not None
+            else xxhash.xxh3_64()
+        )
+        self._pos = 0
+
+    @classmethod
+    def open(
+        cls, path: str, digest: bytes, block_hash: int, payload_len: int, key: bytes | None
+    ) -> RangeReader | BadBlock:
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+        except FileNotFoundError:
+            return BadBlock.MISSING
+        except OSError as exc:
+            return BadBlock.UNSAFE if exc.errno == errno.ELOOP else BadBlock.IO_ERROR
+        try:
+            info = os.fstat(fd)
+            if not stat.S_ISREG(info.st_mode):
+                os.close(fd)
+                return BadBlock.UNSAFE
+            header = bytearray(HEADER_LEN)
+            num_read = os.preadv(fd, [header], 0)
+            if num_read == HEADER_LEN:  # the length read_block's one read would see
+                num_read = min(info.st_size, HEADER_LEN + payload_len + 1)
+            bad = check_header(header, num_read, digest, block_hash, payload_len)
+        except OSError:
+            bad = BadBlock.IO_ERROR
+        if bad is not None:
+            os.close(fd)
+            return bad
+        # The job opens every file before its first range: their reads start together.
+        with contextlib.suppress(OSError):
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_WILLNEED)
+        return cls(fd, _FIELDS.unpack_from(header)[3], header, key)
+
+    def read(self, start: int, out: memoryview) -> BadBlock | None:
+        """Payload bytes ``[start, start + len(out))`` into ``out``; ranges come in order."""
+        if start != self._pos:
+            raise ValueError(f"ranges must be read in order: {start} after {self._pos}")
+        try:
+            num_read = os.preadv(self._fd, [out], HEADER_LEN + start)
+        except OSError:
+            return BadBlock.IO_ERROR
+        if num_read != out.nbytes:  # truncated since it was opened
+            return BadBlock.TRUNCATED
+        self._sum.update(out)
+        self._pos += out.nbytes
+        return None
+
+    def finish(self, touch_ns: int | None) -> BadBlock | None:
+        """After the last range: whether the payload was the block's (and stamp its
+        recency, as ``read_block``)."""
+        if not self._ok:
+            return BadBlock.UNAUTHENTICATED
+        if self._keyed:
+            if not hmac.compare_digest(self._stored, self._sum.digest()[:_MAC_LEN]):
+                return BadBlock.UNAUTHENTICATED
+        elif self._stored != self._sum.digest()[::-1] + bytes(8):
+            return BadBlock.CORRUPT
+        if touch_ns is not None:
+            with contextlib.suppress(OSError):
+                os.utime(self._fd, ns=(touch_ns, touch_ns))
+        return None
+
+    def close(self) -> None:
+        os.close(self._fd)

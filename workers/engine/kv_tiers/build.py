@@ -112,7 +112,10 @@ def build_kv_tiers(
             if host is None:
                 staging_bytes = max(block_bytes, min(STAGING_BYTES, disk_bytes))
                 staging = HostTier(fingerprint, block_bytes, staging_bytes, pin)
-        manager = KVTierManager(kv_cache, block_manager, host, disk, staging, disk_lock=lock)
+        manager = KVTierManager(
+            kv_cache, block_manager, host, disk, staging, disk_lock=lock,
+            onboard_mode=config.kv_tier_onboard,
+        )  # fmt: skip
     except BaseException:
         if lock is not None:
             lock.release()

@@ -122,21 +122,11 @@ class DiskTier:
         if bad is None and host is not out:
             out.copy_(host)
         elapsed = time.perf_counter() - start
-        with self._lock:
-            if bad is None:
-                self._counts["hits"] += 1
-                self._counts["onboard_bytes"] += self.block_bytes
-                self._onboard_seconds += elapsed
-                if block_hash in self._index:
-                    self._index.move_to_end(block_hash)
-                return True
-            self._counts["misses"] += 1
-            if block_hash in self._index:  # else: evicted while we read, a plain miss
-                self._counts["errors"] += 1
-                self._drop(block_hash)
-                self._unlink(self._path(block_hash))
-                self._log_once(bad.value, f"a {bad.value} block file is a miss (removed)")
+        if bad is not None:
+            self._ranges_failed(block_hash, bad)
             return False
+        self._hit(block_hash, elapsed)
+        return True
 
     def put(self, block_hash: int, data: torch.Tensor) -> bool:
         self._check_args(block_hash, data, "data")
@@ -174,6 +164,55 @@ class DiskTier:
                 self._index[block_hash] = None
                 self._note_change(block_hash, held_before=False)
             return True
+
+    def open_ranges(self, block_hash: int) -> block_file.RangeReader | None:
+        """The block's file, to be read in ranges of its payload (the layer-wise
+        onboarding); None on a miss (counted, a bad file removed, as ``get``). The caller
+        reports the outcome with ``ranges_done``. Not part of :class:`KVTier`."""
+        with self._lock:
+            if self._closed or block_hash not in self._index:
+                self._counts["misses"] += 1
+                return None
+        opened = block_file.RangeReader.open(
+            self._path(block_hash), self._digest, block_hash, self.block_bytes, self._key
+        )
+        if isinstance(opened, block_file.BadBlock):
+            self._ranges_failed(block_hash, opened)
+            return None
+        return opened
+
+    def ranges_done(
+        self, block_hash: int, reader: block_file.RangeReader, bad: block_file.BadBlock | None,
+        seconds: float,
+    ) -> bool:  # fmt: skip
+        """``reader`` read every range (``bad`` None) or failed: verify, count, close."""
+        with self._lock:
+            touch_ns = self._next_stamp_ns()
+        if bad is None:
+            bad = reader.finish(touch_ns)
+        reader.close()
+        if bad is not None:
+            self._ranges_failed(block_hash, bad)
+            return False
+        self._hit(block_hash, seconds)
+        return True
+
+    def _hit(self, block_hash: int, seconds: float) -> None:
+        with self._lock:
+            self._counts["hits"] += 1
+            self._counts["onboard_bytes"] += self.block_bytes
+            self._onboard_seconds += seconds
+            if block_hash in self._index:
+                self._index.move_to_end(block_hash)
+
+    def _ranges_failed(self, block_hash: int, bad: block_file.BadBlock) -> None:
+        with self._lock:
+            self._counts["misses"] += 1
+            if block_hash in self._index:  # else: evicted while we read, a plain miss
+                self._counts["errors"] += 1
+                self._drop(block_hash)
+                self._unlink(self._path(block_hash))
+                self._log_once(bad.value, f"a {bad.value} block file is a miss (removed)")
 
     def prefetch(self, block_hashes: Iterable[int]) -> int:
         """Read these blocks ahead of the gets that will follow, in this order: the kernel

@@ -78,6 +78,28 @@ class HostTier:
             self._onboard_seconds += time.perf_counter() - t0
         return True
 
+    def get_range(self, block_hash: int, start: int, out: torch.Tensor) -> bool:
+        """Bytes ``[start, start + out.numel())`` of the block into ``out`` (the layer-wise
+        onboarding reads a block layer group by layer group; ``out`` may be on the device).
+        False on a miss, which includes a block evicted since its first range: the ranges
+        of one block read before must not be combined with another's. The range that ends
+        the block counts the hit. Not part of :class:`KVTier`."""
+        t0 = time.perf_counter()
+        end = start + out.numel()
+        with self._lock:
+            slot = self._slots.get(block_hash)
+            if slot is None:
+                self._misses += 1
+                return False
+            # Blocking, under the lock: a put may reuse the slot as soon as it is released.
+            out.copy_(self._data[slot, start:end])
+            self._onboard_bytes += out.numel()
+            self._onboard_seconds += time.perf_counter() - t0
+            if end == self.block_bytes:
+                self._slots.move_to_end(block_hash)
+                self._hits += 1
+        return True
+
     def put(self, block_hash: int, data: torch.Tensor) -> bool:
         self._check(data, "data")
         t0 = time.perf_counter()

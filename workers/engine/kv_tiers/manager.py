@@ -13,7 +13,9 @@ calls it at two moments (docs/kv-tiers.md has the why of each):
 - **Onboard, on admission** (``Scheduler``'s admission path): after the pool's own prefix
   lookup, ``find`` continues the chain of block hashes through the tiers; once the request
   has its blocks, ``onboard`` copies the hits into them, in order, and stops at the first
-  block a tier fails to deliver (a miss: the request computes from there).
+  block a tier fails to deliver (a miss: the request computes from there). Or, for the hits
+  ``layerwise.applies`` to, ``start_onboard`` copies them layer group by layer group on a
+  thread while the request's first chunk computes (``layer_onboard.py``).
 
 And once at shutdown, when nothing runs the engine any more: ``close`` writes down to the
 disk what it lacks (the pool's committed blocks, the writer's pending ones) within a time
@@ -36,6 +38,7 @@ import torch
 from workers.engine.kv_tiers.dir_lock import DirLock
 from workers.engine.kv_tiers.flush import FLUSH_S, FlushStats, Reader, flush
 from workers.engine.kv_tiers.host_tier import HostTier
+from workers.engine.kv_tiers.layer_onboard import LayerOnboarder, OnboardMode
 from workers.engine.kv_tiers.tier import KVTier
 from workers.engine.kv_tiers.write_behind import WriteBehind, WriteBehindStats
 from workers.protocol.block_hashes import NONE_HASH, hash_block_tokens
@@ -80,6 +83,7 @@ class KVTierManager:
         staging: HostTier | None = None,
         inline_writes: bool = False,
         disk_lock: DirLock | None = None,
+        onboard_mode: OnboardMode = "off",
     ) -> None:
         """``host``: G2 or None; ``disk``: G3 or None. ``staging``: with a disk and no host
         tier, the internal host-memory buffer the disk writer reads behind (not a tier
@@ -87,6 +91,7 @@ class KVTierManager:
         ``inline_writes``: write to the disk inside ``offload``, without the writer's
         thread (tests whose schedules must not depend on a thread's timing).
         ``disk_lock``: the disk tier's directory lock, released by ``close``.
+        ``onboard_mode``: which hits are onboarded layer-wise (``layer_onboard.py``).
         Registers ``offload`` as the block manager's eviction hook."""
         if host is None and disk is None:
             raise ValueError("KVTierManager needs at least one tier")
@@ -118,6 +123,10 @@ class KVTierManager:
         self._offloaded = self._offload_failed = self._onboarded = self._onboard_failed = 0
         self._logged = False
         self._closed = False
+        # Hits copied layer group by layer group while the first chunk computes.
+        self.layerwise = LayerOnboarder(
+            self._g1, kv_cache.shape[1], self._lookup, self.block_size, onboard_mode
+        )
         block_manager.on_evict = self.offload
 
     # ---- what the other parts read -------------------------------------------------
@@ -139,8 +148,8 @@ class KVTierManager:
         return TierManagerStats(
             self._offloaded,
             self._offload_failed,
-            self._onboarded,
-            self._onboard_failed,
+            self._onboarded + self.layerwise.num_onboarded,
+            self._onboard_failed + self.layerwise.num_failed,
             self._writer.stats() if self._writer else WriteBehindStats(),
             self._flush,
         )
@@ -262,6 +271,16 @@ class KVTierManager:
         num_cached = (first + num_arrived) * self.block_size
         bm.commit_computed(req_id, token_ids, num_cached, root)
         return num_cached
+
+    def start_onboard(self, req_id: str, prefix: PrefixHit, hit: TierHit) -> int:
+        """Admission, once ``req_id`` has its blocks: onboard ``hit`` layer-wise into the
+        fresh blocks after ``prefix`` (``LayerOnboarder.start``; not in the prefix cache
+        until the step that waits for it commits them). Returns the tokens that count as
+        computed: the whole hit (the step rolls back what fails to arrive)."""
+        first = prefix.num_blocks
+        table = self.block_manager.block_table(req_id)
+        self.layerwise.start(req_id, hit, table[first : first + hit.num_blocks], first)
+        return (first + hit.num_blocks) * self.block_size
 
     # ---- internals -------------------------------------------------------------------
     def _flush_order(self, pending: list[int]) -> list[tuple[int, Reader]]:
