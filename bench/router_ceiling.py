@@ -8,8 +8,9 @@ channel (``ChannelSender`` -> ``ChannelListener``); work items reach them over a
 socket (one message per request, where production makes a Ray call). The clients run in a
 third process (grpc.aio streams, or raw HTTP/1.1 SSE), each stream one request after another
 of ``--tokens`` output tokens. Over a window after a warm-up: output tokens/s at the
-clients, and the router process's CPU seconds (``/proc/<pid>/stat``: every thread, gRPC's
-included) per output token. On a 2-core host the three processes share the cores, so the
+clients, the router process's CPU seconds (``/proc/<pid>/stat``: every thread, gRPC's
+included) per output token, and tokens per chunk (a router behind its workers sends a
+request's queued steps as one chunk; an SSE chunk's tokens are counted from its text). On a 2-core host the three processes share the cores, so the
 tokens/s is what this host sustains, and ``1e6 / router_us_per_token`` what one router core
 would. Left out on purpose: a prefill hop (``disaggregation: never``), the Ray driver that
 shares the production router's process, and the hash sets in the workers' reports (below).
@@ -34,6 +35,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import bisect
 import contextlib
 import cProfile
 import json
@@ -309,19 +311,40 @@ async def _grpc_stream(port: int, index: int, state: dict, max_tokens: int) -> N
             text=PROMPT, request_id=rid, stopping=pb.StoppingCriteria(max_tokens=max_tokens)
         )
         recv = state["recv"][rid] if state["record"] else None
-        async for resp in stub.Generate(req):
-            delta = resp.final.delta if resp.HasField("final") else resp.delta
-            if state["counting"]:
-                state["tokens"] += len(delta.token_ids)
-            if recv is not None:
-                recv.append(time.monotonic())
+        try:
+            async for resp in stub.Generate(req):
+                delta = resp.final.delta if resp.HasField("final") else resp.delta
+                if state["counting"]:
+                    state["tokens"] += len(delta.token_ids)
+                    state["chunks"] += 1
+                if recv is not None:  # a chunk may carry several steps' tokens
+                    recv.append((time.monotonic(), len(delta.token_ids)))
+        except grpc.aio.AioRpcError as exc:  # counted, not fatal: one call of thousands
+            state["errors"].append(f"{exc.code().name}: {exc.details()}")
         if state["requests"] and n >= state["requests"]:
             return
 
 
+def text_ends(num_tokens: int) -> list[int]:
+    """Where each output token's text ends in a request's output (characters), as the
+    router's detokenizer releases it: an SSE chunk has text, not token ids, and may carry
+    several tokens, so the HTTP clients count tokens by the text's length."""
+    from workers.text.detokenizer import IncrementalDetokenizer
+
+    tokenizer = _tokenizer()
+    ids = tokenizer.encode(OUTPUT, add_special_tokens=False)
+    detok = IncrementalDetokenizer(tokenizer, tokenizer.encode(PROMPT))
+    ends, size = [], 0
+    for i in range(num_tokens):
+        size += len(detok.step([ids[i % len(ids)]]).text)
+        ends.append(size)
+    return ends
+
+
 async def _http_stream(port: int, index: int, state: dict, max_tokens: int) -> None:
-    """OpenAI completions with ``stream``: one SSE event per token, over a keep-alive
+    """OpenAI completions with ``stream``: an SSE event per chunk, over a keep-alive
     HTTP/1.1 connection read by hand (no HTTP client library is installed)."""
+    ends = state["text_ends"]
     reader, writer = await asyncio.open_connection("127.0.0.1", port)
     body = json.dumps(
         {"model": "bench", "prompt": PROMPT, "max_tokens": max_tokens, "stream": True}
@@ -334,7 +357,7 @@ async def _http_stream(port: int, index: int, state: dict, max_tokens: int) -> N
         writer.write(head + body)
         while (await reader.readline()) != b"\r\n":  # the response's headers
             pass
-        buffered = b""
+        buffered, num_chars, num_tokens = b"", 0, 0
         while True:  # chunked transfer encoding
             size = int((await reader.readline()).strip(), 16)
             if size == 0:
@@ -342,9 +365,15 @@ async def _http_stream(port: int, index: int, state: dict, max_tokens: int) -> N
                 break
             buffered += (await reader.readexactly(size + 2))[:-2]  # the chunk's CRLF
             *events, buffered = buffered.split(b"\n\n")
-            num_tokens = sum(1 for e in events if e.startswith(b"data: {"))
-            if state["counting"]:
-                state["tokens"] += num_tokens
+            for event in events:
+                if not event.startswith(b"data: {"):
+                    continue
+                num_chars += len(json.loads(event[6:])["choices"][0]["text"])
+                now = bisect.bisect_right(ends, num_chars)
+                if state["counting"]:
+                    state["tokens"] += now - num_tokens
+                    state["chunks"] += 1
+                num_tokens = now
     writer.close()
 
 
@@ -368,8 +397,10 @@ def _usage(router_pid: int, worker_pid: int) -> tuple[float, ...]:
 
 async def _drive(args: dict, router_pid: int, worker_pid: int) -> dict:
     state = {
-        "stop": False, "counting": False, "tokens": 0, "channels": {}, "per_channel": 128,
-        "record": args["record"], "recv": defaultdict(list), "requests": args["requests"],
+        "stop": False, "counting": False, "tokens": 0, "chunks": 0, "errors": [],
+        "channels": {}, "per_channel": 128, "record": args["record"],
+        "recv": defaultdict(list), "requests": args["requests"],
+        "text_ends": text_ends(args["tokens"]) if args["frontend"] == "http" else [],
     }  # fmt: skip
     stream = _http_stream if args["frontend"] == "http" else _grpc_stream
     port = args["port"]
@@ -395,6 +426,11 @@ async def _drive(args: dict, router_pid: int, worker_pid: int) -> dict:
         out = {
             "output_tokens": tokens,
             "tokens_per_s": tokens / wall,
+            # Chunks (messages, SSE events) the clients got: under load the router may
+            # send the tokens that queued for one request as one chunk.
+            "tokens_per_chunk": tokens / max(1, state["chunks"]),
+            "errors": state["errors"][:5],
+            "num_errors": len(state["errors"]),
             "router_us_per_token": 1e6 * router_cpu / tokens,
             "router_cores": router_cpu / wall,
             "router_threads_us_per_token": {
@@ -473,11 +509,21 @@ def low_load(args, streams: int) -> dict:
         result = run_clients(session, "grpc", streams, args, requests=args.latency_requests)
     finally:
         sent = session.stop()
-    delivery = []
+    delivery, num_tokens = [], 0
     for rid, recv in result["recv"].items():
-        if len(sent.get(rid, ())) == len(recv):
-            delivery += [r - s for s, r in zip(sent[rid], recv, strict=True)]
-    return {"streams": streams, "delivery_ms": dist_ms(delivery), "num_chunks": len(delivery)}
+        sends = sent.get(rid, [])
+        for received, num in recv:  # each chunk: from its last token's send
+            num_tokens += num
+            if num and num_tokens <= len(sends):
+                delivery.append(received - sends[num_tokens - 1])
+        num_tokens = 0
+    num_chunks = sum(1 for recv in result["recv"].values() for _, num in recv if num)
+    return {
+        "streams": streams,
+        "delivery_ms": dist_ms(delivery),
+        "num_chunks": len(delivery),
+        "tokens_per_chunk": sum(len(s) for s in sent.values()) / max(1, num_chunks),
+    }
 
 
 # ---- the cache report -------------------------------------------------------------------------
@@ -598,8 +644,9 @@ def main(argv: list[str] | None = None) -> int:
                     f"{key} #{repeat}: {run['tokens_per_s']:.0f} tok/s, router "
                     f"{run['router_us_per_token']:.1f} CPU-us/token ({run['router_cores']:.2f} "
                     f"cores), worker {run['worker_us_per_token']:.1f}, client "
-                    f"{run['client_us_per_token']:.1f}; others used {run['foreign_core_s']:.1f} "
-                    f"core-s",
+                    f"{run['client_us_per_token']:.1f}; {run['tokens_per_chunk']:.2f} tokens "
+                    f"per chunk, {run['num_errors']} errors; others used "
+                    f"{run['foreign_core_s']:.1f} core-s",
                     flush=True,
                 )
     finally:

@@ -4,6 +4,8 @@ engine settings and most of the keys (``cluster/config.py`` holds the rest)."""
 
 from __future__ import annotations
 
+import os
+import sys
 from typing import Literal
 
 from pydantic import model_validator
@@ -20,6 +22,14 @@ class RouterSection(ConfigSection):
         "OpenAI-compatible HTTP API port (/v1/completions, /v1/chat/completions); 0 = no HTTP",
         ge=0,
         le=65535,
+    )
+    processes: int = option(
+        1,
+        "Router processes serving the same gRPC and HTTP ports (SO_REUSEPORT, Linux) and "
+        "the same workers, for front-end CPU (docs/serving.md, 'Several router processes'); "
+        "at most the host's cores",
+        ge=1,
+        le=64,
     )
     api_key: str | None = option(
         None,
@@ -178,6 +188,19 @@ class RouterSection(ConfigSection):
     restart_max_backoff_seconds: float = option(
         30.0, "Longest wait between restart attempts", gt=0.0
     )
+
+    @model_validator(mode="after")
+    def _check_processes(self) -> RouterSection:
+        if self.processes > 1 and not sys.platform.startswith("linux"):
+            # Elsewhere SO_REUSEPORT does not spread connections: one process would get them.
+            raise ValueError(f"processes: {self.processes} needs Linux (SO_REUSEPORT)")
+        cores = os.cpu_count() or 1
+        if self.processes > cores:
+            raise ValueError(
+                f"processes: {self.processes} is more than this host's {cores} cores "
+                "(a router process is worth one core at most)"
+            )
+        return self
 
     @model_validator(mode="after")
     def _check_tls(self) -> RouterSection:

@@ -3,7 +3,9 @@
 
 The router serves gRPC and, with ``router.http_port`` set (default 8000), the
 OpenAI-compatible HTTP API (``router/http/``) in the same event loop: two front ends over
-one ``Router``.
+one ``Router``. With ``router.processes: N`` > 1 this process starts N-1 more router
+processes on the same ports (SO_REUSEPORT; ``cluster/router_hub.py``, docs/serving.md
+"Several router processes"), drains them with its own and stops them before the workers.
 
 Drain: readiness goes NOT_SERVING (HTTP ``/health`` 503) and new requests get UNAVAILABLE
 (HTTP 503); requests in flight may finish within ``router.drain_grace_seconds``, the rest
@@ -87,20 +89,34 @@ async def serve(config: ClusterConfig, on_ready: Callable[[str], None] | None = 
     if tls is not None:
         tls.grpc_credentials()
         tls.uvicorn_options()
+    num_processes = config.router.processes
+    if num_processes > 1 and config.planner.enabled:
+        # The planner's feed is the first process's requests only (cluster/planner_loop.py).
+        raise ValueError("router.processes > 1 and planner.enabled: choose one (not yet both)")
+    if num_processes > 1 and admin is not None:
+        # Live scaling runs in the first process; an admin call may reach any of them.
+        raise ValueError("router.processes > 1 and an admin key (baton scale): not yet both")
     cluster = bring_up(config)
-    server = None
+    server = hub = None
     try:
         router = cluster.router
+        if num_processes > 1:
+            hub = _router_hub(config, cluster)
         await router.start()
         tp_pp = {
             "prefill": (config.prefill.tensor_parallel, config.prefill.pipeline_parallel),
             "decode": (config.decode.tensor_parallel, config.decode.pipeline_parallel),
         }
-        server = Server(router, config.router.host, config.router.port, tp_pp, keys, tls)
+        shared = num_processes > 1  # SO_REUSEPORT: the other processes bind these ports too
+        args = (router, config.router.host, config.router.port, tp_pp, keys, tls)
+        server = Server(*args, reuse_port=shared)
         await server.start()
         if config.router.http_port:
-            http = _http_server(config, router, keys, admin)
+            http = _http_server(config, router, keys, admin, reuse_port=shared)
             await http.start()
+        if hub is not None:
+            await hub.start(server.port, http.port if http is not None else 0)
+            print(f"baton: {num_processes} router processes on these ports", flush=True)
         stop = asyncio.Event()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, stop.set)
@@ -119,13 +135,15 @@ async def serve(config: ClusterConfig, on_ready: Callable[[str], None] | None = 
             on_ready(server.address)
         await stop.wait()
         print("baton: draining", flush=True)
-        drain = asyncio.ensure_future(server.drain(config.router.drain_grace_seconds))
+        drain = asyncio.ensure_future(_drain(server, hub, config.router.drain_grace_seconds))
         if await _head_lost_during(drain, cluster):
             await _exit_without_ray(drain, server, http)
         aborted = drain.result()
         if aborted:
             print(f"baton: aborted {aborted} requests after the grace period", flush=True)
     finally:
+        if hub is not None:
+            await hub.stop()
         if http is not None:
             await http.stop()
         if server is not None:
@@ -136,6 +154,37 @@ async def serve(config: ClusterConfig, on_ready: Callable[[str], None] | None = 
         await _stop_ray_parts(cluster)
     print("baton: stopped", flush=True)
     return 0
+
+
+async def _drain(server, hub, grace_s: float) -> int:
+    """Every router process drains at once; how many requests they aborted."""
+    if hub is None:
+        return await server.drain(grace_s)
+    counts = await asyncio.gather(server.drain(grace_s), hub.drain(grace_s))
+    return sum(counts)
+
+
+def _router_hub(config: ClusterConfig, cluster):
+    """Processes 1..N-1 of ``router.processes`` (cluster/router_hub.py), not yet started."""
+    import msgspec
+
+    from cluster.model_source import resolve_model_dir
+    from cluster.router_hub import RouterHub
+    from router.process_link import Start
+
+    listener = cluster.listener
+    start = Start(
+        index=0,
+        config_json=config.model_dump_json(),
+        router_config=msgspec.msgpack.encode(cluster.router.config),
+        model_dir=str(resolve_model_dir(config.model.path)),
+        workers=[],
+        channel_host=listener.host,
+        channel_tls=listener.cert_pem is not None,
+        grpc_port=0,
+        http_port=0,
+    )
+    return RouterHub(cluster.router, config.router.processes, start)
 
 
 async def _head_lost_during(drain: asyncio.Future, cluster) -> bool:
@@ -202,29 +251,29 @@ def _leave(message: str) -> None:
     os._exit(0)
 
 
-def api_keys(config: ClusterConfig):
+def api_keys(config: ClusterConfig, quiet: bool = False):
     """The API keys both front ends require (router/auth.py): ``router.api_keys_file``,
     ``router.api_key`` and the environment's; None when there are none."""
     from router.auth import ApiKeys
 
     keys = ApiKeys.load(config.router.api_keys_file, config.router.api_key)
-    if keys is not None:
+    if keys is not None and not quiet:
         print(f"baton: {len(keys)} API key(s): {', '.join(keys.names)}", flush=True)
     return keys
 
 
-def admin_key(config: ClusterConfig):
+def admin_key(config: ClusterConfig, quiet: bool = False):
     """The key the HTTP admin routes require (``baton scale``; router/http/admin.py):
     ``$BATON_ADMIN_KEY`` or ``router.admin_key_file``; None = those routes are off."""
     from router.http.admin import AdminKey
 
     key = AdminKey.load(config.router.admin_key_file)
-    if key is not None:
+    if key is not None and not quiet:
         print("baton: admin routes on (an admin key is configured)", flush=True)
     return key
 
 
-def _http_server(config: ClusterConfig, router, keys, admin=None):
+def _http_server(config: ClusterConfig, router, keys, admin=None, reuse_port: bool = False):
     """The HTTP front end over ``router``, with the served model's chat template."""
     from importlib.metadata import PackageNotFoundError, version
 
@@ -237,7 +286,7 @@ def _http_server(config: ClusterConfig, router, keys, admin=None):
     except PackageNotFoundError:  # run from a source tree that was never installed
         baton_version = "0.0.0"
     template = ChatTemplate.from_dir(resolve_model_dir(config.model.path))
-    if template is None:
+    if template is None and not reuse_port:  # (said once, by the first process)
         print("baton: the model has no chat template: /v1/chat/completions answers 400", flush=True)
     return HttpServer(
         router,
@@ -248,6 +297,7 @@ def _http_server(config: ClusterConfig, router, keys, admin=None):
         tls=config.router.tls(),
         version=baton_version,
         admin_key=admin,
+        reuse_port=reuse_port,
     )
 
 

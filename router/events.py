@@ -5,7 +5,7 @@ front end, ``router/server.py``)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
+from typing import Literal, NamedTuple
 
 from workers.protocol.logprobs import TokenLogprobs
 
@@ -14,9 +14,12 @@ FinishReason = Literal["stop", "length", "abort"]
 abort: aborted, cancelled or drained."""
 
 
-@dataclass(frozen=True)
-class Delta:
-    """New output since the previous event (possibly nothing, on a last event)."""
+class Delta(NamedTuple):
+    """New output since the previous event (possibly nothing, on a last event).
+
+    A NamedTuple, as ``GenerateEvent``: immutable like a frozen dataclass, and built in
+    under half its time (a frozen dataclass sets each field through ``object.__setattr__``);
+    the router builds one of each per streamed chunk."""
 
     token_ids: tuple[int, ...] = ()
     text: str = ""  # whole UTF-8 characters; stop strings withheld; "" without return_text
@@ -59,8 +62,7 @@ class Finish:
     timing: Timing | None = None  # when the request asked for it (output.return_timing)
 
 
-@dataclass(frozen=True)
-class GenerateEvent:
+class GenerateEvent(NamedTuple):
     """One message of a request's stream; exactly the last one has ``finish``."""
 
     request_id: str

@@ -29,6 +29,7 @@ the prefixes it asked a worker to export for another to pull (``router/peer_pref
 from __future__ import annotations
 
 import time
+from bisect import bisect_left
 
 from prometheus_client import Counter, Histogram
 
@@ -113,6 +114,13 @@ PEER_EXPORTS = Counter(
 )
 
 
+# The per-chunk series (generated tokens, inter-token latency) are counted in plain ints
+# and go into prometheus_client at most this long after: each of its updates takes a lock
+# (and in multiprocess mode writes a file's map), which per streamed token was 13% of the
+# router's CPU (bench/RESULTS.md). Every call's end flushes too.
+FLUSH_EVERY_S = 0.5
+
+
 class RouterMetrics:
     """The router's series for one served model; ``call()`` follows one Generate."""
 
@@ -125,9 +133,51 @@ class RouterMetrics:
         self.e2e = E2E.labels(*self.labels)
         self.prompt_tokens = PROMPT_TOKENS.labels(*self.labels)
         self.generation_tokens = GENERATION_TOKENS.labels(*self.labels)
+        self.num_tokens = 0  # generated tokens not in ``generation_tokens`` yet
+        self.itl_unflushed = Observations(self.itl)
+        self.flushed_at = time.monotonic()
 
     def call(self) -> CallMetrics:
         return CallMetrics(self)
+
+    def flush(self, now: float) -> None:
+        """Hand what the calls counted since the last flush to prometheus_client."""
+        if self.num_tokens:
+            self.generation_tokens.inc(self.num_tokens)
+            self.num_tokens = 0
+        self.itl_unflushed.flush()
+        self.flushed_at = now
+
+
+class Observations:
+    """A histogram's observations kept in plain numbers until ``flush`` adds them to it:
+    its buckets and sum as ``Histogram.observe`` would have left them."""
+
+    def __init__(self, histogram: Histogram):
+        self.histogram = histogram
+        # prometheus_client's own bounds, +Inf last (tests/test_private_apis.py).
+        self.bounds = tuple(histogram._upper_bounds)
+        self.counts = [0] * len(self.bounds)
+        self.sum = 0.0
+        self.num = 0
+
+    def observe(self, amount: float) -> None:
+        # The first bucket whose bound is >= amount, as Histogram.observe picks it.
+        self.counts[bisect_left(self.bounds, amount)] += 1
+        self.sum += amount
+        self.num += 1
+
+    def flush(self) -> None:
+        if not self.num:
+            return
+        buckets = self.histogram._buckets
+        for i, count in enumerate(self.counts):
+            if count:
+                buckets[i].inc(count)
+                self.counts[i] = 0
+        self.histogram._sum.inc(self.sum)
+        self.sum = 0.0
+        self.num = 0
 
 
 class CallMetrics:
@@ -145,15 +195,18 @@ class CallMetrics:
     def event(self, event: GenerateEvent) -> None:
         n = len(event.delta.token_ids)
         now = time.monotonic()
+        m = self.m
         if n:
             if self.num_tokens == 0:
                 self.first_token = now
-                self.m.ttft.observe(now - self.started)
+                m.ttft.observe(now - self.started)  # once per call: at once
             else:
-                self.m.itl.observe(now - self.last_chunk)
+                m.itl_unflushed.observe(now - self.last_chunk)
             self.last_chunk = now
             self.num_tokens += n
-            self.m.generation_tokens.inc(n)
+            m.num_tokens += n
+            if now - m.flushed_at >= FLUSH_EVERY_S:
+                m.flush(now)
         if event.finish is not None:
             self._final(event.finish, now)
 
@@ -185,3 +238,4 @@ class CallMetrics:
     def _done(self) -> None:
         self.is_done = True
         self.m.running.dec()
+        self.m.flush(time.monotonic())

@@ -20,10 +20,11 @@ import uuid
 from collections.abc import AsyncIterator, Sequence
 
 from router.errors import ErrorCode, RouterError
+from router.event_queue import EventQueue, Item
 from router.events import GenerateEvent
 from router.migration import WorkerLost, died
 from router.request_trace import RequestTrace
-from router.stream import RequestStream
+from router.stream import RequestStream, merge_events
 from router.tracing import NO_TRACE
 from router.workers import WorkerView, abort_on, decline
 from workers.protocol.wire import TokenEvent, WorkItem
@@ -39,7 +40,7 @@ class Pending:
     def __init__(self, stream: RequestStream, trace: RequestTrace = NO_TRACE):  # type: ignore[assignment]
         self.stream = stream
         self.trace = trace  # router/tracing.py; NO_TRACE when tracing is off
-        self.events: asyncio.Queue[tuple[str, TokenEvent | None]] = asyncio.Queue()
+        self.events = EventQueue()  # the router's intake puts, the stream reads
         self.owner: WorkerView | None = None  # the worker whose final event ends it there
         self.decode: WorkerView | None = None
         self.routed: list[WorkerView] = []  # the workers counting it (WorkerView.expect)
@@ -70,7 +71,7 @@ class Pending:
             view.end(request_id)
         self.routed.clear()
         self.owner = None
-        self.events = asyncio.Queue()  # the router looks the queue up per event
+        self.events = EventQueue()  # the router looks the queue up per event
         handles, self.unread_handles = self.unread_handles, ()
         return handles
 
@@ -124,44 +125,69 @@ class Pending:
                     yield stream.abort_event(), None
                     return
                 continue
-            if event.spans:  # the worker's part of the trace (its last event there)
-                self.trace.worker_spans(event.spans)
             if source != worker.name:
+                if event.spans:  # the previous owner's part of the trace
+                    self.trace.worker_spans(event.spans)
                 continue  # a late event from the previous owner
-            if event.token_ids:
-                worker.prefilled(stream.request_id)
-            if event.finished:
-                # Its end on this worker (a handle event ends the prefill worker's part).
-                worker.end(stream.request_id)
-                if not event.kv_handles:
-                    self.owner = None  # (a kv_streamed one: the decode worker's now)
-                if event.error and event.is_retryable:
-                    # Its engine loop died (the report that says so came with it), or a
-                    # KV transfer failed: not the request's fault.
-                    cause = "transfer_failed" if worker.is_alive else died(role)
-                    raise WorkerLost(worker.name, cause, event.error)
-                if event.error:
-                    # The worker's text may hold internals (paths, addresses, another
-                    # request's data): it goes to the log, the client gets an id to quote.
-                    error_id = uuid.uuid4().hex
-                    logger.error(
-                        "request %s failed on worker %s [error %s]: %s",
-                        stream.request_id,
-                        worker.name,
-                        error_id,
-                        event.error,
-                    )
-                    raise RouterError(
-                        ErrorCode.INTERNAL,
-                        f"the request failed on a worker (error {error_id}; the server's log "
-                        "has the details)",
-                    )
+            self._on_worker_event(worker, event)  # raises when it failed there
             if event.kv_handles or event.kv_streamed or event.kv_reservations:
                 yield None, event  # the hand-off's: the caller goes on with it
                 continue
-            yield stream.on_event(event), event
+            out = stream.on_event(event)
+            # Events that queued behind this one while the client's stream was busy (a
+            # router under load) go out with it as one chunk: the generators above and the
+            # front end's encoding then run once per chunk, not once per token (vLLM's
+            # output collector merges the same way). Idle, nothing is queued: one chunk
+            # per engine step, as before.
+            if not stream.is_finished and _is_plain(self.events.peek(), worker.name):
+                outs = [out] if out is not None else []
+                while not stream.is_finished and _is_plain(self.events.peek(), worker.name):
+                    event = self.events.get_nowait()[1]
+                    assert event is not None  # a plain one
+                    self._on_worker_event(worker, event)
+                    if (more := stream.on_event(event)) is not None:
+                        outs.append(more)
+                out = merge_events(outs) if outs else None
+            yield out, event
             if stream.is_finished:
                 return
+
+    def _on_worker_event(self, worker: WorkerView, event: TokenEvent) -> None:
+        """The worker side of one event of ``worker``, the request's current one: its
+        trace spans, its counts; WorkerLost or RouterError when the request failed there."""
+        stream = self.stream
+        if event.spans:  # the worker's part of the trace (its last event there)
+            self.trace.worker_spans(event.spans)
+        if event.token_ids:
+            worker.prefilled(stream.request_id)
+        if not event.finished:
+            return
+        # Its end on this worker (a handle event ends the prefill worker's part).
+        worker.end(stream.request_id)
+        if not event.kv_handles:
+            self.owner = None  # (a kv_streamed one: the decode worker's now)
+        if event.error and event.is_retryable:
+            # Its engine loop died (the report that says so came with it), or a KV
+            # transfer failed: not the request's fault.
+            role = worker.client.role
+            cause = "transfer_failed" if worker.is_alive else died(role)
+            raise WorkerLost(worker.name, cause, event.error)
+        if event.error:
+            # The worker's text may hold internals (paths, addresses, another request's
+            # data): it goes to the log, the client gets an id to quote.
+            error_id = uuid.uuid4().hex
+            logger.error(
+                "request %s failed on worker %s [error %s]: %s",
+                stream.request_id,
+                worker.name,
+                error_id,
+                event.error,
+            )
+            raise RouterError(
+                ErrorCode.INTERNAL,
+                f"the request failed on a worker (error {error_id}; the server's log has "
+                "the details)",
+            )
 
     async def _next_event(self) -> tuple[str, TokenEvent | None]:
         """The next event, within the request's deadlines; DEADLINE_EXCEEDED past them
@@ -171,7 +197,7 @@ class Pending:
         left = self.deadline - asyncio.get_running_loop().time()
         wait = min(left, self.idle_timeout_s)
         try:
-            return await asyncio.wait_for(self.events.get(), max(0.0, wait))
+            return await self.events.get(max(0.0, wait))
         except asyncio.TimeoutError:
             what = (
                 "its deadline (router.request_timeout_seconds)"
@@ -213,7 +239,7 @@ class Pending:
                     logger.warning("%s: no final event from %s", request_id, owner.name)
                     break
                 try:
-                    source, event = await asyncio.wait_for(self.events.get(), left)
+                    source, event = await self.events.get(left)
                 except asyncio.TimeoutError:
                     continue
                 if event is not None and event.spans:
@@ -226,3 +252,18 @@ class Pending:
         finally:
             for view in [*self.routed, *([self.owner] if self.owner else [])]:
                 view.end(request_id)
+
+
+def _is_plain(item: Item | None, worker: str) -> bool:
+    """Whether a queued item is a token event of ``worker`` that needs nothing but the
+    stream (no hand-off, no failure): one that can join the chunk being sent."""
+    if item is None or item[0] != worker:
+        return False
+    event = item[1]
+    return (
+        event is not None
+        and not event.error
+        and not event.kv_handles
+        and not event.kv_streamed
+        and not event.kv_reservations
+    )

@@ -32,6 +32,7 @@ from router.attempt import Attempts
 from router.config import RouterConfig
 from router.errors import ErrorCode, RouterError
 from router.events import GenerateEvent
+from router.group import RouterGroup
 from router.metrics import MIGRATIONS
 from router.migration import WorkerLost, check_limit, no_worker_left, reroute
 from router.observer import Background, LoadObserver
@@ -72,6 +73,11 @@ class Router:
         ``tracing`` no request is traced (router/tracing.py); without a ``provisioner`` the
         pools keep their size (``scaling`` is None; router/scaling.py)."""
         self.config = config
+        # The other router processes (router.processes > 1; ``join_group``). The workers'
+        # id of a request starts with this process's prefix then: two processes never hand
+        # a worker the same id, whatever ids their clients choose.
+        self.group: RouterGroup | None = None
+        self._id_prefix = ""
         self.tracing = tracing
         self.tokenizer = tokenizer
         self.prefill = [WorkerView(c) for c in prefill]
@@ -156,6 +162,8 @@ class Router:
         view.forget_all()  # their requests ended when the worker died
         view.is_alive = True
         self._listen(view)
+        if self.group is not None:  # the other processes open their channels to it too
+            await self.group.worker_joined(name, client.role)
 
     # Scaling's (router/scaling.py): a worker joins (routed to after its first healthy
     # report), a retired one leaves (its channel closes: no death), and past a drain's
@@ -166,9 +174,20 @@ class Router:
         (self.prefill if client.role == "prefill" else self.decode).append(view)
         self._by_name[view.name] = view
         self._listen(view)
+        if self.group is not None:
+            await self.group.worker_joined(view.name, client.role)
         return view
 
+    def join_group(self, group: RouterGroup) -> None:
+        """Before ``start``: this is one of several router processes (router/group.py)."""
+        self.group, self._id_prefix = group, group.id_prefix
+
+    def worker(self, name: str) -> WorkerView | None:
+        return self._by_name.get(name)
+
     def remove_worker(self, view: WorkerView) -> None:
+        if self.group is not None:
+            self.group.worker_left(view.name)
         view.is_alive = False
         view.client.close()
         pool = self.prefill if view.client.role == "prefill" else self.decode
@@ -241,7 +260,7 @@ class Router:
         """Validate and admit the request, then stream it (``generate``'s body)."""
         # Ids are per caller: another caller's request under the same id is neither in the
         # way nor told of (its existence is not this caller's business).
-        key = scoped_id(req.principal, request_id)
+        key = self._id_prefix + scoped_id(req.principal, request_id)
         if key in self._requests:
             raise RouterError(
                 ErrorCode.INVALID_ARGUMENT, f"request_id: {request_id!r} is already in use"
@@ -307,8 +326,19 @@ class Router:
         """Abort a request in flight; False if there is none with that id. A client's
         abort (``principal``: who asks, router/auth.py) ends only its own requests, and
         another's answers False as if there were none (None: the router's own, drain, by
-        the router's own id)."""
-        key = request_id if principal is None else scoped_id(principal, request_id)
+        the router's own id). With several router processes a client's abort that finds
+        nothing here is asked of the others (``router.processes``; router/group.py)."""
+        if await self.abort_here(request_id, principal):
+            return True
+        if principal is None or self.group is None:
+            return False
+        return await self.group.abort_elsewhere(request_id, principal)
+
+    async def abort_here(self, request_id: str, principal: str | None = None) -> bool:
+        """``abort`` in this router process only."""
+        key = (
+            request_id if principal is None else self._id_prefix + scoped_id(principal, request_id)
+        )
         pending = self._requests.get(key)
         if pending is None or pending.stream.is_finished:
             return False
@@ -403,7 +433,7 @@ class Router:
     def _on_batch(self, view: WorkerView, client: WorkerClient, batch: OutputBatch) -> None:
         if not view.is_alive or view.client is not client:
             return
-        view.update(batch.report)
+        view.update(batch.report, batch.events)
         if self.observer is not None:
             self.observer.batch(view, batch)
         for event in batch.events:

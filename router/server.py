@@ -315,13 +315,12 @@ def generate_response(event: events.GenerateEvent) -> pb.GenerateResponse:
 
 
 def _delta(delta: events.Delta) -> pb.Delta:
-    return pb.Delta(
-        token_ids=delta.token_ids,
-        text=delta.text,
-        logprobs=[_token_logprob(lp) for lp in delta.logprobs],
-        prompt_logprobs=[_token_logprob(lp) for lp in delta.prompt_logprobs or ()],
-        prompt_token_ids=delta.prompt_token_ids,
-    )
+    message = pb.Delta(token_ids=delta.token_ids, text=delta.text)
+    if delta.logprobs or delta.prompt_logprobs is not None:  # most chunks: neither (cheaper)
+        message.logprobs.extend(map(_token_logprob, delta.logprobs))
+        message.prompt_logprobs.extend(map(_token_logprob, delta.prompt_logprobs or ()))
+        message.prompt_token_ids.extend(delta.prompt_token_ids)
+    return message
 
 
 def _token_logprob(lp: TokenLogprobs) -> pb.TokenLogprob:
@@ -356,15 +355,17 @@ class Server:
         tp_pp: dict[str, tuple[int, int]] | None = None,
         keys: ApiKeys | None = None,
         tls: TlsFiles | None = None,
+        reuse_port: bool = False,
     ):
         """``keys``: the API keys every call of the inference service needs (router/auth.py);
-        ``tls``: serve over TLS (router/tls.py) instead of plaintext."""
+        ``tls``: serve over TLS (router/tls.py) instead of plaintext; ``reuse_port``:
+        share the port with the other router processes (SO_REUSEPORT, ``router.processes``)."""
         self.router = router
         self.server = grpc.aio.server(
             options=[
                 ("grpc.max_receive_message_length", _MAX_MESSAGE_BYTES),
                 ("grpc.max_send_message_length", _MAX_MESSAGE_BYTES),
-                ("grpc.so_reuseport", 0),
+                ("grpc.so_reuseport", int(reuse_port)),
             ]
         )
         add_servicer(InferenceServicer(router, tp_pp, keys), self.server)

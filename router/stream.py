@@ -10,6 +10,7 @@ decided by the worker's engine.
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from router.events import Delta, Finish, FinishReason, GenerateEvent, Timing, Usage
@@ -80,27 +81,31 @@ class RequestStream:
         """
         if self.is_finished:
             return None
-        if self.num_output_tokens == 0 and event.token_ids:
+        token_ids = event.token_ids
+        outputs = self.output_token_ids
+        if token_ids and not outputs:
             self.stamps.first_token = time.monotonic()
-        # A migrated request's worker may have found its earlier output cached too.
-        num_cached = min(event.num_cached_tokens, len(self.prompt_token_ids))
-        self.num_cached_tokens = max(self.num_cached_tokens, num_cached)
-        self.stamps.kv_transfer_seconds += event.kv_transfer_seconds
-        self.stamps.kv_transfer_bytes += event.kv_transfer_bytes
-        token_ids: list[int] = []
-        text_parts: list[str] = []
+        if event.num_cached_tokens:
+            # A migrated request's worker may have found its earlier output cached too.
+            num_cached = min(event.num_cached_tokens, len(self.prompt_token_ids))
+            self.num_cached_tokens = max(self.num_cached_tokens, num_cached)
+        if event.kv_transfer_seconds or event.kv_transfer_bytes:
+            self.stamps.kv_transfer_seconds += event.kv_transfer_seconds
+            self.stamps.kv_transfer_bytes += event.kv_transfer_bytes
         stop_string = None
-        for token_id in event.token_ids:
-            token_ids.append(token_id)
-            self.output_token_ids.append(token_id)
+        # Token by token, so that a stop string cuts at the token that completed it, and
+        # the text of whole characters goes out even when the last token ends mid-character.
+        step, min_tokens = self._detok.step, self.params.min_tokens
+        text = ""
+        for i, token_id in enumerate(token_ids):
+            outputs.append(token_id)
             # Stop strings count once min_tokens are out, as in the engine.
-            check_stop = self.num_output_tokens >= self.params.min_tokens
-            step = self._detok.step([token_id], check_stop=check_stop)
-            text_parts.append(step.text)
-            if step.stop_matched is not None:
-                stop_string = step.stop_matched
+            released = step((token_id,), len(outputs) >= min_tokens)
+            text += released.text
+            if released.stop_matched is not None:
+                stop_string = released.stop_matched
+                token_ids = token_ids[: i + 1]
                 break
-        text = "".join(text_parts)
         prompt = None
         if event.prompt_logprobs is not None and not self.has_sent_prompt_logprobs:
             prompt, self.has_sent_prompt_logprobs = event.prompt_logprobs, True
@@ -123,13 +128,18 @@ class RequestStream:
     # ---- building events --------------------------------------------------------------
     def _delta(
         self,
-        token_ids: list[int],
+        token_ids: Sequence[int],
         text: str,
-        logprobs: tuple[TokenLogprobs, ...] | None,
+        logprobs: Sequence[TokenLogprobs] | None,
         prompt_logprobs: tuple[TokenLogprobs, ...] | None = None,
     ) -> Delta:
         # A stop string can end the output before the event's last token: its logprobs go too.
-        kept = tuple(logprobs[: len(token_ids)]) if logprobs is not None else ()
+        if not logprobs:
+            kept: tuple[TokenLogprobs, ...] = ()
+        elif len(logprobs) > len(token_ids):
+            kept = tuple(logprobs[: len(token_ids)])
+        else:
+            kept = tuple(logprobs)
         text = text if self.return_text else ""
         if prompt_logprobs is None:
             return Delta(tuple(token_ids), text, kept)
@@ -173,3 +183,20 @@ class RequestStream:
             prefill_worker=t.prefill_worker,
             decode_worker=t.decode_worker,
         )
+
+
+def merge_events(events: Sequence[GenerateEvent]) -> GenerateEvent:
+    """Consecutive events of one request as one: their tokens, text and logprobs in order,
+    the prompt's logprobs of the one that has them, the last one's Finish."""
+    if len(events) == 1:
+        return events[0]
+    deltas = [e.delta for e in events]
+    prompt = next((d for d in deltas if d.prompt_logprobs is not None), None)
+    delta = Delta(
+        tuple(t for d in deltas for t in d.token_ids),
+        "".join(d.text for d in deltas),
+        tuple(lp for d in deltas for lp in d.logprobs),
+        prompt.prompt_logprobs if prompt is not None else None,
+        prompt.prompt_token_ids if prompt is not None else (),
+    )
+    return GenerateEvent(events[-1].request_id, delta, events[-1].finish)

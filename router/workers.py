@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from router.policy import WorkerState
-from workers.protocol.wire import OutputBatch, WorkerReport, WorkItem
+from workers.protocol.wire import OutputBatch, TokenEvent, WorkerReport, WorkItem
 
 logger = logging.getLogger(__name__)
 
@@ -88,14 +88,32 @@ class WorkerView:
     error: str = ""  # why the worker was declared dead
     active: set[str] = field(default_factory=set)  # request ids sent and not yet finished
     routed: dict[str, Expected] = field(default_factory=dict)
+    # With the last report: how many requests were ``active`` and the batch's events.
+    # The report's load less those of them it still counted is the other router
+    # processes' (``router.processes``; ``num_mine_reported``).
+    num_active_at_report: int = 0
+    last_events: Sequence[TokenEvent] = ()
 
     @property
     def name(self) -> str:
         return self.client.name
 
-    def update(self, report: WorkerReport) -> None:
+    def update(self, report: WorkerReport, events: Sequence[TokenEvent] = ()) -> None:
+        """A batch came: its report, and ``events`` (this router's requests' only: with
+        several router processes each gets its own requests' events, every report)."""
         self._apply_events(report)
         self.report = report
+        # Per batch only what is O(1): the count is made when the policy asks (per
+        # request, far rarer than batches).
+        self.num_active_at_report, self.last_events = len(self.active), events
+
+    @property
+    def num_mine_reported(self) -> int:
+        """How many of this router's requests the last report counted, as far as it can
+        tell: the report was built after the batch's final events, which no longer count
+        (a router's channel carries its own requests' events only)."""
+        num_ended = sum(1 for e in self.last_events if e.finished)
+        return max(0, self.num_active_at_report - num_ended)
 
     def _apply_events(self, report: WorkerReport) -> None:
         seq = report.kv_events_seq
@@ -152,6 +170,7 @@ class WorkerView:
         """The worker died or was replaced: nothing routed to it runs there any more."""
         self.active.clear()
         self.routed.clear()
+        self.num_active_at_report, self.last_events = 0, ()
 
     def state(self) -> WorkerState:
         """The policy's view: the worker's report, plus what the router routed since."""
@@ -159,9 +178,16 @@ class WorkerView:
         incoming = [e for rid, e in self.routed.items() if rid not in self.active]
         submitted = [e for rid, e in self.routed.items() if rid in self.active]
         # The router's own count is fresher than the last report under a burst; the
-        # report knows better once it has caught up (blocks grow with the output).
+        # report knows better once it has caught up (blocks grow with the output). With
+        # several router processes the report also holds the others' requests: those are
+        # the report's load less this router's share of it, and this router's own are
+        # counted now (reconciled with every report, at least every HEARTBEAT_S).
         num_waiting = report.num_waiting if report else 0
-        num_running = max(len(self.active) - num_waiting, report.num_running if report else 0)
+        num_reported = report.num_running + num_waiting if report else 0
+        num_others = max(0, num_reported - self.num_mine_reported)
+        num_running = max(
+            len(self.active) + num_others - num_waiting, report.num_running if report else 0
+        )
         used = max(report.kv_blocks_used if report else 0, sum(e.num_blocks for e in submitted))
         return WorkerState(
             name=self.name,

@@ -131,6 +131,25 @@ def test_uvicorn_config_load_sets_the_lifespan_class() -> None:
     assert inspect.isclass(config.lifespan_class), "uvicorn.Config.load() no longer sets it"
 
 
+def test_prometheus_histogram_children_keep_bounds_buckets_and_sum() -> None:
+    """``router/metrics.py`` (``Observations``) adds a histogram's batched observations
+    straight to a child's ``_buckets[i]`` and ``_sum``, picked by ``_upper_bounds``: three
+    instance attributes, so checked on an instance."""
+    from prometheus_client import Histogram
+
+    histogram = Histogram("private_api_check", "", ["l"], buckets=(1.0, 2.0), registry=None)
+    child = histogram.labels("x")
+    assert list(child._upper_bounds) == [1.0, 2.0, float("inf")]
+    child._buckets[1].inc(2)
+    child._sum.inc(3.0)
+    (family,) = histogram.collect()
+    samples = {(s.name, s.labels.get("le")): s.value for s in family.samples}
+    assert samples[("private_api_check_bucket", "1.0")] == 0
+    assert samples[("private_api_check_bucket", "2.0")] == 2  # cumulative, as exported
+    assert samples[("private_api_check_count", None)] == 2
+    assert samples[("private_api_check_sum", None)] == 3.0
+
+
 def test_the_checker_fails_for_a_missing_name() -> None:
     with pytest.raises(AttributeError):
         resolve("uvicorn:Server.no_such_method")

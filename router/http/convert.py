@@ -268,8 +268,10 @@ def _content(content) -> str:
 
 
 def token_text(tokenizer: Tokenizer, token_id: int) -> str:
-    """One token's text, special tokens included (a partial UTF-8 character shows as U+FFFD)."""
-    return tokenizer.decode([token_id], skip_special_tokens=False)
+    """One token's text, special tokens included (a partial UTF-8 character shows as U+FFFD).
+    Decoded once per id and process (``Tokenizer.token_text`` caches it): logprobs name
+    every token and its top-k at every step, mostly the same few ids."""
+    return tokenizer.token_text(token_id, skip_special_tokens=False)
 
 
 def completion_logprobs(

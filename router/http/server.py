@@ -38,6 +38,7 @@ class HttpServer:
         max_body_bytes: int = MAX_BODY_BYTES,
         version: str = "0.0.0",
         admin_key: AdminKey | None = None,
+        reuse_port: bool = False,
     ):
         app = create_app(
             router,
@@ -48,7 +49,10 @@ class HttpServer:
             admin_key=admin_key,
         )
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
-        self.socket = socket.create_server((host, port), family=family, backlog=2048)
+        # reuse_port: the other router processes serve this port too (router.processes).
+        self.socket = socket.create_server(
+            (host, port), family=family, backlog=2048, reuse_port=reuse_port
+        )
         self.port = self.socket.getsockname()[1]
         self.address = f"[{host}]:{self.port}" if ":" in host else f"{host}:{self.port}"
         config = uvicorn.Config(

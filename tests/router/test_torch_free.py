@@ -31,6 +31,9 @@ TORCH_FREE = (
     "cluster.bringup",
     "cluster.replicas",
     "cluster.restart",
+    # router.processes > 1: the other router processes and their link to the first.
+    "cluster.router_process",
+    "cluster.router_hub",
     "workers.models.arch_config",
     "workers.models.rank_layout",
 )

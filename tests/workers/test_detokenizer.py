@@ -344,3 +344,15 @@ def test_stop_strings_cut_at_the_first_match(byte_level, words, stops, chunks):
         end, neg_len, stop = min(ends)
         assert detok.stop_matched == stop
         assert text == completion[: end + neg_len]
+
+
+@pytest.mark.parametrize("skip", [True, False])
+def test_token_text_is_the_decode_of_the_token_alone(byte_level, metaspace, skip):
+    """The cached single-token text the detokenizer's prefix uses: ``decode([id])`` for
+    every id (special tokens, byte pieces, leading-space pieces), under either setting."""
+    for tok in (byte_level, metaspace):
+        for token_id in range(tok.vocab_size):
+            expected = tok.backend.decode([token_id], skip_special_tokens=skip)
+            assert tok.token_text(token_id, skip) == expected
+            assert tok.token_text(token_id, skip) == expected  # from the cache
+        assert tok.token_text(1, True) == "" and tok.token_text(1, False) != ""  # special

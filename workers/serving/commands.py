@@ -19,6 +19,7 @@ class Submit:
     """Router: admit a request (prefill, decode with P's handles, or full)."""
 
     item: WorkItem
+    router: int = 0  # the router process whose event channel gets its events
 
 
 @dataclass(frozen=True)
@@ -40,6 +41,7 @@ class Attach:
     """Router: push every batch of events (and the heartbeat report) into ``sink``."""
 
     sink: Sink
+    router: int = 0  # which router process's channel (one sink each)
 
 
 @dataclass(frozen=True)

@@ -63,7 +63,7 @@ class WorkerActor:
     def __init__(self, spec_bytes: bytes):
         self.spec = WorkerSpec.from_bytes(spec_bytes)
         self.service = None
-        self._sender: ChannelSender | None = None
+        self._senders: dict[int, ChannelSender] = {}  # router process -> its event channel
 
     def rendezvous(self) -> list:
         """[address, port] where the replica's ranks join rank 0's process group."""
@@ -158,9 +158,10 @@ class WorkerActor:
             return f"{type(exc).__name__}: {exc}"
         return ""
 
-    def submit(self, item: bytes) -> str:
+    def submit(self, item: bytes, router: int = 0) -> str:
+        """Queue a work item; its events go to router process ``router``'s channel."""
         try:
-            self.service.submit(decode_as(item, WorkItem))
+            self.service.submit(decode_as(item, WorkItem), router)
         except Exception as exc:
             return f"{type(exc).__name__}: {exc}"
         return ""
@@ -179,21 +180,24 @@ class WorkerActor:
             return f"{type(exc).__name__}: {exc}"
         return ""
 
-    def open_channel(self, host: str, port: int, token: str, cert_pem: bytes | None = None) -> str:
-        """Connect to the router's event channel and push every batch there from now on
-        (over TLS, trusting only ``cert_pem``, when the router gives one)."""
+    def open_channel(
+        self, host: str, port: int, token: str, cert_pem: bytes | None = None, router: int = 0
+    ) -> str:
+        """Connect to router process ``router``'s event channel and push its batches there
+        from now on (over TLS, trusting only ``cert_pem``, when the router gives one)."""
         try:
             sender = ChannelSender(host, port, self.spec.name, token, cert_pem)
         except Exception as exc:
             return f"{type(exc).__name__}: {exc}"
         try:
-            self.service.attach(sender.send)
+            self.service.attach(sender.send, router)
         except Exception as exc:  # the engine loop has failed
             sender.close()
             return f"{type(exc).__name__}: {exc}"
-        if self._sender is not None:
-            self._sender.close()
-        self._sender = sender
+        old = self._senders.pop(router, None)
+        if old is not None:
+            old.close()
+        self._senders[router] = sender
         return ""
 
     def stop(self) -> str:
@@ -201,8 +205,8 @@ class WorkerActor:
 
         if self.service is not None:
             self.service.stop()  # the other ranks get their stop command from its loop
-        if self._sender is not None:
-            self._sender.close()
+        for sender in self._senders.values():
+            sender.close()
         leave_replica()
         return ""
 
@@ -221,15 +225,22 @@ class RayWorkerClient:
         listener = self._listener
         await listener.start()
         future = listener.expect(self.name)
-        error = await self._actor.open_channel.remote(
+        error = await self.open_channel(
             listener.host, listener.port, listener.token, listener.cert_pem
         )
         if error:
             raise ConnectionError(f"worker {self.name} cannot open its event channel: {error}")
         self._channel = await listener.accepted(self.name, future)
 
-    async def submit(self, item: WorkItem) -> None:
-        error = await self._actor.submit.remote(encode(item))
+    async def open_channel(
+        self, host: str, port: int, token: str, cert_pem: bytes | None, router: int = 0
+    ) -> str:
+        """Have the worker connect to router process ``router``'s listener; "" or why not."""
+        return await self._actor.open_channel.remote(host, port, token, cert_pem, router)
+
+    async def submit(self, item: WorkItem, router: int = 0) -> None:
+        """``router``: the router process that gets its events (router.processes)."""
+        error = await self._actor.submit.remote(encode(item), router)
         if error:
             raise RuntimeError(f"worker {self.name} refused {item.request_id}: {error}")
 

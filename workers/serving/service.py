@@ -35,6 +35,7 @@ from workers.serving.events import failed_event
 from workers.serving.handoff_transport import HandoffTransport
 from workers.serving.layerwise_stats import LayerwiseStats
 from workers.serving.metrics import WorkerMetrics
+from workers.serving.sinks import Sinks
 from workers.serving.stream_transport import StreamTransport
 from workers.serving.tracing import WorkerTraces
 from workers.serving.worker_report import ReportBuilder
@@ -69,7 +70,7 @@ class EngineService:
         self._reports = ReportBuilder(engine, name, role)  # loop thread only
         self._stopping = False
         self._failed: str | None = None
-        self._sink: Sink | None = None  # loop thread only
+        self._sinks = Sinks()  # loop thread only: one per router process
         self._sent_at = 0.0
         self.metrics = metrics or WorkerMetrics(role, "", name)
         self.traces = WorkerTraces(name, role)  # loop thread only
@@ -94,15 +95,16 @@ class EngineService:
             self.traces,
         )
         self.stream = self.transport.stream = StreamTransport(  # loop thread only
-            engine, self.connector, self._layerwise_stats(), self._wake.set, self.metrics
+            engine, self.connector, self._layerwise_stats(), self._wake.set, self.metrics, self.kv
         )
         self._leases: dict[str, tuple[float, int]] = {}  # prefill: link numbers
         self._thread = threading.Thread(target=self._loop, name=f"engine-{name}", daemon=True)
         self._thread.start()
 
     # ---- any thread --------------------------------------------------------------------
-    def submit(self, item: WorkItem) -> None:
-        self._command(Submit(item))
+    def submit(self, item: WorkItem, router: int = 0) -> None:
+        """Queue ``item``; its events go to router process ``router``'s sink (0: the first)."""
+        self._command(Submit(item, router))
 
     def abort(self, request_id: str) -> None:
         self._command(Abort(request_id))
@@ -111,14 +113,17 @@ class EngineService:
         """Decode side, for a request aborted before it reached this worker: free P's blocks."""
         self._command(Decline(tuple(handles)))
 
-    def attach(self, sink: Sink) -> None:
-        """From now on the loop calls ``sink`` on its own thread with every batch of events,
-        and with its report at least every ``HEARTBEAT_S``; what came before goes first.
+    def attach(self, sink: Sink, router: int = 0) -> None:
+        """From now on the loop calls ``sink`` on its own thread with the events of the
+        requests router process ``router`` submitted, and with its report at least every
+        ``HEARTBEAT_S`` (every sink gets every report: each router sees the whole load and
+        cache); a new sink for ``router`` replaces its old one. Router 0's sink also gets
+        what came before it attached.
 
-        The report carries the cached block hashes only when they changed since the sink's
-        last batch. A sink that raises is dropped (the router sees its channel close).
+        A sink that raises is dropped (the router sees its channel close), and the
+        requests of its router are aborted here: nobody would read their tokens.
         """
-        self._command(Attach(sink))
+        self._command(Attach(sink, router))
 
     def stop(self, timeout_s: float = 10.0) -> None:
         """Abort everything, release every lease, stop the loop."""
@@ -146,20 +151,13 @@ class EngineService:
                 )
 
     def _layerwise_stats(self) -> LayerwiseStats | None:
-        """Prefill with kv_transfer.layerwise auto or on, one rank on both sides: the
-        numbers the layer-wise hand-off is chosen from (workers/serving/layerwise_stats.py)."""
-        kv, engine = self.kv, self.engine
+        """Prefill with kv_transfer.layerwise auto or on (any TP/PP on either side: every
+        rank streams its part, ``ReplicaKV``): the numbers the layer-wise hand-off is
+        chosen from, rank 0's (workers/serving/layerwise_stats.py)."""
+        engine = self.engine
         config = getattr(self.connector, "config", None)
         mode = getattr(config, "layerwise", "off")
         if self.role != "prefill" or self.connector is None or mode not in ("auto", "on"):
-            return None
-        if (kv.world_size, kv.dst_tp_size, kv.dst_pp_size) != (1, 1, 1):
-            # The follower ranks run no layer hook yet (docs/kvtransfer.md, "Not done yet").
-            logger.warning(
-                "%s: kv_transfer.layerwise %s ignored: a TP/PP pair (world %d, decode TP %d, "
-                "PP %d) keeps the whole-request hand-off",
-                self.name, mode, kv.world_size, kv.dst_tp_size, kv.dst_pp_size,
-            )  # fmt: skip
             return None
         cache = engine.kv_cache
         stats = LayerwiseStats(
@@ -207,7 +205,7 @@ class EngineService:
                 self._publish(self._leased(self.transport.offered()))
                 self._publish(self.stream.take_events())  # layer-wise reservations
                 self._reports.refresh()
-                if self._sink is not None and time.monotonic() - self._sent_at >= HEARTBEAT_S:
+                if self._sinks and time.monotonic() - self._sent_at >= HEARTBEAT_S:
                     self._send(())
                 if not did_work:
                     self._wake.wait(min(_IDLE_WAIT_S, self.kv.wait_hint() or _IDLE_WAIT_S))
@@ -225,7 +223,7 @@ class EngineService:
         rids |= set(self.engine.handoff.ids(HandoffState.DECLINING))  # finals not out yet
         why = f"worker {self.name} failed: {error}"
         events = [failed_event(rid, 0, why, is_retryable=True) for rid in rids]
-        if self._sink is not None:
+        if self._sinks:
             self._send(events)  # even with no events: the report says the loop is dead
         else:
             self._events.extend(events)
@@ -243,7 +241,8 @@ class EngineService:
 
     def _run(self, command: Command) -> None:
         match command:
-            case Submit(item):
+            case Submit(item, router):
+                self._sinks.own(item.request_id, router)
                 self._admit(item)
             case Abort(request_id):
                 self._abort(request_id)
@@ -252,10 +251,13 @@ class EngineService:
                 self._lease_ended(request_id, reason)
             case Decline(handles):
                 self._decline(handles)
-            case Attach(sink):
-                self._sink = sink
-                self._reports.resend()  # a new receiver knows none yet
-                events, self._events = self._events, []
+            case Attach(sink, router):
+                for rid in self._sinks.attach(router, sink):
+                    self._abort(rid)
+                self._reports.resend()  # a new receiver knows none yet (a snapshot to all)
+                events = []
+                if router == 0:
+                    events, self._events = self._events, []
                 self._send(events)
             case _:
                 raise TypeError(f"unknown command {command!r}")
@@ -355,7 +357,7 @@ class EngineService:
     def _publish(self, events: list[TokenEvent]) -> None:
         if not events:
             return
-        if self._sink is not None:
+        if self._sinks:
             self._send(events)
         else:
             self._events.extend(events)
@@ -365,12 +367,15 @@ class EngineService:
         failed = self._failed
         report = self._reports.next(healthy=not (self._stopping or failed), error=failed or "")
         self.metrics.report(report)
-        try:
-            self._sink(OutputBatch(tuple(events), report))  # type: ignore[misc]
-        except Exception:
-            logger.exception("%s: the event sink failed; dropping it", self.name)
-            self._sink = None
-            return
+        for router, sink, mine in self._sinks.split(events, report, time.monotonic()):
+            try:
+                sink(OutputBatch(mine, report))
+            except Exception:
+                logger.exception(
+                    "%s: router %d's event sink failed; dropping it", self.name, router
+                )
+                for rid in self._sinks.drop(router):  # its router is gone: stop its work
+                    self._abort(rid)
         self._sent_at = time.monotonic()
 
     def _shutdown_requests(self) -> None:

@@ -6,7 +6,12 @@ several byte-level tokens (decoding a part gives U+FFFD), and SentencePiece-styl
 step decodes a short window of ids twice — the already-emitted ``prefix`` window and
 the same window plus the new ids — and emits the difference, only once it no longer
 ends in U+FFFD (the classic prefix/read-offset algorithm of HF TGI and vLLM). The
-window starts in the prompt's tail so the first generated token keeps its space.
+window starts in the prompt's tail so the first generated token keeps its space. The
+prefix is usually the one token the previous step emitted, whose text the tokenizer
+caches (``Tokenizer.token_text``): one tokenizer call per token, not two. A window
+that grows instead of sliding was measured and not used: a call's cost grows with its
+ids (0.3 us for 1, 0.8 for 2, 2.9 for 16 with the test tokenizer), so two short calls
+cost less than one long one.
 
 ``tokenizers.decoders.DecodeStream`` (which does accept prefill ids) was measured and
 not used: when the prompt ends inside a character it emits the prompt's tail text as
@@ -21,7 +26,7 @@ string itself is never emitted. Used by the router (one instance per request).
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from typing import NamedTuple
 
 from workers.text.tokenizer import Tokenizer
 
@@ -33,9 +38,9 @@ _NUM_CONTEXT_TOKENS = 6
 _MAX_INCOMPLETE_TOKENS = 3
 
 
-@dataclass(frozen=True)
-class DetokenizerDelta:
-    """What one ``step`` released."""
+class DetokenizerDelta(NamedTuple):
+    """What one ``step`` released (a NamedTuple: one per token, built in half a frozen
+    dataclass's time)."""
 
     text: str
     """Newly emitted text (may be empty: held back or nothing decodable yet)."""
@@ -114,6 +119,8 @@ class IncrementalDetokenizer:
     # -- decoding ---------------------------------------------------------------------
 
     def _decode(self, ids: list[int]) -> str:
+        if len(ids) == 1:  # most prefixes: the one token the last step emitted (cached)
+            return self._tokenizer.token_text(ids[0], self._skip_special_tokens)
         return self._tokenizer.backend.decode(ids, skip_special_tokens=self._skip_special_tokens)
 
     def _context_ids(self, tail: list[int]) -> list[int]:
@@ -153,6 +160,10 @@ class IncrementalDetokenizer:
     # -- stop strings -----------------------------------------------------------------
 
     def _release(self, new_text: str, final: bool, check_stop: bool = True) -> DetokenizerDelta:
+        if not self._stop:  # nothing to match or hold back
+            if new_text:
+                self._text_parts.append(new_text)
+            return DetokenizerDelta(new_text)
         text = self._held + new_text
         match = self._find_stop(text) if check_stop else None
         if match is not None:

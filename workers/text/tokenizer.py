@@ -36,6 +36,8 @@ class Tokenizer:
         self.all_special_ids: frozenset[int] = frozenset(
             token_id for token_id, token in added.items() if token.special
         )
+        # decode([id]) per skip_special_tokens, filled as ids are seen (at most the vocab).
+        self._token_texts: dict[bool, dict[int, str]] = {True: {}, False: {}}
 
     @classmethod
     def from_dir(cls, model_dir: str | Path) -> Tokenizer:
@@ -83,6 +85,16 @@ class Tokenizer:
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         """Text of ``ids`` (invalid or incomplete UTF-8 shows as U+FFFD)."""
         return self.backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    def token_text(self, token_id: int, skip_special_tokens: bool = True) -> str:
+        """``decode([token_id])``, cached: the router's detokenizer needs one token's text
+        on its own at nearly every step, and a lookup costs a fraction of a decode call."""
+        cache = self._token_texts[skip_special_tokens]
+        text = cache.get(token_id)
+        if text is None:
+            text = self.backend.decode([token_id], skip_special_tokens=skip_special_tokens)
+            cache[token_id] = text
+        return text
 
     def token_to_id(self, token: str) -> int | None:
         return self.backend.token_to_id(token)
