@@ -30,6 +30,7 @@ def compile_only(arch: int, hidden: int) -> None:
     from kernels import triton_int4_linear as int4
     from kernels import triton_kv_store as kv
     from kernels import triton_mla_decode as mla
+    from kernels import triton_mla_prefill as mla_pre
     from kernels import triton_moe as moe
     from kernels import triton_paged_decode as dec
     from kernels import triton_prefill_attention as pre
@@ -180,3 +181,13 @@ def compile_only(arch: int, hidden: int) -> None:
             cache = "*u8" if is_fp8 else ""  # an FP8 latent cache: packed uint8 rows
             result = usage(mla._mla_decode_kernel, dtype, constants, warps, 2, kv_ptr=cache)
             print(f"| mla decode | {dtype} | {config} | {result} |")
+        # MLA prefill chunks on the latent cache: (token, head) rows by positions.
+        block_m, block_n, warps = mla_pre.launch_config(torch_dtype)
+        for is_fp8 in fp8_rows:
+            constants = dict(RANK=512, RANK_PAD=512, ROPE=64, ROPE_PAD=64, BLOCK_SIZE=16)
+            constants |= dict(BLOCK_M=block_m, BLOCK_N=block_n, DOT_PRECISION=precision)
+            constants |= dict(IS_FP8=is_fp8)
+            config = f"R=512 P=64 fp8={is_fp8} {block_m}x{block_n} warps={warps}"
+            cache = "*u8" if is_fp8 else ""
+            result = usage(mla_pre._mla_prefill_kernel, dtype, constants, warps, 2, kv_ptr=cache)
+            print(f"| mla prefill | {dtype} | {config} | {result} |")

@@ -60,6 +60,10 @@ class KernelOps:
     # Multi-head latent attention's decodes on the latent cache (kernels/mla_attention.py;
     # the Triton set's: kernels/triton_mla_decode.py).
     mla_decode_attention: Callable[..., torch.Tensor] = mla_decode_attention
+    # Its prefill chunks on the latent rows, absorbed (kernels/triton_mla_prefill.py); None:
+    # the layer expands each chunk in PyTorch (workers/models/mla.py), the cheaper form on
+    # CPU for long chunks and the arithmetic transformers does.
+    mla_prefill_attention: Callable[..., torch.Tensor] | None = None
     is_triton: bool = False  # the Triton set (CUDA, or its interpreter in tests)
     # The C++ CPU set (kernels/csrc): its norms, SiLU and decode attention are the ones the
     # C++ layer stack (workers/models/fused_decode.py) computes with, so the two agree bitwise.
@@ -91,6 +95,7 @@ def triton_kernel_ops() -> KernelOps:
             triton_attention,
             triton_kv_store,
             triton_mla_decode,
+            triton_mla_prefill,
             triton_moe,
             triton_rms_norm,
             triton_rotary,
@@ -109,6 +114,7 @@ def triton_kernel_ops() -> KernelOps:
         paged_attention=triton_attention.paged_attention,
         fused_moe=triton_moe.fused_moe,
         mla_decode_attention=triton_mla_decode.mla_decode_attention,
+        mla_prefill_attention=triton_mla_prefill.mla_prefill_attention,
         is_triton=True,
     )
 

@@ -24,7 +24,9 @@ Decode attends on the latents directly (the "absorbed" form): a query already mu
 into latent space, ``q = cat(q_nope @ W_UK, q_pe)`` [N, H, R + P], scores every cached row
 (``q . row`` = ``q_nope . k_nope + q_pe . k_pe``), and the output is the weighted sum of the
 rows' first ``R`` values, ``[N, H, R]``, which the model takes through ``W_UV``. Prefill
-gathers a sequence's rows (:func:`gather_latent`) and expands them (workers/models/mla.py).
+chunks either gather a sequence's rows (:func:`gather_latent`) and expand them
+(workers/models/mla.py), or attend on the rows in the same absorbed form, causally
+(:func:`mla_prefill_attention`: the definition the Triton prefill kernel is tested against).
 Like ``kernels/paged_attention.py``, decodes gather whole blocks padded to the group's
 longest context and mask the rest; the engine zero-fills the cache so masked slots are
 finite.
@@ -165,4 +167,41 @@ def mla_decode_attention(
                 kv_lora_rank,
             ),
         )
+    return out
+
+
+def mla_prefill_attention(
+    q: torch.Tensor,
+    latent_cache: torch.Tensor,
+    metadata: AttentionMetadata,
+    scale: float,
+    kv_lora_rank: int,
+) -> torch.Tensor:
+    """The batch's extends (the sequences after its ``num_decodes`` decodes: prefill chunks,
+    a cached prefix visible) attending causally on their cached latents in the absorbed
+    form: ``q`` [num_extend_tokens, H, R + P], the extends' queries in batch order ->
+    [num_extend_tokens, H, R]. Query ``i`` of a chunk of ``q_len`` in a context of
+    ``seq_len`` sits at position ``seq_len - q_len + i`` and sees the rows up to it
+    (bottom-right aligned). Reads the cache only; the chunks' own rows must be stored."""
+    width = q.shape[2]
+    if width != latent_width(latent_cache) or not 0 < kv_lora_rank < width:
+        raise ValueError(
+            f"mla_prefill_attention: query width {width}, cache row {latent_cache.shape[2]}, "
+            f"kv_lora_rank {kv_lora_rank}"
+        )
+    query_lens = metadata.query_lens_cpu[metadata.num_decodes :]
+    if q.shape[0] != sum(query_lens):
+        raise ValueError(f"{q.shape[0]} queries for {sum(query_lens)} extend tokens")
+    out = q.new_empty(q.shape[0], q.shape[1], kv_lora_rank)
+    start = 0
+    for seq_idx in range(metadata.num_decodes, metadata.num_seqs):
+        query_len, seq_len = metadata.query_lens_cpu[seq_idx], metadata.seq_lens_cpu[seq_idx]
+        rows = gather_latent(latent_cache, metadata.block_tables[seq_idx], seq_len, q.dtype)
+        chunk = q[start : start + query_len].transpose(0, 1)  # [H, q, R + P]
+        scores = torch.matmul(chunk, rows.T).mul_(scale)  # [H, q, S]
+        ctx = torch.arange(seq_len, device=q.device)
+        beyond = ctx[None, :] > ctx[seq_len - query_len :, None]  # [q, S]: causal
+        probs = torch.softmax(scores.masked_fill_(beyond, float("-inf")), dim=-1)
+        out[start : start + query_len] = torch.matmul(probs, rows[:, :kv_lora_rank]).transpose(0, 1)
+        start += query_len
     return out

@@ -37,6 +37,43 @@ _BLOCK_H = 16  # query heads per program (tl.dot's smallest M)
 
 
 @triton.jit
+def load_latent_tile(
+    cache_ptr,
+    table_ptr,
+    pos,
+    is_valid,
+    r,
+    p,
+    stride_c_block,
+    stride_c_tok,
+    RANK: tl.constexpr,
+    ROPE: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    IS_FP8: tl.constexpr,
+):
+    """The cached rows at positions ``pos`` of one sequence (``table_ptr``: its block table)
+    as ``(c_kv [BLOCK_N, RANK_PAD], k_pe [BLOCK_N, ROPE_PAD])``: the cache's dtype, or
+    float32 from an FP8 row (its values times its scale). Positions where ``is_valid`` is
+    false, and the padding of R and P, read 0. Shared with ``triton_mla_prefill``."""
+    block_ids = tl.load(table_ptr + pos // BLOCK_SIZE, mask=is_valid, other=0).to(tl.int64)
+    rows = cache_ptr + block_ids * stride_c_block + (pos % BLOCK_SIZE) * stride_c_tok
+    c_mask = is_valid[:, None] & (r < RANK)[None, :]
+    p_mask = is_valid[:, None] & (p < ROPE)[None, :]
+    if IS_FP8:  # bytes: R + P float8_e4m3fn values, then the row's float32 scale
+        row_scale = tl.load(
+            (rows + RANK + ROPE).to(tl.pointer_type(tl.float32)), mask=is_valid, other=0.0
+        )[:, None]
+        c_raw = tl.load(rows[:, None] + r[None, :], mask=c_mask, other=0)
+        c_kv = c_raw.to(tl.float8e4nv, bitcast=True).to(tl.float32) * row_scale
+        p_raw = tl.load(rows[:, None] + RANK + p[None, :], mask=p_mask, other=0)
+        k_pe = p_raw.to(tl.float8e4nv, bitcast=True).to(tl.float32) * row_scale
+    else:
+        c_kv = tl.load(rows[:, None] + r[None, :], mask=c_mask, other=0.0)
+        k_pe = tl.load(rows[:, None] + RANK + p[None, :], mask=p_mask, other=0.0)
+    return c_kv, k_pe
+
+
+@triton.jit
 def _mla_decode_kernel(
     q_ptr,
     cache_ptr,
@@ -95,27 +132,11 @@ def _mla_decode_kernel(
     for start in range(lo, hi, BLOCK_N):
         pos = start + tl.arange(0, BLOCK_N)
         is_valid = pos < hi
-        block_ids = tl.load(table_ptr + pos // BLOCK_SIZE, mask=is_valid, other=0).to(tl.int64)
-        rows = cache_ptr + block_ids * stride_c_block + (pos % BLOCK_SIZE) * stride_c_tok
-        c_mask = is_valid[:, None] & r_mask[None, :]
-        p_tile_mask = is_valid[:, None] & p_mask[None, :]
-        if IS_FP8:  # bytes: R + P float8_e4m3fn values, then the row's float32 scale
-            row_scale = tl.load(
-                (rows + RANK + ROPE).to(tl.pointer_type(tl.float32)), mask=is_valid, other=0.0
-            )[:, None]
-            c_raw = tl.load(rows[:, None] + r[None, :], mask=c_mask, other=0)
-            c_kv = (c_raw.to(tl.float8e4nv, bitcast=True).to(tl.float32) * row_scale).to(
-                q_lat.dtype
-            )
-            p_raw = tl.load(rows[:, None] + RANK + p[None, :], mask=p_tile_mask, other=0)
-            k_pe = (p_raw.to(tl.float8e4nv, bitcast=True).to(tl.float32) * row_scale).to(q_pe.dtype)
-        else:
-            c_kv = tl.load(rows[:, None] + r[None, :], mask=c_mask, other=0.0).to(
-                q_lat.dtype
-            )  # [BLOCK_N, RANK_PAD]: the keys' latent part and the values
-            k_pe = tl.load(rows[:, None] + RANK + p[None, :], mask=p_tile_mask, other=0.0).to(
-                q_pe.dtype
-            )  # [BLOCK_N, ROPE_PAD]
+        c_kv, k_pe = load_latent_tile(
+            cache_ptr, table_ptr, pos, is_valid, r, p, stride_c_block, stride_c_tok,
+            RANK, ROPE, BLOCK_SIZE, IS_FP8,
+        )  # fmt: skip
+        c_kv, k_pe = c_kv.to(q_lat.dtype), k_pe.to(q_pe.dtype)
         scores = tl.dot(q_lat, tl.trans(c_kv), input_precision=DOT_PRECISION)
         scores += tl.dot(q_pe, tl.trans(k_pe), input_precision=DOT_PRECISION)
         scores = tl.where(is_valid[None, :], scores * scale_log2, float("-inf"))

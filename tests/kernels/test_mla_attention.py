@@ -8,7 +8,13 @@ import pytest
 import torch
 
 from kernels.fp8_kv import dequantize_rows, packed_row_bytes, quantize_rows
-from kernels.mla_attention import gather_latent, latent_layer, mla_decode_attention, store_latent
+from kernels.mla_attention import (
+    gather_latent,
+    latent_layer,
+    mla_decode_attention,
+    mla_prefill_attention,
+    store_latent,
+)
 from tests.kernels.paged_batch import build_metadata, random_block_tables
 
 
@@ -69,6 +75,31 @@ def test_decode_in_several_groups():
     got = mla_decode_attention(q, cache, metadata, 0.05, 512)
     want = naive_mla_decode(q, cache, tables, seq_lens, 0.05, 512)
     torch.testing.assert_close(got.double(), want, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("block_size", [16, 32])
+def test_prefill_matches_definition(block_size):
+    """Each query of a chunk equals a decode whose context ends at its own position (the
+    causal, bottom-right aligned mask), written out per position; decodes come first in
+    the batch and are not the prefill's."""
+    query_lens, seq_lens = [1, 19, 7, 1], [12, 19, 40, 21]
+    gen = torch.Generator().manual_seed(3)
+    num_blocks = sum(-(-n // block_size) for n in seq_lens) + 3
+    tables = random_block_tables(seq_lens, block_size, num_blocks, gen)
+    cache = torch.randn(num_blocks, block_size, 40, generator=gen)
+    q = torch.randn(sum(query_lens[1:]), 3, 40, generator=gen)
+    metadata = build_metadata(query_lens, seq_lens, tables, block_size, 1)
+    got = mla_prefill_attention(q, cache, metadata, 0.3, 32)
+    want, row = [], 0
+    for seq_idx in range(1, len(seq_lens)):
+        for i in range(query_lens[seq_idx]):
+            ctx = seq_lens[seq_idx] - query_lens[seq_idx] + i + 1
+            want.append(
+                naive_mla_decode(q[row : row + 1], cache, [tables[seq_idx]], [ctx], 0.3, 32)
+            )
+            row += 1
+    assert got.shape == (q.shape[0], 3, 32)
+    torch.testing.assert_close(got.double(), torch.cat(want), atol=1e-5, rtol=1e-5)
 
 
 def test_store_and_gather_rows():

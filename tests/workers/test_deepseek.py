@@ -6,6 +6,7 @@ bytes per token."""
 
 from __future__ import annotations
 
+import dataclasses
 import random
 
 import pytest
@@ -19,6 +20,7 @@ from transformers import (
 )
 
 from cluster.tools.make_model import make_model
+from kernels.mla_attention import mla_prefill_attention
 from tests.kernels.paged_batch import build_metadata, positions_for, random_block_tables
 from tests.workers.test_engine import hf_greedy
 from tests.workers.test_models import hf_logits
@@ -190,6 +192,29 @@ def test_absorbed_decode_equals_expanded(tmp_path):
     assert not torch.equal(absorbed, expanded)  # two computations, not one path twice
 
 
+def test_absorbed_prefill_equals_expanded(tmp_path):
+    """Prefill chunks on the latent rows in the absorbed form (the op the Triton set brings;
+    here its PyTorch reference) and expanded per sequence: the same logits up to rounding,
+    for whole prompts and for chunks on a cached prefix."""
+    make_hf_model("v3", tmp_path)
+    model, config = load_model(tmp_path, torch.float32, CPU)
+    gen = torch.Generator().manual_seed(5)
+    tokens = [torch.randint(0, config.vocab_size, (n,), generator=gen) for n in PROMPT_LENS]
+    halves = [n // 2 for n in PROMPT_LENS]
+    seqs = list(range(len(PROMPT_LENS)))
+    results = []
+    for prefill_op in (mla_prefill_attention, None):
+        for layer in model.model.layers:
+            attn = layer.self_attn
+            attn.ops = dataclasses.replace(attn.ops, mla_prefill_attention=prefill_op)
+        runner = LatentRunner(model, config, PROMPT_LENS)
+        first = runner.step(seqs, [t[:h] for t, h in zip(tokens, halves, strict=True)], halves)
+        rest = runner.step(seqs, [t[h:] for t, h in zip(tokens, halves, strict=True)], PROMPT_LENS)
+        results.append(torch.cat([*first, *rest]))
+    torch.testing.assert_close(results[0], results[1], atol=2e-5, rtol=1e-5)
+    assert not torch.equal(results[0], results[1])  # two computations, not one path twice
+
+
 def test_tensor_parallel_ranks_split_heads_and_experts(tmp_path, monkeypatch):
     """TP=2 loading (no collectives: each rank's partial sums are compared): the heads and
     each expert's intermediate dimension are split, the latent rows every rank caches are
@@ -311,7 +336,9 @@ def test_unsupported_routing_is_named():
 
 def test_triton_op_set_gives_the_same_tokens(deepseek_dir, monkeypatch):
     """The Triton set (its interpreter on CPU): RMSNorm, RoPE, the fused MoE kernel and the
-    MLA decode kernel on the latent cache; greedy tokens equal the reference set's."""
+    MLA decode and prefill kernels on the latent cache (prompts chunked by 24 tokens, so
+    chunks on a cached prefix and batches of decodes and chunks); greedy tokens equal the
+    reference set's."""
     pytest.importorskip("triton")
     from kernels import get_kernel_ops
     from tests.kernels.triton_testing import IS_INTERPRETED
@@ -332,6 +359,8 @@ def test_triton_op_set_gives_the_same_tokens(deepseek_dir, monkeypatch):
             max_num_seqs=8, max_model_len=128, num_kv_blocks=32,
         )  # fmt: skip
         assert llm.engine.model.model.layers[1].mlp.ops.is_triton == use_triton
+        attn_ops = llm.engine.model.model.layers[1].self_attn.ops
+        assert (attn_ops.mla_prefill_attention is not None) == use_triton
         outputs.append([list(out.token_ids) for out in llm.generate(prompts, params)])
     assert outputs[0] == outputs[1]
 

@@ -27,10 +27,14 @@ latent cache are replicated: every rank caches the same rows.
 x3), ...``. Taking the even features then the odd ones and rotating the halves
 (``rotate_half``) is the same rotation with the output in that order, which Hugging Face's
 ``apply_rotary_pos_emb_interleave`` also returns; q and k share the order, so their dot
-products are the same.
+products are the same. The reordering is done once, on the rows of ``q_b_proj`` /
+``q_proj`` and ``kv_a_proj_with_mqa`` that compute ``q_pe`` and ``k_pe``, as they load
+(``permute_rope_rows``): the projections already give the halves, no gather per step.
 """
 
 from __future__ import annotations
+
+from dataclasses import replace
 
 import torch
 import torch.nn.functional as F
@@ -46,7 +50,6 @@ from workers.models.layers import (
     RotaryEmbedding,
     RowParallelLinear,
     _check_shape,
-    default_weight_loader,
     new_param,
 )
 from workers.models.parallel import ParallelContext, divide
@@ -55,16 +58,27 @@ from workers.models.parallel import ParallelContext, divide
 _LORA_NORM_EPS = 1e-6
 
 
-class ReplicatedLinear(nn.Module):
-    """``y = x W^T + b`` with the whole weight on every rank (the latent projections)."""
+class ReplicatedLinear(ColumnParallelLinear):
+    """``y = x W^T + b`` with the whole weight on every rank (the latent projections): a
+    column-parallel layer over one rank, so that the loader packs it for oneDNN on CPU
+    and ``model.deterministic`` makes it batch-invariant like every other linear."""
 
-    def __init__(self, input_size: int, output_size: int, bias: bool) -> None:
-        super().__init__()
-        self.weight = new_param((output_size, input_size), default_weight_loader)
-        self.bias = new_param((output_size,), default_weight_loader) if bias else None
+    def __init__(self, input_size: int, output_size: int, bias: bool, parallel: ParallelContext):
+        super().__init__(input_size, output_size, bias, replace(parallel, tp_rank=0, tp_size=1))
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+
+def permute_rope_rows(param: nn.Parameter, rows_per_head: int, rope_start: int, order) -> None:
+    """Make ``param``'s loader reorder, after loading, the rows ``rope_start:`` of every
+    ``rows_per_head`` rows by ``order`` (the parameter's rows that compute a RoPE part):
+    the interleaved pairs come out as halves, with no gather per step (module docstring)."""
+    load = param.weight_loader
+
+    def loader(param: torch.Tensor, loaded_weight: torch.Tensor, shard_id: object = None) -> None:
+        load(param, loaded_weight, shard_id)
+        rows = param.data.view(-1, rows_per_head, *param.shape[1:])
+        rows[:, rope_start:] = rows[:, rope_start:][:, order].clone()
+
+    param.weight_loader = loader
 
 
 class HeadParallelLinear(nn.Module):
@@ -121,24 +135,27 @@ class MlaAttention(nn.Module):
         if self.q_lora_rank is None:
             self.q_proj = ColumnParallelLinear(hidden, q_size, False, parallel)
         else:
-            self.q_a_proj = ReplicatedLinear(hidden, self.q_lora_rank, bias)
+            self.q_a_proj = ReplicatedLinear(hidden, self.q_lora_rank, bias, parallel)
             self.q_a_layernorm = RMSNorm(self.q_lora_rank, _LORA_NORM_EPS, ops)
             self.q_b_proj = ColumnParallelLinear(self.q_lora_rank, q_size, False, parallel)
-        self.kv_a_proj_with_mqa = ReplicatedLinear(hidden, mla.cache_row, bias)
+        self.kv_a_proj_with_mqa = ReplicatedLinear(hidden, mla.cache_row, bias, parallel)
         self.kv_a_layernorm = RMSNorm(self.kv_lora_rank, _LORA_NORM_EPS, ops)
         self.kv_b_proj = HeadParallelLinear(
             self.kv_lora_rank, total_heads * (self.qk_nope_head_dim + self.v_head_dim), parallel
         )
         self.o_proj = RowParallelLinear(total_heads * self.v_head_dim, hidden, bias, parallel)
         self.rotary_emb = rotary_emb  # shared by all layers, qk_rope_head_dim wide
-        rope = self.qk_rope_head_dim
-        order = [*range(0, rope, 2), *range(1, rope, 2)] if mla.rope_interleave else None
-        self.register_buffer(
-            "rope_order",
-            None if order is None else torch.tensor(order, dtype=torch.long),
-            persistent=False,
-        )
-        # Decodes through the absorbed form (False: expanded like prefill; tests compare).
+        if mla.rope_interleave:  # interleaved pairs -> halves, in the weights (docstring)
+            rope = self.qk_rope_head_dim
+            order = [*range(0, rope, 2), *range(1, rope, 2)]
+            q_out = self.q_proj if self.q_lora_rank is None else self.q_b_proj
+            projections = ((q_out, self.qk_head_dim), (self.kv_a_proj_with_mqa, mla.cache_row))
+            for proj, rows_per_head in projections:
+                for param in (proj.weight, proj.bias):
+                    if param is not None:
+                        permute_rope_rows(param, rows_per_head, rows_per_head - rope, order)
+        # Decodes (and, where the op set has the kernel, prefill chunks) through the
+        # absorbed form (False: all expanded; tests compare).
         self.absorb_decodes = True
 
     def forward(
@@ -167,9 +184,18 @@ class MlaAttention(nn.Module):
         out = hidden_states.new_empty(num_tokens, self.num_heads, self.v_head_dim)
         num_decodes = attn_metadata.num_decodes if self.absorb_decodes else 0
         if num_decodes:
-            out[:num_decodes] = self._absorbed_decode(
-                q_nope[:num_decodes], q_pe[:num_decodes], latent_cache, attn_metadata
-            )
+            q_abs = self._absorb(q_nope[:num_decodes], q_pe[:num_decodes])
+            out_lat = self.ops.mla_decode_attention(
+                q_abs, latent_cache, attn_metadata, self.scale, self.kv_lora_rank
+            )  # [N, H, R]
+            out[:num_decodes] = self._unabsorb(out_lat)
+        prefill = self.ops.mla_prefill_attention if self.absorb_decodes else None
+        if prefill is not None and num_decodes < attn_metadata.num_seqs:
+            # The op set's kernel (Triton): every chunk on its latent rows, in one call.
+            q_abs = self._absorb(q_nope[num_decodes:], q_pe[num_decodes:])
+            out_lat = prefill(q_abs, latent_cache, attn_metadata, self.scale, self.kv_lora_rank)
+            out[num_decodes:] = self._unabsorb(out_lat)
+            num_decodes = attn_metadata.num_seqs  # nothing left to expand
         start = num_decodes
         for seq_idx in range(num_decodes, attn_metadata.num_seqs):
             end = start + attn_metadata.query_lens_cpu[seq_idx]
@@ -186,30 +212,27 @@ class MlaAttention(nn.Module):
     def _rope(
         self, positions: torch.Tensor, q_pe: torch.Tensor, k_pe: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        if self.rope_order is not None:  # interleaved pairs -> halves (module docstring)
-            q_pe, k_pe = q_pe[..., self.rope_order], k_pe[..., self.rope_order]
         q_pe, k_pe = self.rotary_emb(positions, q_pe.contiguous(), k_pe[:, None].contiguous())
         return q_pe, k_pe[:, 0]
 
-    def _absorbed_decode(
-        self,
-        q_nope: torch.Tensor,
-        q_pe: torch.Tensor,
-        latent_cache: torch.Tensor,
-        attn_metadata: AttentionMetadata,
-    ) -> torch.Tensor:
-        """The decodes' attention on the latent rows: [N, H, dn], [N, H, P] -> [N, H, dv]."""
+    def _absorb(self, q_nope: torch.Tensor, q_pe: torch.Tensor) -> torch.Tensor:
+        """Queries in latent space: [N, H, dn], [N, H, P] -> [N, H, R + P],
+        ``cat(q_nope_h W_UK_h, q_pe_h)`` (module docstring)."""
+        q_lat = torch.bmm(q_nope.transpose(0, 1), self._w_kv()[0])  # [H, N, R]
+        return torch.cat((q_lat.transpose(0, 1), q_pe), dim=-1)
+
+    def _unabsorb(self, out_lat: torch.Tensor) -> torch.Tensor:
+        """Latent attention outputs through ``W_UV``: [N, H, R] -> [N, H, dv]."""
+        out = torch.bmm(out_lat.transpose(0, 1), self._w_kv()[1].transpose(1, 2))  # [H, N, dv]
+        return out.transpose(0, 1)
+
+    def _w_kv(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """``kv_b_proj`` per head: (W_UK [H, dn, R], W_UV [H, dv, R])."""
         w_kv = self.kv_b_proj.weight.view(
             self.num_heads, self.qk_nope_head_dim + self.v_head_dim, self.kv_lora_rank
         )
         w_uk, w_uv = w_kv.split([self.qk_nope_head_dim, self.v_head_dim], dim=1)
-        q_lat = torch.bmm(q_nope.transpose(0, 1), w_uk)  # [H, N, R]
-        q_abs = torch.cat((q_lat.transpose(0, 1), q_pe), dim=-1)  # [N, H, R + P]
-        out_lat = self.ops.mla_decode_attention(
-            q_abs, latent_cache, attn_metadata, self.scale, self.kv_lora_rank
-        )  # [N, H, R]
-        out = torch.bmm(out_lat.transpose(0, 1), w_uv.transpose(1, 2))  # [H, N, dv]
-        return out.transpose(0, 1)
+        return w_uk, w_uv
 
     def _expand_attention(
         self,
