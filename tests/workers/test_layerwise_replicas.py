@@ -78,12 +78,18 @@ def _connector_factory(worker_id: str, transfer: KVTransferConfig):
     return make
 
 
+def _publish(path: Path, data: bytes) -> None:
+    """Write under a temporary name, then rename: a reader sees no file or the whole one."""
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_bytes(data)
+    tmp.rename(path)
+
+
 def _wait_file(path: Path) -> bytes:
     deadline = time.monotonic() + WAIT_S
-    while not path.exists():
+    while not path.exists():  # polled: another process writes it (``_publish``)
         assert time.monotonic() < deadline, f"{path.name} never came"
         time.sleep(0.05)
-    time.sleep(0.05)  # written in one go; let the writer close it
     return path.read_bytes()
 
 
@@ -169,11 +175,11 @@ def _rank_main(rank: int, case: dict, port: int, model_dir: str, out: str) -> No
             follower = RankFollower(engine, link)  # a prefill replica's readers: one rank
             name = f"{role}.rank{rank}"
             follower.connector = _connector_factory(name, transfer)(engine, follower.on_release)
-            (out_dir / f"meta-{rank}").write_bytes(follower.connector.metadata())
+            _publish(out_dir / f"meta-{rank}", follower.connector.metadata())
             other_meta = _wait_file(out_dir / "meta-other")
             if not case.get("unreachable"):  # else: this rank cannot reserve for a stream
                 follower.connector.add_peer(other_meta)
-            (out_dir / f"ready-{rank}").write_text("")
+            _publish(out_dir / f"ready-{rank}", b"")
             try:
                 follower.run()
             finally:
@@ -214,7 +220,7 @@ def _rank0(case, parallel, link, model_dir, out_dir: Path, other: str, transfer)
         LLMEngine(_config(model_dir)), other, other, _connector_factory(other, transfer),
         replica=other_kv, metrics=WorkerMetrics(other, "tiny", f"{other}-{os.getpid()}"),
     )  # fmt: skip
-    (out_dir / "meta-other").write_bytes(alone.connector.metadata())
+    _publish(out_dir / "meta-other", alone.connector.metadata())
     replica.connector.add_peer(alone.connector.metadata())
     alone.connector.add_peer(replica.connector.metadata())
     for rank in range(1, world):
