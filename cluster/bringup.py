@@ -34,6 +34,7 @@ from cluster.replicas import (
     RUN_ID,
     Replica,
     check_agree,
+    dp_group_specs,
     introduce,
     place_replica,
     rank_bundle,
@@ -159,7 +160,10 @@ def bring_up(config: ClusterConfig) -> Cluster:
         speculative = replaced(speculative, draft_model=str(draft_dir))
         config = replaced(config, decode=replaced(config.decode, speculative=speculative))
     pools = (("prefill", config.prefill), ("decode", config.decode))
+    # decode.attention: data_parallel: each replica is a group of expert_parallel one-rank
+    # workers (config.decode.data_parallel; 1 otherwise).
     num_ranks = sum(p.replicas * p.tensor_parallel * p.pipeline_parallel for _, p in pools)
+    num_ranks += config.decode.replicas * (config.decode.data_parallel - 1)
     # A local Ray instance of ours gets CPUs for as many workers as live scaling may reach.
     most_ranks = max(p.tensor_parallel * p.pipeline_parallel for _, p in pools)
     most_workers = config.router.scale_max_replicas
@@ -191,6 +195,10 @@ def bring_up(config: ClusterConfig) -> Cluster:
             spec = replace(spec, metrics_dir=metrics_root)  # "" = no metrics
             templates[role] = (spec, rank_bundle(device, pool.node_resource))
             for index in range(pool.replicas):
+                if spec.data_parallel > 1:  # a group of one-rank workers, started together
+                    for member in dp_group_specs(spec, role, index):
+                        cluster.replicas[member.name] = place_replica(member, templates[role][1])
+                    continue
                 worker = f"{role}-{index}"
                 cluster.replicas[worker] = place_replica(
                     replace(spec, name=worker), templates[role][1]
@@ -240,7 +248,9 @@ def bring_up(config: ClusterConfig) -> Cluster:
                 max_backoff_s=config.router.restart_max_backoff_seconds,
             ),
             tracing=_tracing(config),
-            provisioner=cluster.provisioner,
+            # A data-parallel decode group's workers start and stop together: no live
+            # scaling by single workers (docs/moe.md, "Data-parallel attention").
+            provisioner=cluster.provisioner if config.decode.data_parallel == 1 else None,
         )
         if config.planner.enabled:  # docs/planner.md; on a Ray of our own: no autoscaler
             from cluster.planner_ray import attach_planner
@@ -335,4 +345,5 @@ def _spec(
         pipeline_parallel=pool.pipeline_parallel,
         dst_tensor_parallel=config.decode.tensor_parallel,
         dst_pipeline_parallel=config.decode.pipeline_parallel,
+        data_parallel=config.decode.data_parallel if role == "decode" else 1,
     )

@@ -146,9 +146,21 @@ class SpeculativeSection(ConfigSection):
 
 
 class DecodePoolSection(PoolSection):
+    attention: Literal["tensor_parallel", "data_parallel"] = option(
+        "tensor_parallel",
+        "How a MoE model's decode replica splits attention: tensor_parallel (heads over its "
+        "tensor_parallel ranks) or data_parallel (a group of expert_parallel ranks, each "
+        "its own decode worker with its own requests and KV, the experts shared; docs/moe.md)",
+    )
     speculative: SpeculativeSection = section(
         SpeculativeSection, "Speculative decoding on the decode workers (docs/engine.md)"
     )
+
+    @property
+    def data_parallel(self) -> int:
+        """Decode workers per replica: ``expert_parallel`` with data-parallel attention
+        (one per rank), else 1 (the replica is one worker)."""
+        return self.expert_parallel if self.attention == "data_parallel" else 1
 
 
 class KVCacheSection(ConfigSection):
@@ -270,7 +282,17 @@ class ClusterConfig(ConfigSection):
                 f"decode.speculative.method)"
             )
         pools = {"prefill": self.prefill, "decode": self.decode}
+        if decode.attention == "data_parallel":
+            check_data_parallel_decode(decode)
+            if self.planner.enabled:
+                raise ValueError(
+                    "planner.enabled: live scaling is not built for decode.attention: "
+                    "data_parallel (a group's workers start and stop together); size the "
+                    "pool with decode.replicas"
+                )
         for role, pool in pools.items():
+            if pool is decode and decode.attention == "data_parallel":
+                continue  # its expert_parallel is the group's size (checked above)
             if pool.expert_parallel not in (1, pool.tensor_parallel):
                 # The experts are sharded over the ranks attention is split over
                 # (docs/moe.md): no other count has ranks to put them on.
@@ -311,6 +333,35 @@ class ClusterConfig(ConfigSection):
 # recomputed, for 1 GiB of RAM in all. No disk tier: it would write to a directory the user
 # did not choose, up to disk_tier_gib, and keep it there across runs.
 EMBEDDED_DEFAULT = ClusterConfig(kv_cache=KVCacheSection(host_tier_gib=0.5))
+
+
+def check_data_parallel_decode(decode: DecodePoolSection) -> None:
+    """Refuse, naming the key, what ``decode.attention: data_parallel`` cannot run with: its
+    ranks are whole one-rank engines that share only the MoE experts
+    (workers/parallel/dp_group.py). A dense model is refused at bring-up, where the model is
+    read (``decode.expert_parallel``: no experts)."""
+    why = "decode.attention: data_parallel"
+    if decode.expert_parallel < 2:
+        raise ValueError(
+            f"{why} needs decode.expert_parallel >= 2 (the ranks of a group, which share "
+            f"the experts), got {decode.expert_parallel}"
+        )
+    if decode.tensor_parallel != 1 or decode.pipeline_parallel != 1:
+        raise ValueError(
+            f"{why}: each rank runs attention whole; set decode.tensor_parallel and "
+            f"decode.pipeline_parallel to 1 (got {decode.tensor_parallel}, "
+            f"{decode.pipeline_parallel}); the group's size is decode.expert_parallel"
+        )
+    if decode.speculative.method is not None:
+        raise ValueError(
+            f"{why}: speculative decoding is not supported on a data-parallel group (its "
+            "ranks step in lockstep, one forward each); unset decode.speculative.method"
+        )
+    if decode.expert_rebalance_steps:
+        raise ValueError(
+            f"{why}: the expert rebalancer is not built for data-parallel groups; set "
+            "decode.expert_rebalance_steps to 0"
+        )
 
 
 def engine_config(config: ClusterConfig, pool: PoolSection, **per_worker: Any) -> EngineConfig:

@@ -17,6 +17,7 @@ it gives up between Ray calls instead of waiting out their timeouts.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
 import time
@@ -111,15 +112,49 @@ def place_replica(
     return Replica(spec, bundle, ranks, pg)
 
 
+def dp_group_specs(spec: WorkerSpec, role: str, group: int) -> list[WorkerSpec]:
+    """Data-parallel group ``group`` of a pool whose ``spec`` has ``data_parallel`` N > 1:
+    N one-rank workers, each its own worker to the router (``<role>-<group * N + r>``),
+    rank ``r`` of the group ``<role>-g<group>`` (docs/moe.md)."""
+    size = spec.data_parallel
+    return [
+        dataclasses.replace(
+            spec, name=f"{role}-{group * size + r}", dp_rank=r, dp_group=f"{role}-g{group}"
+        )
+        for r in range(size)
+    ]
+
+
+def dp_group_members(replicas: dict[str, Replica], name: str) -> list[str]:
+    """The workers of ``name``'s data-parallel group, by rank (just ``name`` outside one)."""
+    spec = replicas[name].spec
+    if spec.data_parallel == 1:
+        return [name]
+    members = [n for n, r in replicas.items() if r.spec.dp_group == spec.dp_group]
+    return sorted(members, key=lambda n: replicas[n].spec.dp_rank)
+
+
 def start_replicas(replicas: dict[str, Replica], cancel=None) -> None:
     """Every rank loads its shard; a replica's ranks meet at its rank 0 (all at once:
-    joining the process group waits for every rank)."""
+    joining the process group waits for every rank). The workers of a data-parallel group
+    (``WorkerSpec.dp_group``, one rank each) meet at their group's rank 0 the same way:
+    ``replicas`` must hold every worker of such a group."""
     calls = []
+    meetings: dict[str, list] = {}  # data-parallel group -> where its workers meet
+    for replica in replicas.values():
+        spec = replica.spec
+        if spec.data_parallel > 1 and spec.dp_rank == 0:
+            meeting = _get(replica.ranks[0].rendezvous.remote(), READY_TIMEOUT_S, cancel)
+            meetings[spec.dp_group] = meeting
     for name, replica in replicas.items():
         ranks = replica.ranks
         address, port = "", 0
         if len(ranks) > 1:
             address, port = _get(ranks[0].rendezvous.remote(), READY_TIMEOUT_S, cancel)
+        elif replica.spec.data_parallel > 1:
+            if replica.spec.dp_group not in meetings:
+                raise RuntimeError(f"worker {name}: its group's rank 0 is not being started")
+            address, port = meetings[replica.spec.dp_group]
         calls += [(name, r, a.start.remote(address, port)) for r, a in enumerate(ranks)]
     for name, rank, ref in calls:
         try:

@@ -33,6 +33,7 @@ from cluster.replicas import (
     Cancelled,
     Replica,
     check_agree,
+    dp_group_members,
     introduce,
     kill_replica,
     place_replica,
@@ -68,6 +69,9 @@ class RayRestarter:
         self._listener = listener
         self._reference = reference
         self._generations: Counter[str] = Counter()
+        # Data-parallel workers restarted with their group whose router client is not out
+        # yet: the router's own ask for them takes the running one (_restart_group).
+        self._fresh_members: set[str] = set()
         self._closing = threading.Event()
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="baton-restart")
 
@@ -95,6 +99,8 @@ class RayRestarter:
     def _restart(self, name: str) -> Replica:
         old = self._replicas[name]
         spec = old.spec
+        if spec.data_parallel > 1:
+            return self._restart_group(name)
         logger.warning("restarting %s (%s, %d ranks)", name, spec.role, spec.num_ranks)
         kill_replica(old)  # frees its bundles for the new placement group
         self._generations[name] += 1
@@ -103,6 +109,39 @@ class RayRestarter:
         # again at shutdown is harmless.
         self._replicas[name] = replica
         return replica
+
+    def _restart_group(self, name: str) -> Replica:
+        """A worker of a data-parallel group: the whole group restarts (its workers share
+        one process group; a dead rank has failed the others' collectives, so their
+        requests ended retryably too). The router asks for each worker in turn: the first
+        ask restarts all of them, the others get the fresh worker already running."""
+        if name in self._fresh_members:
+            self._fresh_members.discard(name)
+            return self._replicas[name]
+        members = dp_group_members(self._replicas, name)
+        logger.warning("restarting data-parallel group %s (%s)", name, ", ".join(members))
+        for member in members:
+            kill_replica(self._replicas[member])
+            self._generations[member] += 1
+        cancel, fresh = self._closing, {}
+        try:
+            for member in members:
+                old = self._replicas[member]
+                generation = self._generations[member]
+                fresh[member] = place_replica(old.spec, old.bundle, generation, cancel)
+            start_replicas(fresh, cancel)
+            check_agree([self._reference, *wait_ready(fresh, cancel)])
+            others = [n for n, r in self._replicas.items() if r.spec.role != "decode"]
+            for member in members:
+                pairs = [(member, o) for o in others]
+                introduce({**self._replicas, **fresh}, pairs, fresh=member)
+        except BaseException:
+            for replica in fresh.values():
+                kill_replica(replica)
+            raise
+        self._replicas.update(fresh)
+        self._fresh_members.update(m for m in members if m != name)
+        return fresh[name]
 
     def bring_in(
         self, name: str, spec: WorkerSpec, bundle: dict[str, float], generation: int = 0

@@ -86,7 +86,7 @@ class LLMEngine:
             config = dataclasses.replace(config, model=str(derive_model_dir(config.model)))
         self.config = config
         parallel = parallel or ParallelContext()
-        check_expert_parallel(config, parallel.tp_size)
+        check_expert_parallel(config, parallel.ep_size)
         self.parallel = dataclasses.replace(
             parallel,
             deterministic=config.deterministic,
@@ -167,7 +167,7 @@ class LLMEngine:
                 self.parallel.tp_rank,
                 self.parallel.group,
             )
-        if self.parallel.tp_size == 1 and self.parallel.pp_size == 1:  # captured at start-up
+        if self.parallel.ep_size == 1 and self.parallel.pp_size == 1:  # captured at start-up
             self.runner.graphs = build_decode_graphs(
                 self.model, self.kv_cache, config.block_size, self.max_model_len,
                 config.max_num_seqs, config.cuda_graph_max_batch, self.device,

@@ -193,18 +193,20 @@ class SparseMoeBlock(nn.Module):
         self.expert_map: ExpertMap | None = None  # expert_redundant > 0: the rebalancer's
         self.first_slot = first_expert  # fused_moe's id of this rank's first weight row
         expert_parallel, num_spare = parallel, 0
-        if parallel.expert_parallel and parallel.tp_size > 1:
-            ep_size, num_spare = parallel.tp_size, parallel.expert_redundant
-            placement = ExpertPlacement(config.num_experts, parallel.tp_rank, ep_size)
+        if parallel.expert_parallel and parallel.ep_size > 1:  # TP ranks, or data-parallel
+            ep_size, num_spare = parallel.ep_size, parallel.expert_redundant
+            placement = ExpertPlacement(config.num_experts, parallel.ep_rank, ep_size)
             first_expert, num_local_experts = placement.first_expert, placement.num_local_experts
             if num_spare:
                 check_redundant(num_spare, config.num_experts, ep_size)
                 self.expert_map = ExpertMap(config.num_experts, ep_size, num_spare)
                 # The dispatchers see S = E/N + R physical slots per rank as the "experts".
                 slots = num_local_experts + num_spare
-                placement = ExpertPlacement(ep_size * slots, parallel.tp_rank, ep_size)
+                placement = ExpertPlacement(ep_size * slots, parallel.ep_rank, ep_size)
             self.first_slot = placement.first_expert
-            self.dispatch = make_dispatcher(placement, parallel.expert_dispatch, parallel.group)
+            self.dispatch = make_dispatcher(
+                placement, parallel.expert_dispatch, parallel.ep_group, parallel.dp_tokens
+            )
             expert_parallel = ParallelContext()  # whole experts: no TP split inside one
         self.experts = FusedExperts(
             config.num_experts,

@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 
 from kvtransfer.layout import layer_range
+from workers.models.expert_parallel import DpStepTokens
 from workers.models.rank_layout import rank_of
 
 
@@ -40,12 +41,39 @@ class ParallelContext:
     expert_dispatch: str = "allreduce"
     # Spare expert slots per rank for the rebalancer (expert_rebalance.py); 0 = off.
     expert_redundant: int = 0
+    # Data-parallel attention (workers/parallel/dp_group.py): this engine is rank dp_rank of
+    # dp_size, each with its own requests and KV; attention and dense layers are local
+    # (tp_size 1), the MoE layers' experts split over the dp_size ranks, whose tokens meet
+    # in the dispatcher on dp_group; dp_tokens: the step's token count on each rank.
+    dp_rank: int = 0
+    dp_size: int = 1
+    dp_group: dist.ProcessGroup | None = None
+    dp_tokens: DpStepTokens | None = None
 
     def __post_init__(self) -> None:
         if self.tp_size < 1 or not 0 <= self.tp_rank < self.tp_size:
             raise ValueError(f"bad tensor-parallel rank {self.tp_rank} of size {self.tp_size}")
         if self.pp_size < 1 or not 0 <= self.pp_rank < self.pp_size:
             raise ValueError(f"bad pipeline stage {self.pp_rank} of {self.pp_size}")
+        if self.dp_size < 1 or not 0 <= self.dp_rank < self.dp_size:
+            raise ValueError(f"bad data-parallel rank {self.dp_rank} of {self.dp_size}")
+        if self.dp_size > 1 and (self.tp_size > 1 or self.pp_size > 1):
+            raise ValueError("data-parallel attention runs one rank per engine (no TP, no PP)")
+
+    # ---- expert parallelism --------------------------------------------------------------
+    @property
+    def ep_size(self) -> int:
+        """The ranks a MoE layer's experts are split over (with ``expert_parallel``): the
+        data-parallel group's, else the tensor-parallel group's."""
+        return self.dp_size if self.dp_size > 1 else self.tp_size
+
+    @property
+    def ep_rank(self) -> int:
+        return self.dp_rank if self.dp_size > 1 else self.tp_rank
+
+    @property
+    def ep_group(self) -> dist.ProcessGroup | None:
+        return self.dp_group if self.dp_size > 1 else self.group
 
     # ---- tensor parallelism --------------------------------------------------------------
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:

@@ -89,6 +89,9 @@ class WorkerActor:
         from workers.serving.service import EngineService
 
         spec = self.spec
+        if spec.data_parallel > 1:  # one rank of a data-parallel group: its own worker
+            self._start_dp_rank(address, port)
+            return
         parallel = link = agree = None
         if spec.num_ranks > 1:
             device_type = "cuda" if spec.engine.device.startswith("cuda") else "cpu"
@@ -114,6 +117,32 @@ class WorkerActor:
             spec.name,
             spec.role,
             spec.num_ranks,
+            os.getpid(),
+        )
+
+    def _start_dp_rank(self, address: str, port: int) -> None:
+        from workers.parallel.replica_kv import ReplicaKV
+        from workers.serving.service import EngineService
+        from workers.serving.worker_spec import build_dp_engine
+
+        spec = self.spec
+        dp = build_dp_engine(spec, address, port)
+        self.service = EngineService(
+            dp.engine,
+            spec.name,
+            spec.role,
+            connector_factory(spec, 0),  # its own agent: it pulls its own requests' blocks
+            on_failure=spec.kv_transfer.on_failure,
+            replica=ReplicaKV(),
+            metrics=_worker_metrics(spec),
+            dp=dp,
+        )
+        logger.info(
+            "worker %s (%s, data-parallel rank %d of %d) ready in pid %d",
+            spec.name,
+            spec.role,
+            spec.dp_rank,
+            spec.data_parallel,
             os.getpid(),
         )
 

@@ -27,6 +27,7 @@ from kvtransfer import KVConnector, KVHandle
 from kvtransfer.messages import decode_as as decode_kv
 from workers.engine.handoff import HandoffState
 from workers.engine.llm_engine import LLMEngine
+from workers.parallel.dp_group import DpEngine
 from workers.parallel.replica_kv import ReplicaKV
 from workers.protocol.wire import OutputBatch, TokenEvent, WorkItem
 from workers.serving.channel import HEARTBEAT_S
@@ -43,6 +44,9 @@ from workers.serving.worker_report import ReportBuilder
 logger = logging.getLogger(__name__)
 
 _IDLE_WAIT_S = 0.05  # nothing to compute: how long the loop sleeps unless woken
+# A data-parallel group with nothing to compute: its ranks meet this often (a peer that
+# gets a request waits at most this long for the others to step with it).
+_DP_IDLE_WAIT_S = 0.005
 
 
 class EngineService:
@@ -56,11 +60,16 @@ class EngineService:
         on_failure: str = "recompute",
         replica: ReplicaKV | None = None,
         metrics: WorkerMetrics | None = None,
+        dp: DpEngine | None = None,
     ):
         """``replica``: rank 0's end of a tensor-parallel replica (its engine's
         ``before_forward`` must be the same object's); None for a one-rank worker.
-        ``metrics``: this worker's Prometheus series (None: in-memory ones nobody serves)."""
+        ``metrics``: this worker's Prometheus series (None: in-memory ones nobody serves).
+        ``dp``: this worker is one rank of a data-parallel group (``engine`` is
+        ``dp.engine``): the loop steps through it every time, in lockstep with its peers,
+        whether or not it has work (workers/parallel/dp_group.py)."""
         self.engine = engine
+        self.dp = dp
         self.name = name
         self.role = role
         self.on_failure = on_failure
@@ -126,8 +135,12 @@ class EngineService:
         self._command(Attach(sink, router))
 
     def stop(self, timeout_s: float = 10.0) -> None:
-        """Abort everything, release every lease, stop the loop."""
-        self._stopping = True
+        """Abort everything, release every lease, stop the loop (a data-parallel group's
+        every rank's loop, together, after one more step)."""
+        if self.dp is not None and self._thread.is_alive():
+            self.dp.stopping = True  # the group stops together (workers/parallel/dp_group.py)
+        else:
+            self._stopping = True
         self._wake.set()
         self._thread.join(timeout_s)
         if self.connector is not None:
@@ -194,21 +207,28 @@ class EngineService:
                 self.stream.poll()
                 self.transport.finish_receives()
                 did_work = False
-                if self.engine.has_unfinished_requests():
-                    deltas = self.engine.step()
+                if self.dp is not None or self.engine.has_unfinished_requests():
+                    deltas = self.dp.step() if self.dp is not None else self.engine.step()
                     self.transport.decline_ended()
                     started = self.transport.start_receives()
                     self._publish(self.transport.events_of(deltas))
                     # Only receiving, or waiting for blocks: sleep until something wakes us.
                     did_work = bool(deltas or started or self.engine.scheduler.running)
+                    # A group's peer is computing: step again at once (its collectives
+                    # need this rank's empty forward).
+                    did_work = did_work or (self.dp is not None and not self.dp.is_idle)
                 # Every rank has answered (this step's offers too).
                 self._publish(self._leased(self.transport.offered()))
                 self._publish(self.stream.take_events())  # layer-wise reservations
                 self._reports.refresh()
                 if self._sinks and time.monotonic() - self._sent_at >= HEARTBEAT_S:
                     self._send(())
+                if self.dp is not None and self.dp.is_group_stopping:
+                    self._stopping = True  # a rank of the group stops: all do, now
+                    break
                 if not did_work:
-                    self._wake.wait(min(_IDLE_WAIT_S, self.kv.wait_hint() or _IDLE_WAIT_S))
+                    idle = _IDLE_WAIT_S if self.dp is None else _DP_IDLE_WAIT_S
+                    self._wake.wait(min(idle, self.kv.wait_hint() or idle))
             self._shutdown_requests()
             self.kv.close()
         except Exception as exc:  # a bug or a device failure: fail loudly, not silently

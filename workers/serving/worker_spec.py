@@ -40,6 +40,12 @@ class WorkerSpec:
     metrics_dir: str = (
         ""  # this run's metrics root (workers/serving/metrics_node.py); "" = in memory
     )
+    # decode.attention: data_parallel: this worker is rank dp_rank of a group of
+    # data_parallel one-rank workers sharing the MoE experts (workers/parallel/dp_group.py),
+    # meeting at the group's dp_rank 0; 1 = no group.
+    data_parallel: int = 1
+    dp_rank: int = 0
+    dp_group: str = ""  # the group's name: its workers start and restart together
 
     def to_bytes(self) -> bytes:
         return msgpack.packb(dataclasses.asdict(self), use_bin_type=True)
@@ -96,6 +102,23 @@ def build_engine(spec: WorkerSpec, parallel=None, before_forward=None, agree=Non
         # slower on this machine's first run).
         engine.kv_cache.zero_()
     return engine
+
+
+def build_dp_engine(spec: WorkerSpec, address: str, port: int):
+    """A data-parallel rank's engine (``DpEngine``): join the group at its rank 0's
+    ``address:port``, load this rank's share of the experts and the rest whole."""
+    import torch
+
+    from workers.parallel.dp_group import DpEngine, join_dp_group
+
+    if spec.num_threads > 0:
+        torch.set_num_threads(spec.num_threads)
+    device_type = "cuda" if spec.engine.device.startswith("cuda") else "cpu"
+    parallel, lockstep = join_dp_group(spec.dp_rank, spec.data_parallel, address, port, device_type)
+    dp = DpEngine(spec.engine_settings(), parallel, lockstep)
+    if dp.engine.device.type == "cpu":
+        dp.engine.kv_cache.zero_()  # as build_engine: the pages touched before the first KV
+    return dp
 
 
 def connector_factory(spec: WorkerSpec, rank: int) -> Callable:
