@@ -1,6 +1,6 @@
 """The SLA planner against the best static pools, replayed through the simulator (issue 38).
 
-    python -m bench.planner [--mooncake TRACE.jsonl] [--json bench/planner.json]
+    python -m bench.planner [--mooncake TRACE.jsonl] [--seeds SINE MOONCAKE] [--json bench/planner.json]
     python -m bench.planner --validate [--validate-seconds 180]   # bench/planner_validate.py
 
 Traces:
@@ -19,6 +19,12 @@ what it saw, its fits fed with the true step times plus 10% noise; a decision ta
 from the next window (a worker joins within one tick). Per window the p90 TTFT and ITL are
 compared with the SLA. The static baseline is every (P, D) within the budget, the cheapest
 of those with the best attainment.
+
+Stability: reversals (a pool's direction changes) per 10 minutes as a mean and the most in
+any 10 minutes. Reaction: per step in load (the bursts, the surge), the windows until the
+pools grow, where the pools in place at the step miss the SLA in one of its windows
+(``growth_needed``; else ``None``: nothing to react to). The reported seeds are 1 and 2;
+tune on others (``--seeds``).
 """
 
 from __future__ import annotations
@@ -42,6 +48,8 @@ from cluster.planner.step_model import DecodeStep, PrefillStep, StepModel
 PREFILL = (0.020, 0.001, 0.000002)
 DECODE = (0.020, 0.0025, 0.0002)
 BLOCK_TOKENS = 512  # Mooncake's hash_ids are per 512-token block
+SINE_BURSTS = ((700.0, 120.0, 2.0), (2500.0, 90.0, 2.5))  # (start, length, extra rate)
+SURGE = (1500.0, 150.0)  # write_mooncake_like's surge: (start, length)
 
 
 @dataclass(frozen=True)
@@ -79,7 +87,7 @@ def sine_bursts(
     base_rate: float = 1.2,
     amplitude: float = 0.9,
     period_s: float = 1800.0,
-    bursts: tuple[tuple[float, float, float], ...] = ((700.0, 120.0, 2.0), (2500.0, 90.0, 2.5)),
+    bursts: tuple[tuple[float, float, float], ...] = SINE_BURSTS,
     seed: int = 1,
 ) -> tuple[list[SimRequest], list[float]]:
     """Poisson arrivals at ``base * (1 + amplitude * sin)`` plus ``(start, length, extra
@@ -129,7 +137,8 @@ def write_mooncake_like(path: Path, duration_s: float = 3600.0, seed: int = 2) -
     lines, t, next_block = [], 0.0, 1
     conversations: list[list[int]] = []
     while t < duration_s:
-        rate = 0.8 + 0.6 * math.sin(2 * math.pi * t / 2400.0) + (1.5 if 1500 <= t < 1650 else 0)
+        surge = 1.5 if SURGE[0] <= t < SURGE[0] + SURGE[1] else 0.0
+        rate = 0.8 + 0.6 * math.sin(2 * math.pi * t / 2400.0) + surge
         t += rng.expovariate(max(rate, 0.05))
         if conversations and rng.random() < 0.5:  # a next turn: its history is cached
             blocks = rng.choice(conversations)
@@ -202,23 +211,40 @@ def replay_planner(wins, truth, setup: Setup, start=(1, 1)) -> dict:
     return {"met": met, "pools": history}
 
 
-def reversals(pools: list[tuple[int, int]]) -> int:
-    """Direction changes per pool (up then down, or down then up)."""
-    count = 0
+def reversal_windows(pools: list[tuple[int, int]]) -> list[int]:
+    """The windows where a pool changes direction (up then down, or down then up), both
+    pools, sorted."""
+    out = []
     for i in (0, 1):
         last = 0
-        for a, b in itertools.pairwise(pools):
+        for k, (a, b) in enumerate(itertools.pairwise(pools), start=1):
             delta = (b[i] > a[i]) - (b[i] < a[i])
             if delta and last and delta != last:
-                count += 1
+                out.append(k)
             last = delta or last
-    return count
+    return sorted(out)
 
 
-def reaction_ticks(pools, burst_starts, interval_s: float) -> list[int]:
-    """Per burst: windows from the one it starts in until the pools first grow."""
-    out = []
-    for start in burst_starts:
+def reversals(pools: list[tuple[int, int]]) -> int:
+    """Direction changes per pool, summed."""
+    return len(reversal_windows(pools))
+
+
+def most_reversals_within(pools: list[tuple[int, int]], span: int) -> int:
+    """The most direction changes (both pools) in any ``span`` consecutive windows."""
+    at = reversal_windows(pools)
+    return max((sum(k <= j < k + span for j in at) for k in at), default=0)
+
+
+def reaction_ticks(pools, burst_starts, interval_s: float, needed=None) -> list[int | None]:
+    """Per burst: windows from the one it starts in until the pools first grow (-1: never);
+    None where ``needed`` says the pools in place at the step met the SLA through it (no
+    growth was needed to react to)."""
+    out: list[int | None] = []
+    for i, start in enumerate(burst_starts):
+        if needed is not None and not needed[i]:
+            out.append(None)
+            continue
         k0 = int(start // interval_s)
         base = sum(pools[k0])
         grown = next((k for k in range(k0 + 1, len(pools)) if sum(pools[k]) > base), None)
@@ -226,7 +252,24 @@ def reaction_ticks(pools, burst_starts, interval_s: float) -> list[int]:
     return out
 
 
-def compare(name: str, requests, bursts, setup: Setup) -> dict:
+def growth_needed(wins, steps, pools_at, truth, setup: Setup) -> list[bool]:
+    """Per step ``(start_s, length_s)``: whether the pools in place at its start (fixed)
+    miss the SLA in a window of the step."""
+    out = []
+    for start, length in steps:
+        k0, k1 = int(start // setup.interval_s), int((start + length) // setup.interval_s)
+        pools = pools_at[k0]
+        out.append(
+            not all(
+                window_met(wins, k, pools, truth, setup) for k in range(k0, min(k1 + 1, len(wins)))
+            )
+        )
+    return out
+
+
+def compare(name: str, requests, steps: list[tuple[float, float]], setup: Setup) -> dict:
+    """The planner's replay against the best static pools; ``steps``: the trace's steps in
+    load as ``(start_s, length_s)``."""
     truth = true_model()
     wins = windows_of(requests, setup.interval_s)
     t0 = time.perf_counter()
@@ -251,6 +294,8 @@ def compare(name: str, requests, bursts, setup: Setup) -> dict:
     planner_ws = sum(p + d for p, d in run["pools"]) * setup.interval_s
     static_ws = sum(static) * duration_s
     revs = reversals(run["pools"])
+    needed = growth_needed(wins, steps, run["pools"], truth, setup)
+    ten_minutes = int(600.0 // setup.interval_s)
     return {
         "trace": name,
         "requests": len(requests),
@@ -263,8 +308,17 @@ def compare(name: str, requests, bursts, setup: Setup) -> dict:
             "worker_seconds_ratio": planner_ws / static_ws,
             "reversals": revs,
             "reversals_per_10_min": revs / (duration_s / 600.0),
-            "reaction_ticks": reaction_ticks(run["pools"], bursts, setup.interval_s),
+            "most_reversals_in_10_min": most_reversals_within(run["pools"], ten_minutes),
+            # None: the pools in place met the SLA through the step (nothing to react to)
+            "reaction_ticks": reaction_ticks(
+                run["pools"], [s for s, _ in steps], setup.interval_s, needed
+            ),
             "pools_seen": sorted({list(p).__repr__() for p in run["pools"]}),
+            # per window, the pools in place and whether the window met the SLA
+            "pools": [
+                f"{p[0]}{p[1]}{'' if m else 'x'}"
+                for p, m in zip(run["pools"], run["met"], strict=True)
+            ],
             "replay_seconds": planner_s,
         },
     }
@@ -287,6 +341,14 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--mooncake", type=Path, help="a Mooncake-format JSONL trace")
     parser.add_argument("--json", type=Path, help="write the results here")
+    parser.add_argument(
+        "--seeds",
+        type=int,
+        nargs=2,
+        default=(1, 2),
+        metavar=("SINE", "MOONCAKE"),
+        help="the traces' seeds (1 2: the reported ones; tune on others)",
+    )
     parser.add_argument("--skip-24h", action="store_true")
     parser.add_argument("--only-24h", action="store_true")
     parser.add_argument(
@@ -296,6 +358,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--validate-rate", type=float, nargs=2, default=(0.5, 2.0))
     parser.add_argument("--validate-model", choices=("tiny", "small"), default="small")
     parser.add_argument("--validate-raw", type=Path, help="keep the run's records here (JSON)")
+    parser.add_argument("--validate-seed", type=int, default=5, help="the trace's seed")
     args = parser.parse_args(argv)
     setup = Setup()
     if args.validate:
@@ -307,6 +370,7 @@ def main(argv: list[str] | None = None) -> int:
                 args.validate_seconds,
                 low=low,
                 high=high,
+                seed=args.validate_seed,
                 size=args.validate_model,
                 raw=args.validate_raw,
             ),
@@ -320,13 +384,16 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(speed_24h(setup), indent=2))
         return 0
     results = []
-    requests, bursts = sine_bursts(3600.0)
-    results.append(compare("sine+bursts 1 h", requests, bursts, setup))
+    sine_seed, mooncake_seed = args.seeds
+    requests, _ = sine_bursts(3600.0, seed=sine_seed)
+    steps = [(start, length) for start, length, _ in SINE_BURSTS]
+    results.append(compare(f"sine+bursts 1 h, seed {sine_seed}", requests, steps, setup))
     path = args.mooncake
     if path is None:
-        path = Path("/tmp/baton_mooncake_like.jsonl")
-        write_mooncake_like(path)
-    results.append(compare(f"mooncake-format {path.name}", read_mooncake(path), [1500.0], setup))
+        path = Path(f"/tmp/baton_mooncake_like_{mooncake_seed}.jsonl")
+        write_mooncake_like(path, seed=mooncake_seed)
+    surge = [SURGE] if args.mooncake is None else []  # a trace file's steps are unknown
+    results.append(compare(f"mooncake-format {path.name}", read_mooncake(path), surge, setup))
     out = {"setup": {**setup.__dict__, "limits": setup.limits.__dict__}, "traces": results}
     if not args.skip_24h:
         out["speed_24h"] = speed_24h(setup)

@@ -48,11 +48,36 @@ class PlannerSection(ConfigSection):
         "last windows, each at its own planned rate (one quiet window shrinks nothing)",
         ge=1,
     )
+    down_dwell_cooldowns: float = option(
+        3.0,
+        "After a scale-up, no scale-down for this many cooldown_seconds (a pool grown for a "
+        "step is not shrunk by the first quiet windows after it)",
+        ge=0.0,
+    )
+    down_hysteresis_sigmas: float = option(
+        2.0,
+        "Scale a pool down only when the forecast rate is this many Poisson standard "
+        "deviations of a window below the forecast that grew it (no up-down pairs at a "
+        "constant load near a pool's limit; 0: off)",
+        ge=0.0,
+    )
     headroom_sigmas: float = option(
         1.0,
-        "Plan for the forecast rate plus this many Poisson standard deviations of a "
-        "window's arrivals (0: the rate alone)",
+        "Plan for the forecast rate plus this many standard deviations of the next "
+        "window's rate (its Poisson spread, wider right after a step; 0: the rate alone)",
         ge=0.0,
+    )
+    step_sigmas: float = option(
+        4.0,
+        "A window whose arrivals lie this many Poisson standard deviations above the "
+        "forecast is a step in load: the forecast restarts at its rate (sized at once)",
+        gt=0.0,
+    )
+    mix_windows: int = option(
+        3,
+        "The predicted next window takes its prompt and output lengths from this many "
+        "last windows' requests (after a step, the windows before it show the long prompts)",
+        ge=1,
     )
     warmup_steps: int = option(
         20, "A new worker's first step records left out of the step-time fits", ge=0
@@ -98,6 +123,10 @@ class PlannerSection(ConfigSection):
             cooldown_s=self.cooldown_seconds,
             down_margin=self.down_margin,
             down_windows=self.down_windows,
+            down_dwell_cooldowns=self.down_dwell_cooldowns,
+            down_hysteresis_sigmas=self.down_hysteresis_sigmas,
             headroom_sigmas=self.headroom_sigmas,
+            step_sigmas=self.step_sigmas,
+            mix_windows=self.mix_windows,
             limits=limits,
         )

@@ -17,7 +17,9 @@ worker's steps are read off its batches here, router-side:
   uncached prompt tokens (``num_prompt_tokens - num_cached_tokens``). A long prompt's
   chunks before its last send nothing, so one record may span several steps (the fit's
   per-step constant is then counted once for them: a small underestimate for long prompts);
-- **decode**: the requests the batch gives tokens, their context lengths summed.
+- **decode**: the requests the batch gives tokens, their context lengths summed;
+- **overlap** (at ``take``): the share of each record's span during which the other pool's
+  records ran (pools on shared cores slow each other: ``cluster/planner/busy.py``).
 
 A restarted worker (a new client under the old name) and a new worker (a new name) get a
 new ``worker_id``, so ``StepModel`` leaves their first steps out (cold starts).
@@ -33,8 +35,9 @@ from __future__ import annotations
 import time
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
+from cluster.planner.busy import BusyTimeline
 from cluster.planner.simulator import SimRequest
 from cluster.planner.step_model import DecodeStep, PrefillStep
 from router.workers import WorkerView
@@ -84,6 +87,7 @@ class LoadFeed:
         self._workers: dict[str, _Worker] = {}
         self._generations: dict[str, int] = {}
         self._steps: list[PrefillStep | DecodeStep] = []
+        self._last_steps: list[PrefillStep | DecodeStep] = []  # the last window's
         self._ttft: list[float] = []
         self._itl: list[float] = []
         self._prompt_tokens = self._cached_tokens = 0
@@ -146,7 +150,7 @@ class LoadFeed:
             started = req.arrival_s if started is None else max(started, req.arrival_s)
         if not num_tokens or started is None:
             return None
-        return PrefillStep(state.worker_id, now - started, num_tokens, work)
+        return PrefillStep(state.worker_id, now - started, num_tokens, work, end_s=now)
 
     def _decode_step(self, state: _Worker, batch: OutputBatch, now: float) -> DecodeStep | None:
         num_seqs, kv_tokens, started = 0, 0, state.last_step_s
@@ -166,7 +170,7 @@ class LoadFeed:
             req.last_token_s = now
         if not num_seqs or started is None:
             return None
-        return DecodeStep(state.worker_id, now - started, num_seqs, kv_tokens)
+        return DecodeStep(state.worker_id, now - started, num_seqs, kv_tokens, end_s=now)
 
     def _first_token(self, req: _Request, num_prompt: int, num_cached: int, now: float) -> None:
         req.ready_s = req.last_token_s = now
@@ -174,6 +178,25 @@ class LoadFeed:
         self._ttft.append(now - req.arrival_s)
         self._prompt_tokens += max(num_prompt, req.num_prompt_tokens)
         self._cached_tokens += req.num_cached_tokens
+
+    def _with_overlap(self) -> tuple[PrefillStep | DecodeStep, ...]:
+        """The window's records, each with the share of it the other pool computed (this
+        window's records and the last window's, which an early step may overlap)."""
+        busy = {
+            pool: BusyTimeline(
+                (s.end_s - s.seconds, s.end_s)
+                for s in (*self._last_steps, *self._steps)
+                if isinstance(s, PrefillStep) == (pool == "prefill")
+            )
+            for pool in ("prefill", "decode")
+        }
+        out = []
+        for step in self._steps:
+            other = busy["decode" if isinstance(step, PrefillStep) else "prefill"]
+            share = other.share(step.end_s - step.seconds, step.end_s)
+            out.append(replace(step, overlap=share))
+        self._last_steps = out
+        return tuple(out)
 
     # ---- the planner's call -----------------------------------------------------------
     def take(self, now: float) -> Window:
@@ -194,7 +217,7 @@ class LoadFeed:
         requests.sort(key=lambda r: r.arrival_s)
         window = Window(
             tuple(requests),
-            tuple(self._steps),
+            self._with_overlap(),
             tuple(self._ttft),
             tuple(self._itl),
             share,

@@ -16,6 +16,14 @@ requests (arrival time, uncached prompt tokens, output tokens) through:
   each running sequence one token and costs ``StepModel.decode_seconds(batch, kv_tokens)``;
   each token's ITL is its step's time.
 
+- **shared cores**: where the fits see the pools slow each other (``StepModel``'s overlap
+  term), each step also pays for the share of it the other pool computes: two passes,
+  each pool beside the other's busy time from the pass before (``simulate``).
+
+``typical_window`` builds the planner's predicted next window: a fixed draw of Poisson gaps
+at a rate, with a mix's lengths (the same arrivals every tick, so a prediction moves with
+the rate and the mix, not with one window's clustering).
+
 Each step's fitted time is multiplied by one of the fit's recorded ratios measured / fitted
 (``StepModel``'s spread, when it keeps one), taken in a fixed low-discrepancy order per
 worker: a p90 is set by the slow steps, which a mean fit leaves out.
@@ -29,10 +37,12 @@ solved once per record, not per step: a 24-hour trace (7.4M tokens) in about 11 
 from __future__ import annotations
 
 import heapq
+import random
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from cluster.planner.busy import BusyTimeline
 from cluster.planner.step_model import StepModel
 
 
@@ -74,6 +84,32 @@ def percentile(values: Sequence[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, max(0, int(q * len(ordered) + 0.999999) - 1))]
 
 
+def _poisson_gaps(count: int, seed: int) -> tuple[float, ...]:
+    rng = random.Random(seed)
+    return tuple(rng.expovariate(1.0) for _ in range(count))
+
+
+_GAPS = _poisson_gaps(4096, 38)  # one fixed draw: the same typical window every time
+
+
+def typical_window(
+    mix: Sequence[SimRequest], rate: float, window_s: float, start_s: float
+) -> list[SimRequest]:
+    """A window of ``round(rate * window_s)`` arrivals from ``start_s``, spaced by a fixed
+    draw of Poisson gaps scaled to fill the window (they cluster as Poisson arrivals do,
+    and the same way every time: a prediction made from it moves with the rate and the mix,
+    not with one window's luck), the requests' lengths taken evenly from ``mix``."""
+    count = max(1, round(rate * window_s))
+    gaps = [_GAPS[i % len(_GAPS)] for i in range(count)]
+    scale = window_s / sum(gaps)
+    out, t = [], start_s
+    for i, gap in enumerate(gaps):
+        t += gap * scale
+        src = mix[i * len(mix) // count]
+        out.append(SimRequest(t, src.prompt_tokens, src.output_tokens))
+    return out
+
+
 _GOLDEN = 0.6180339887498949  # Weyl sequence step: the spread's ratios in a mixed order
 
 
@@ -83,9 +119,16 @@ def spread_factor(spread: tuple[float, ...], step: int) -> float:
 
 
 def simulate_prefill(
-    requests: Sequence[SimRequest], num_workers: int, model: StepModel, limits: PoolLimits
+    requests: Sequence[SimRequest],
+    num_workers: int,
+    model: StepModel,
+    limits: PoolLimits,
+    other_busy: BusyTimeline | None = None,
+    busy_out: list[tuple[float, float]] | None = None,
 ) -> list[float]:
-    """Each request's prefill completion time (absolute seconds), arrival order."""
+    """Each request's prefill completion time (absolute seconds), arrival order.
+    ``other_busy``: when the decode pool computes (its share of a step slows it, shared
+    cores); ``busy_out``, when given, gets every step's (start, end)."""
     done = [0.0] * len(requests)
     queues: list[deque[list[int]]] = [deque() for _ in range(num_workers)]  # [req, left]
     queued_tokens = [0] * num_workers
@@ -114,11 +157,16 @@ def simulate_prefill(
             chunks.append((index, take, entry[1] == 0))
             if entry[1] == 0:
                 queue.popleft()
-        seconds = prefill_seconds(budget_per_step - budget, work)
+        tokens = budget_per_step - budget
+        seconds = prefill_seconds(tokens, work)
+        if other_busy is not None:
+            seconds = prefill_seconds(tokens, work, other_busy.share(now, now + seconds))
         if spread:
             seconds *= spread_factor(spread, num_steps[worker])
             num_steps[worker] += 1
         busy_until[worker] = now + seconds
+        if busy_out is not None:
+            busy_out.append((now, now + seconds))
         running[worker] = chunks
         heapq.heappush(events, (busy_until[worker], 0, worker))
 
@@ -163,9 +211,12 @@ def simulate_decode(
     model: StepModel,
     limits: PoolLimits,
     spans: DecodeSpans | None = None,
+    other_busy: BusyTimeline | None = None,
+    busy_out: list[tuple[float, float]] | None = None,
 ) -> list[float]:
     """Every generated token's inter-token time, for requests arriving at ``ready_s``;
-    ``spans``, when given, is filled with each request's steps."""
+    ``spans``, when given, is filled with each request's steps; ``other_busy`` and
+    ``busy_out`` as for ``simulate_prefill``."""
     order = sorted(range(len(requests)), key=lambda i: ready_s[i])
     waiting: deque[int] = deque()
     # No per-token work: a worker counts its steps, and a sequence that joins at step n0 with
@@ -217,10 +268,15 @@ def simulate_decode(
         heap = ends[worker]
         batch = len(heap)
         n = steps[worker]
-        step = decode_seconds(batch, kv_base[worker] + batch * n)
+        kv_tokens = kv_base[worker] + batch * n
+        step = decode_seconds(batch, kv_tokens)
+        if other_busy is not None:
+            step = decode_seconds(batch, kv_tokens, other_busy.share(now, now + step))
         if spread:
             step *= spread_factor(spread, n)
         clock[worker] = now + step
+        if busy_out is not None:
+            busy_out.append((now, now + step))
         itl.extend([step] * batch)
         if spans is not None:
             spans.step_s[worker].append(step)
@@ -237,12 +293,31 @@ def simulate(
     num_decode: int,
     model: StepModel,
     limits: PoolLimits = PoolLimits(),
+    spans: DecodeSpans | None = None,
 ) -> SimResult:
-    """Both pools in sequence (the prefill pool's output is the decode pool's input)."""
+    """Both pools in sequence (the prefill pool's output is the decode pool's input).
+
+    Where the fits see the pools slow each other (``StepModel.has_interference``: shared
+    cores), each pool's steps depend on when the other computes, and the other way round:
+    two passes settle it (prefill alone, decode beside it, prefill beside that decode,
+    decode beside that prefill), each step costed with the share of it the other pool's
+    previous pass was busy."""
     if num_prefill < 1 or num_decode < 1:
         raise ValueError(f"simulate needs a worker in each pool, got ({num_prefill}, {num_decode})")
-    done = simulate_prefill(requests, num_prefill, model, limits)
+    prefill_busy: list[tuple[float, float]] | None = None
+    decode_busy: BusyTimeline | None = None
+    if model.has_interference:
+        prefill_busy, first_decode = [], []
+        done = simulate_prefill(requests, num_prefill, model, limits, busy_out=prefill_busy)
+        ready = [d + limits.handoff_s for d in done]
+        simulate_decode(
+            requests, ready, num_decode, model, limits, None, BusyTimeline(prefill_busy),
+            first_decode,
+        )  # fmt: skip
+        decode_busy, prefill_busy = BusyTimeline(first_decode), []
+    done = simulate_prefill(requests, num_prefill, model, limits, decode_busy, prefill_busy)
     ttft = tuple(d - r.arrival_s for d, r in zip(done, requests, strict=True))
     ready = [d + limits.handoff_s for d in done]
-    itl = simulate_decode(requests, ready, num_decode, model, limits)
+    other = None if prefill_busy is None else BusyTimeline(prefill_busy)
+    itl = simulate_decode(requests, ready, num_decode, model, limits, spans, other)
     return SimResult(ttft, tuple(itl))

@@ -3,11 +3,14 @@
 The planner (``cluster/planner/policy.py``) predicts latency for pool sizes it has not run,
 so it needs each pool's step time as a function of the work in the step, not a mean:
 
-- prefill: ``seconds = a + b * tokens + c * attention_work`` where ``tokens`` are the
-  step's prompt tokens computed and ``attention_work`` is the sum over its chunks of
-  ``chunk_len * context_len / 1000`` (the quadratic part of a long prompt);
-- decode: ``seconds = a + b * batch + c * kv_tokens / 1000`` (weights read once per step,
-  plus each sequence's KV read).
+- prefill: ``seconds = a + b * tokens + c * attention_work + d * overlap`` where ``tokens``
+  are the step's prompt tokens computed and ``attention_work`` is the sum over its chunks
+  of ``chunk_len * context_len / 1000`` (the quadratic part of a long prompt);
+- decode: ``seconds = a + b * batch + c * kv_tokens / 1000 + d * overlap`` (weights read
+  once per step, plus each sequence's KV read);
+- ``overlap`` is the share of the step during which the other pool computed: pools that
+  share cores slow each other down (``cluster/planner/busy.py`` has the measurement); on
+  separate accelerators ``d`` fits to ~0. The simulation uses ``max(d, 0)``.
 
 ``OnlineFit`` keeps the normal equations of a least-squares fit with exponential forgetting
 (a factor per record), so the fit follows a model or machine change without a window of
@@ -114,6 +117,8 @@ class PrefillStep:
     seconds: float
     tokens: int  # prompt tokens computed in the step
     attention_work: float  # sum over its chunks of chunk_len * context_len / 1000
+    end_s: float = field(default=0.0, compare=False)  # when it ended (feed's clock; 0: unknown)
+    overlap: float = field(default=0.0, compare=False)  # share of it the other pool computed
 
 
 @dataclass(frozen=True)
@@ -124,6 +129,11 @@ class DecodeStep:
     seconds: float
     batch: int  # sequences that got a token
     kv_tokens: int  # their context lengths, summed
+    end_s: float = field(default=0.0, compare=False)  # when it ended (feed's clock; 0: unknown)
+    overlap: float = field(default=0.0, compare=False)  # share of it the other pool computed
+
+
+INTERFERENCE_S = 1e-4  # 0.1 ms a step: below it the pools count as independent
 
 
 class StepModel:
@@ -133,8 +143,8 @@ class StepModel:
         self, warmup_steps: int = 20, forgetting: float = 0.999, spread_records: int = 0
     ) -> None:
         self.warmup_steps = warmup_steps
-        self.prefill = OnlineFit(3, forgetting, spread_records=spread_records)
-        self.decode = OnlineFit(3, forgetting, spread_records=spread_records)
+        self.prefill = OnlineFit(4, forgetting, spread_records=spread_records)
+        self.decode = OnlineFit(4, forgetting, spread_records=spread_records)
         self._seen: dict[str, int] = {}
 
     def _past_warmup(self, worker_id: str) -> bool:
@@ -162,9 +172,11 @@ class StepModel:
 
     def _add(self, step: PrefillStep | DecodeStep) -> None:
         if isinstance(step, PrefillStep):
-            self.prefill.add((1.0, float(step.tokens), step.attention_work), step.seconds)
+            x = (1.0, float(step.tokens), step.attention_work, step.overlap)
+            self.prefill.add(x, step.seconds)
         else:
-            self.decode.add((1.0, float(step.batch), step.kv_tokens / 1000.0), step.seconds)
+            x = (1.0, float(step.batch), step.kv_tokens / 1000.0, step.overlap)
+            self.decode.add(x, step.seconds)
 
     def forget_worker(self, worker_id: str) -> None:
         """A worker left the pool: a new one under the same id warms up again."""
@@ -175,10 +187,19 @@ class StepModel:
         """Both pools have enough records for a fit worth planning on."""
         return self.prefill.num_records >= 8 and self.decode.num_records >= 8
 
-    def prefill_seconds(self, tokens: int, attention_work: float) -> float:
-        a, b, c = self.prefill.coefficients()
-        return max(a + b * tokens + c * attention_work, 1e-6)
+    @property
+    def has_interference(self) -> bool:
+        """Either pool's steps fit slower while the other computes (shared cores), by more
+        than ``INTERFERENCE_S`` (a fit of independent pools leaves a rounding-sized term)."""
+        d_prefill, d_decode = self.prefill.coefficients()[3], self.decode.coefficients()[3]
+        return max(d_prefill, d_decode) > INTERFERENCE_S
 
-    def decode_seconds(self, batch: int, kv_tokens: int) -> float:
-        a, b, c = self.decode.coefficients()
-        return max(a + b * batch + c * kv_tokens / 1000.0, 1e-6)
+    def prefill_seconds(self, tokens: int, attention_work: float, overlap: float = 0.0) -> float:
+        """A prefill step's fitted time; ``overlap``: the share of it decode computes."""
+        a, b, c, d = self.prefill.coefficients()
+        return max(a + b * tokens + c * attention_work + max(d, 0.0) * overlap, 1e-6)
+
+    def decode_seconds(self, batch: int, kv_tokens: int, overlap: float = 0.0) -> float:
+        """A decode step's fitted time; ``overlap``: the share of it prefill computes."""
+        a, b, c, d = self.decode.coefficients()
+        return max(a + b * batch + c * kv_tokens / 1000.0 + max(d, 0.0) * overlap, 1e-6)

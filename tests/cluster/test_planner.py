@@ -190,13 +190,18 @@ def test_the_fast_simulation_gives_the_per_token_versions_figures_exactly():
 def test_plan_rate_covers_a_step_and_a_windows_spread():
     forecast = RateForecast()
     for _ in range(5):
-        forecast.update(1.0)
-    after_step = forecast.update(5.0)
-    assert after_step < 5.0  # the smoothed level lags the step ...
-    # ... so the planner sizes for what it just saw, plus one Poisson sigma of a window
-    assert plan_rate(after_step, 5.0, 10.0, 1.0) == pytest.approx(5.0 + (5.0 / 10.0) ** 0.5)
-    assert plan_rate(3.0, 1.0, 10.0, 0.0) == 3.0  # a rising trend is planned for as well
-    assert plan_rate(0.0, 0.0, 10.0, 1.0) == 0.0
+        forecast.update(1.0, 10.0)
+    assert not forecast.update(1.5, 10.0) > 1.5  # 15 arrivals where 10 were due: noise
+    assert not forecast.is_step
+    after_step = forecast.update(5.0, 10.0)  # 50 where ~10 were due: a step
+    assert forecast.is_step and after_step == 5.0  # sized for at once, no lag, no trend
+    # the band: one window's Poisson spread plus the new level's, from one window
+    assert plan_rate(after_step, 10.0, 1.0, 1) == pytest.approx(5.0 + (2 * 5.0 / 10.0) ** 0.5)
+    assert plan_rate(3.0, 10.0, 0.0) == 3.0
+    assert plan_rate(0.0, 10.0, 1.0) == 0.0
+    without_window = RateForecast()
+    without_window.update(1.0)
+    assert without_window.update(5.0) < 5.0 and not without_window.is_step  # no count: no test
 
 
 def test_a_busy_window_among_quiet_ones_keeps_the_pool_up():
@@ -237,3 +242,96 @@ def test_the_steps_spread_sets_the_p90_and_the_replay_stays_deterministic():
     assert simulate(requests, 1, 1, mean).itl_p90 < 0.017
     assert with_spread.itl_p90 == pytest.approx(0.025, rel=0.15)
     assert simulate(requests, 1, 1, spread) == with_spread  # the same figures every time
+
+
+def poisson_windows(rate: float, num: int, window: float, seed: int, mix=((1.0, 200),)):
+    """``num`` windows of Poisson arrivals at ``rate``; prompts drawn from ``mix`` (share,
+    tokens); outputs of 20 tokens."""
+    rng = random.Random(seed)
+    t, out = 0.0, [[] for _ in range(num)]
+    while True:
+        t += rng.expovariate(rate)
+        if t >= num * window:
+            return out
+        pick, prompt = rng.random(), mix[-1][1]
+        for share, tokens in mix:
+            if pick < share:
+                prompt = tokens
+                break
+            pick -= share
+        out[int(t // window)].append(SimRequest(t, prompt, 20))
+
+
+def _run_windows(planner: Planner, windows, window: float = 10.0, start=(1, 1)):
+    sizes, decisions = start, []
+    for tick, requests in enumerate(windows):
+        decision = planner.tick(Observation(tick * window, *sizes, window, tuple(requests)))
+        decisions.append(decision)
+        sizes = (decision.prefill, decision.decode)
+    return decisions
+
+
+def _directions(sizes: list[int]) -> list[int]:
+    return [(b > a) - (b < a) for a, b in itertools.pairwise(sizes) if a != b]
+
+
+def test_a_step_is_told_from_poisson_noise():
+    rng = random.Random(3)
+    forecast, alarms = RateForecast(), 0
+    for _ in range(500):  # 30 s windows at 2 req/s: a count's sigma is ~7.7 of 60
+        count = sum(1 for _ in range(120) if rng.random() < 0.5)  # binomial ~ Poisson here
+        forecast.update(count / 30.0, 30.0)
+        alarms += forecast.is_step
+    assert alarms == 0  # 4 sigmas: a false step about once in 30,000 windows
+    level_before = forecast.level
+    after = forecast.update(4.0, 30.0)  # 120 arrivals where ~60 were due: a step
+    assert forecast.is_step and after == 4.0 and forecast.trend == 0.0
+    assert forecast.windows_at_level == 1 and level_before < 2.5
+    # right after the step the band is wider (the level rests on one window) ...
+    assert plan_rate(4.0, 30.0, 1.0, 1) == pytest.approx(4.0 + (2 * 4.0 / 30.0) ** 0.5)
+    # ... and narrows to one window's spread as windows at the level add up
+    assert plan_rate(4.0, 30.0, 1.0, 10**9) == pytest.approx(4.0 + (4.0 / 30.0) ** 0.5)
+
+
+def test_a_noisy_constant_load_never_reverses():
+    # Poisson windows near the 1-vs-2 prefill threshold, three seeds: the sizes may grow,
+    # then hold; no pool ever goes up and down (or down and up).
+    for seed in (11, 12, 13):
+        windows = poisson_windows(7.0, 40, 10.0, seed)
+        decisions = _run_windows(_planner(), windows)
+        for pool in ("prefill", "decode"):
+            moves = _directions([1] + [getattr(d, pool) for d in decisions])
+            assert len(set(moves)) <= 1, (seed, pool, moves)
+
+
+def test_a_step_is_sized_for_the_recent_mix_within_two_ticks():
+    # A bimodal mix (10% prompts of 1200 tokens) at 1 req/s, then a step to 5 req/s whose
+    # first window happens to bring only short prompts: sized at once for the mix of the
+    # windows before (the next windows bring the long ones), not after the miss.
+    config = dict(ttft_p90_ms=1500, itl_p90_ms=60, max_workers=8, cooldown_s=30,
+                  limits=PoolLimits(max_batched_tokens=256))  # fmt: skip
+    mix = ((0.9, 100), (0.1, 1200))
+    before = poisson_windows(1.0, 6, 10.0, 5, mix)
+    step = [[r for r in poisson_windows(5.0, 1, 10.0, 6, ((1.0, 100),))[0]]]
+    after = poisson_windows(5.0, 4, 10.0, 7, mix)
+    windows = before + [[SimRequest(r.arrival_s + 60.0, r.prompt_tokens, r.output_tokens)
+                         for r in step[0]]] + [
+        [SimRequest(r.arrival_s + 70.0, r.prompt_tokens, r.output_tokens) for r in w]
+        for w in after
+    ]  # fmt: skip
+    decisions = _run_windows(Planner(PlannerConfig(**config), trained_model()), windows)
+    assert all(d.prefill == 1 for d in decisions[:6])
+    assert decisions[6].prefill >= 2, [d.reason for d in decisions]
+    # one window's mix alone (mix_windows=1) waits for the long prompts to show up
+    alone = _run_windows(Planner(PlannerConfig(**config, mix_windows=1), trained_model()), windows)
+    assert alone[6].prefill == 1
+
+
+def test_no_scale_down_within_the_dwell_after_a_scale_up():
+    planner = _planner(down_dwell_cooldowns=4.0)  # cooldown 30 s: no down for 120 s
+    decisions = _run(planner, [1.0] * 2 + [12.0] * 2 + [1.0] * 20)
+    prefill = [d.prefill for d in decisions]
+    up = next(i for i, p in enumerate(prefill) if p >= 2)
+    down = next(i for i in range(up + 1, len(prefill)) if prefill[i] < prefill[i - 1])
+    assert (down - up) * 10.0 >= 120.0, prefill
+    assert "scale down" in decisions[down].reason

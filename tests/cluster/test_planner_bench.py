@@ -5,7 +5,18 @@ from __future__ import annotations
 
 import json
 
-from bench.planner import reaction_ticks, read_mooncake, reversals, sine_bursts
+from bench.planner import (
+    Setup,
+    growth_needed,
+    most_reversals_within,
+    reaction_ticks,
+    read_mooncake,
+    reversals,
+    sine_bursts,
+    true_model,
+    windows_of,
+)
+from cluster.planner.simulator import SimRequest
 
 
 def test_mooncake_reader_counts_leading_blocks_seen_before_as_prefix_hits(tmp_path):
@@ -41,3 +52,26 @@ def test_reversals_and_reaction_ticks():
     assert reversals(pools) == 2  # prefill up then down; decode up then down
     assert reaction_ticks([(1, 1), (1, 1), (1, 1), (2, 1)], [35.0], 30.0) == [2]
     assert reaction_ticks([(1, 1), (1, 1)], [5.0], 30.0) == [-1]
+    assert reaction_ticks([(1, 1), (1, 1)], [5.0], 30.0, needed=[False]) == [None]
+    # reversals at windows 3 (prefill) and 5 (decode): two within 3 windows, one in 2
+    assert most_reversals_within(pools, 3) == 2 and most_reversals_within(pools, 2) == 1
+    assert most_reversals_within([(1, 1), (2, 2)], 5) == 0
+
+
+def test_growth_is_needed_only_where_the_pools_at_the_step_miss():
+    # A step from 0.3 to 3 req/s of 200-token prompts for 60 s: one prefill worker of the
+    # bench's machine (20 ms + 1 ms a token) runs out of its ~4.5 prompts a second at the
+    # step only with 800-token prompts, which it then needs help with.
+    setup, truth = Setup(), true_model()
+    light, heavy, t = [], [], 0.0
+    for i in range(400):
+        t = 60.0 + i / 3.0 if i >= 18 else i / 0.3
+        light.append(SimRequest(t, 200, 20))
+        heavy.append(SimRequest(t, 200 if i < 18 else 800, 20))
+    pools = [(1, 1)] * 10
+    assert growth_needed(windows_of(light[:198], 30.0), [(60.0, 60.0)], pools, truth, setup) == [
+        False
+    ]
+    assert growth_needed(windows_of(heavy[:198], 30.0), [(60.0, 60.0)], pools, truth, setup) == [
+        True
+    ]

@@ -344,6 +344,10 @@ def test_the_ray_actuator_asks_the_autoscaler_only_where_there_is_one(monkeypatc
         ({"planner": {"cooldown": 5}}, "planner.cooldown: unknown key"),
         ({"planner": {"down_windows": 0}}, "planner.down_windows"),
         ({"planner": {"headroom_sigmas": -1}}, "planner.headroom_sigmas"),
+        ({"planner": {"step_sigmas": 0}}, "planner.step_sigmas"),
+        ({"planner": {"mix_windows": 0}}, "planner.mix_windows"),
+        ({"planner": {"down_dwell_cooldowns": -1}}, "planner.down_dwell_cooldowns"),
+        ({"planner": {"down_hysteresis_sigmas": -0.5}}, "planner.down_hysteresis_sigmas"),
         (
             {"planner": {"min_prefill": 3, "min_decode": 2, "max_workers": 4}},
             "planner: max_workers: 4 is below min_prefill + min_decode (5)",
@@ -364,7 +368,8 @@ def test_planner_is_off_by_default_and_its_settings_reach_the_policy():
 
     assert parse_config({}).planner.enabled is False
     settings = {"enabled": True, "ttft_p90_ms": 500, "max_workers": 3, "down_windows": 2}
-    section = parse_config({"planner": {**settings, "headroom_sigmas": 0.5}}).planner
+    extra = {"headroom_sigmas": 0.5, "step_sigmas": 5, "mix_windows": 2, "down_dwell_cooldowns": 1}
+    section = parse_config({"planner": {**settings, **extra}}).planner
     policy = section.policy_config(PoolLimits(max_batched_tokens=512))
     assert (policy.ttft_p90_ms, policy.max_workers, policy.limits.max_batched_tokens) == (
         500,
@@ -372,3 +377,5 @@ def test_planner_is_off_by_default_and_its_settings_reach_the_policy():
         512,
     )
     assert (policy.down_windows, policy.headroom_sigmas) == (2, 0.5)
+    assert (policy.step_sigmas, policy.mix_windows, policy.down_dwell_cooldowns) == (5, 2, 1)
+    assert policy.down_hysteresis_sigmas == 2.0  # the default
