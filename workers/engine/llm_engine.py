@@ -32,7 +32,7 @@ from workers.engine.config import EngineConfig, check_expert_parallel
 from workers.engine.cpu_memory import keep_freed_memory_mapped
 from workers.engine.decode_graphs import build_decode_graphs
 from workers.engine.grammar import GrammarCompiler
-from workers.engine.handoff import KVHandoff, KVReceive, check_peer_prefix
+from workers.engine.handoff import KVHandoff, KVReceive
 from workers.engine.kv_cache import allocate_kv_cache
 from workers.engine.kv_tiers.build import build_kv_tiers, check_single_rank_tiers
 from workers.engine.layerwise import LayerwiseStreams
@@ -40,8 +40,9 @@ from workers.engine.model_runner import ModelRunner
 from workers.engine.outputs import StreamDelta
 from workers.engine.prompt_logprobs import prompt_logprobs
 from workers.engine.request import Request
+from workers.engine.request_intake import build_request
 from workers.engine.resume import resume_outputs
-from workers.engine.sampler import Sampler, SamplerOutput, SamplingRow, make_generator
+from workers.engine.sampler import Sampler, SamplerOutput, SamplingRow
 from workers.engine.scheduler import ScheduledChunk, Scheduler, SchedulerOutput
 from workers.engine.speculative.decoder import SpeculativeDecoder, check_single_rank
 from workers.engine.speculative.draft import DraftProposer
@@ -59,7 +60,7 @@ from workers.models.parallel import ParallelContext
 from workers.protocol.logprobs import TokenLogprobs
 from workers.protocol.sampling_params import SamplingParams
 from workers.text.detokenizer import IncrementalDetokenizer
-from workers.text.tokenizer import Tokenizer, encode_prompt
+from workers.text.tokenizer import Tokenizer
 
 
 class LLMEngine:
@@ -253,62 +254,25 @@ class LLMEngine:
         ``take_kv_receives``/``kv_received``; the rest is computed here after it arrived.
         """
         request_id = request_id or uuid.uuid4().hex
-        if not isinstance(params, SamplingParams):
-            raise ValueError(f"params must be SamplingParams, got {type(params).__name__}")
-        if await_first_token and (remote_first_token is not None or prior_output_token_ids):
-            raise ValueError("await_first_token excludes remote_first_token and prior outputs")
-        remote = remote_first_token is not None or await_first_token
-        if prefill_only and remote:
-            raise ValueError("prefill_only and remote_first_token exclude each other")
-        if prior_output_token_ids and remote_first_token is not None:
-            # D would receive the prompt's KV only; a migrated request is recomputed.
-            raise ValueError("prior_output_token_ids and remote_first_token exclude each other")
         if (state := self.handoff.state(request_id)) is not None:
             raise ValueError(f"request_id {request_id!r} is already in use ({state.value})")
-        params.validate_for_model(self.vocab_size)
-        token_ids = encode_prompt(self.tokenizer, prompt, self.vocab_size)
-        room = self.max_model_len - len(token_ids)
-        if room < 1:
-            raise ValueError(
-                f"prompt: {len(token_ids)} tokens leave no room to generate within "
-                f"max_model_len={self.max_model_len}"
-            )
-        check_peer_prefix(
-            peer_prefix_tokens, len(token_ids), self.block_manager.block_size, remote or None
+        req, detok = build_request(
+            prompt,
+            params,
+            request_id,
+            tokenizer=self.tokenizer,
+            vocab_size=self.vocab_size,
+            max_model_len=self.max_model_len,
+            block_size=self.block_manager.block_size,
+            device=self.device,
+            grammars=self.grammars,
+            detokenize=self.config.detokenize,
+            prefill_only=prefill_only,
+            remote_first_token=remote_first_token,
+            prior_output_token_ids=prior_output_token_ids,
+            peer_prefix_tokens=peer_prefix_tokens,
+            await_first_token=await_first_token,
         )
-        if peer_prefix_tokens and params.prompt_logprobs is not None:
-            raise ValueError(
-                "peer_prefix_tokens: a request with prompt_logprobs computes its prompt"
-            )
-        max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
-        req = Request(
-            request_id=request_id,
-            prompt_token_ids=token_ids,
-            params=params,
-            max_tokens=max_tokens,
-            eos_token_ids=frozenset() if params.ignore_eos else self.tokenizer.eos_token_ids,
-            generator=make_generator(
-                params,
-                self.device,
-                num_sampled_steps=int(remote) + len(prior_output_token_ids),
-            ),
-            is_prefill_only=prefill_only,
-        )
-        if params.structured is not None:
-            req.grammar = self.grammars.matcher(params.structured)
-        detok = None
-        if self.config.detokenize:
-            detok = IncrementalDetokenizer(
-                self.tokenizer, token_ids, params.stop, params.skip_special_tokens
-            )
-        prior = list(prior_output_token_ids)
-        req.num_peer_tokens = peer_prefix_tokens
-        req.is_remote_prefill = remote
-        if remote_first_token is not None:
-            prior, what = [remote_first_token], "remote_first_token"
-        else:
-            what = "prior_output_token_ids"
-        resume_outputs(req, prior, detok, self.vocab_size, self.max_model_len, what)
         self.scheduler.add(req)
         if detok is not None:
             self._detokenizers[request_id] = detok
