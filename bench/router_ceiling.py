@@ -587,6 +587,97 @@ def top_functions(path: str, num: int) -> dict[str, list[dict]]:
     }
 
 
+class _ChainWorker:
+    """A WorkerClient in the router's own process: takes work, sends what it is told."""
+
+    name, role = "decode-0", "decode"
+
+    def __init__(self) -> None:
+        self.items: list[WorkItem] = []
+        self.on_batch = None
+
+    async def start(self) -> None: ...
+
+    def listen(self, on_batch, on_lost) -> None:
+        self.on_batch = on_batch
+        self.send(())
+
+    def close(self) -> None: ...
+
+    async def submit(self, item: WorkItem) -> None:
+        self.items.append(item)
+
+    async def abort(self, request_id: str) -> None: ...
+
+    async def decline(self, handles: tuple[bytes, ...]) -> None: ...
+
+    def send(self, events) -> None:
+        report = WorkerReport(self.name, "decode", True, 0, 0, 4096, 0, 0, 0)
+        self.on_batch(OutputBatch(tuple(events), report))
+
+
+async def _chain(streams: int, tokens: int) -> float:
+    """One run of ``chain``: thread CPU seconds per streamed token."""
+    from router.config import RouterConfig
+    from router.requests import GenerateRequest, StoppingOptions
+    from router.router import Router
+
+    tokenizer = _tokenizer()
+    output_ids = tokenizer.encode(OUTPUT, add_special_tokens=False)
+    config = RouterConfig(
+        "bench",
+        "LlamaForCausalLM",
+        "float32",
+        4096,
+        tokenizer.vocab_size,
+        16,
+        disaggregation="never",
+    )
+    worker = _ChainWorker()
+    router = Router(config, tokenizer, [], [worker])
+    await router.start(ready_timeout_s=10)
+    loop = asyncio.get_running_loop()
+    state = {"left": streams, "step": loop.create_future()}
+
+    async def consume(stream) -> None:
+        async for _event in stream:
+            state["left"] -= 1
+            if not state["left"]:
+                state["step"].set_result(None)
+
+    stopping = StoppingOptions(max_tokens=tokens, ignore_eos=True)
+    reqs = [GenerateRequest(PROMPT, f"c{i}", stopping=stopping) for i in range(streams)]
+    tasks = [loop.create_task(consume(router.generate(r))) for r in reqs]
+    while len(worker.items) < streams:
+        await asyncio.sleep(0.001)
+    ids = [item.request_id for item in worker.items]
+    started = time.thread_time()
+    for step in range(tokens):
+        is_last = step == tokens - 1
+        token = (output_ids[step % len(output_ids)],)
+        reason = "length" if is_last else None
+        state["left"], state["step"] = streams, loop.create_future()
+        worker.send([TokenEvent(rid, token, is_last, finish_reason=reason) for rid in ids])
+        await state["step"]  # every stream read this step's token: the router keeps up
+    cpu_s = time.thread_time() - started
+    await asyncio.gather(*tasks)
+    await router.stop()
+    return cpu_s / (streams * tokens)
+
+
+def chain(streams: int, tokens: int, repeats: int) -> dict:
+    """The router's own per-token path, alone: in one process, on uvloop, no front end and
+    no channel, a worker's batch with one token for each of ``streams`` requests goes
+    through the router's intake, the request's stream and its generators to the reader,
+    step after step, each step read to the end before the next (the router keeps up: a
+    chunk per token). The event loop thread's CPU time per token (the batch's and the
+    events' construction included, the same for any router)."""
+    import uvloop
+
+    runs = [uvloop.run(_chain(streams, tokens)) for _ in range(repeats)]
+    return {"streams": streams, "tokens": tokens, "us_per_token": [1e6 * r for r in runs]}
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--streams", type=_ints, default=[256, 1024], help="concurrent streams")
@@ -611,7 +702,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--profile", type=int, default=256, help="cProfile at N streams (0 off)")
     parser.add_argument("--quiet-wait", type=float, default=10.0, help="wait for a quiet host")
     parser.add_argument("--json", type=Path, help="write every run and the medians")
+    parser.add_argument(
+        "--chain", type=int, default=0, help="only the in-process per-token path at N streams"
+    )
     args = parser.parse_args(argv)
+    if args.chain:
+        doc = {"load_before": os.getloadavg(), "machine": machine()}
+        doc["chain"] = chain(args.chain, args.tokens, args.repeats)
+        print(json.dumps(doc["chain"]), flush=True)
+        if args.json:
+            args.json.write_text(json.dumps(doc, indent=1))
+        return 0
 
     doc: dict = {"arguments": {k: str(v) for k, v in vars(args).items()}, "machine": machine()}
     doc["load_before"] = {}

@@ -30,7 +30,7 @@ class RouterConfig:
     # before they migrate, and the most workers of both pools (0 = the cluster's room).
     scale_down_grace_s: float = 30.0
     scale_max_replicas: int = 0
-    # Server-side deadlines (router/pending.py): the whole request, and the longest wait
+    # Server-side deadlines (router/lifecycle.py): the whole request, and the longest wait
     # for its next event from a worker; 0 = none.
     request_timeout_s: float = 0.0
     request_idle_timeout_s: float = 0.0

@@ -127,20 +127,19 @@ class RequestTrace:
         finally:
             span.end()
 
-    @contextlib.contextmanager
-    def attempt(self, mode: str, worker: str) -> Iterator[str]:
-        """A span around one work item on ``worker``; yields the traceparent the item
-        carries (the worker's spans hang under this span)."""
+    def open_attempt(self, mode: str, worker: str) -> tuple[Span, str]:
+        """A span around one work item on ``worker``, ended by ``close_attempt``; returns
+        it and the traceparent the item carries (the worker's spans hang under it)."""
         attributes = {"baton.worker.name": worker, "baton.work.mode": mode}
         span = Span(f"attempt.{mode}", self.root.span_id, SpanKind.CLIENT, attributes)
         self._spans.append(span)
-        try:
-            yield TraceParent(self._trace_id, span.span_id, SAMPLED).header()
-        except BaseException as exc:
+        return span, TraceParent(self._trace_id, span.span_id, SAMPLED).header()
+
+    def close_attempt(self, span: Span, exc: BaseException | None = None) -> None:
+        """End an ``open_attempt`` span; ``exc``: what ended its work item early."""
+        if exc is not None:
             _ended_by(span, exc)
-            raise
-        finally:
-            span.end()
+        span.end()
 
     def event(self, name: str, **attributes) -> None:
         self.root.add_event(name, attributes)

@@ -1,45 +1,42 @@
-"""The disaggregated request flow: validate, route, hand off, stream, abort.
+"""The router: its workers, and every request's admission, from ``generate`` to settled.
 
 docs/serving.md ("A request") walks through it.
 
 ``Router.generate`` takes a typed :class:`~router.requests.GenerateRequest` and is an async
 generator of :class:`~router.events.GenerateEvent`; errors are :class:`RouterError` with
 an :class:`~router.errors.ErrorCode`. Front ends are thin adapters over it: the gRPC
-servicer (``server.py``) converts protobuf to and from these types.
+servicer (``server.py``) and the HTTP app (``http/``) convert their wire types to and
+from these.
 
-One request, disaggregated: submit ``prefill`` work to P; P's first event carries the
-first token and a KV handle (P holds the blocks under a lease); the router streams the
-first token at once and submits ``decode`` work with the handle to D, which pulls the KV
-and streams the rest. Who must be told when the request ends early:
-
-- before the handle reached D: P (its engine aborts the prefill, or frees the held
-  blocks), and the lease is never read;
-- after: D only (it stops or declines the transfer, whose notice frees P's blocks).
-
-Each worker's batches are dispatched to the requests' queues as they arrive.
+The router admits a request (``router/admission.py``) and gives it a
+:class:`~router.lifecycle.RequestLife`, the one owner of the request from then on: it
+routes, submits, hands the KV off, migrates, and settles (its docstring is the table of
+states and of who must be told when the request ends in each). The router's part is the
+workers' side: it opens each worker's event channel, dispatches each batch's events to
+their requests' inboxes as they arrive, tells the requests a worker runs that it is lost
+(``RequestLife.lose``: they migrate), and keeps the pools (restarts, live scaling, the
+other router processes).
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import time
 import uuid
 from collections.abc import AsyncIterator, Sequence
 from functools import partial
 
-from router.attempt import Attempts
+from router.admission import admit, quotas_of, scoped_id
 from router.config import RouterConfig
 from router.errors import ErrorCode, RouterError
 from router.events import GenerateEvent
 from router.group import RouterGroup
-from router.metrics import MIGRATIONS
-from router.migration import WorkerLost, check_limit, no_worker_left, reroute
+from router.holdings import SETTLE_TIMEOUT_S
+from router.lifecycle import RequestLife, RouterSide
 from router.observer import Background, LoadObserver
 from router.peer_prefix import PeerExports
-from router.pending import SETTLE_TIMEOUT_S, Pending
-from router.policy import RouteDecision
-from router.quotas import QuotaConfig, QuotaExceeded, Quotas
 from router.recovery import Recovery, Restarter, RestartPolicy
 from router.request_trace import RequestTrace
 from router.requests import GenerateRequest
@@ -47,7 +44,6 @@ from router.routing import Routing
 from router.scaling import Provisioner, Scaling
 from router.stream import RequestStream
 from router.tracing import NO_TRACE, Tracing
-from router.validation import InvalidRequest, ValidRequest, prompt_token_ids, validate
 from router.workers import WorkerClient, WorkerView, abort_on, decline
 from workers.protocol.wire import OutputBatch
 from workers.text.tokenizer import Tokenizer
@@ -90,7 +86,7 @@ class Router:
             policy = restart_policy or RestartPolicy()
             self.recovery = Recovery(restarter, self.replace_worker, closed, policy)
         self._by_name = {v.name: v for v in [*self.prefill, *self.decode]}
-        self._requests: dict[str, Pending] = {}
+        self._requests: dict[str, RequestLife] = {}
         self.routing = Routing(config, self.prefill, self.decode)
         self._background: set[asyncio.Task] = set()
         self.peers: PeerExports | None = None  # peer pull (G4), router/peer_prefix.py
@@ -101,18 +97,13 @@ class Router:
         if provisioner is not None:
             args = (config.scale_down_grace_s, config.scale_max_replicas)
             self.scaling = Scaling(self, provisioner, *args)
-        self.attempts = Attempts(config, self._by_name, self.prefill, self.decode, self.peers)
+        # What each request's life uses of the router (its pools are live lists).
+        pools = (self._by_name, self.prefill, self.decode, self.peers, self._spawn)
+        self._side = RouterSide(config, self.routing, *pools)
         # The SLA planner's feed and loop (cluster/planner_loop.py), when planner.enabled.
         self.observer: LoadObserver | None = None
         self.planner: Background | None = None
-        self.quotas = Quotas(
-            QuotaConfig(
-                config.max_queued_requests,
-                config.max_queued_share_per_key,
-                config.requests_per_second_per_key,
-                config.request_burst_per_key,
-            )
-        )
+        self.quotas = quotas_of(config)
 
     # ---- lifecycle -------------------------------------------------------------------
     async def start(self, ready_timeout_s: float = 120.0) -> None:
@@ -236,9 +227,13 @@ class Router:
             raise RouterError(ErrorCode.UNAVAILABLE, "the server is draining")
         request_id = req.request_id or uuid.uuid4().hex
         trace = self._trace(req, request_id)
+        life = None
+        is_cut_short = True
         try:
-            async for out in self._admit(req, request_id, trace):
+            life = self._admit(req, request_id, trace)
+            async for out in life.run():
                 yield out
+            is_cut_short = False
         except RouterError as exc:
             trace.fail(f"{exc.code.name}: {exc.message}")
             exc.trace_id = trace.trace_id
@@ -247,6 +242,8 @@ class Router:
             trace.fail(exc)
             raise
         finally:
+            if life is not None:
+                self._ended(life, is_cut_short)
             trace.end()
 
     def _trace(self, req: GenerateRequest, request_id: str) -> RequestTrace:
@@ -254,10 +251,8 @@ class Router:
             return NO_TRACE  # type: ignore[return-value]
         return self.tracing.start(req, request_id, self.config.model_name)
 
-    async def _admit(
-        self, req: GenerateRequest, request_id: str, trace: RequestTrace
-    ) -> AsyncIterator[GenerateEvent]:
-        """Validate and admit the request, then stream it (``generate``'s body)."""
+    def _admit(self, req: GenerateRequest, request_id: str, trace: RequestTrace) -> RequestLife:
+        """Validate and admit the request (router/admission.py); its life, registered."""
         # Ids are per caller: another caller's request under the same id is neither in the
         # way nor told of (its existence is not this caller's business).
         key = self._id_prefix + scoped_id(req.principal, request_id)
@@ -266,23 +261,7 @@ class Router:
                 ErrorCode.INVALID_ARGUMENT, f"request_id: {request_id!r} is already in use"
             )
         cfg = self.config
-        with trace.span("validate"):
-            # Judged first (no tokenizer yet): a bad request is refused as such, even when
-            # the router is full; then admission, before the tokenizer's work.
-            valid = _checked(validate, req, cfg.model_name, request_id)
-            try:
-                self.quotas.admit(req.principal)
-            except QuotaExceeded as exc:
-                error = RouterError(ErrorCode.RESOURCE_EXHAUSTED, exc.message)
-                error.retry_after_s = exc.retry_after_s
-                raise error from None
-            try:
-                args = (valid, self.tokenizer, cfg.vocab_size, cfg.max_model_len)
-                token_ids = _checked(prompt_token_ids, *args)
-            except BaseException:
-                self.quotas.release(req.principal)
-                raise
-        trace.set(**{"gen_ai.usage.input_tokens": len(token_ids)})
+        valid, token_ids = admit(req, request_id, cfg, self.tokenizer, self.quotas, trace)
         stream = RequestStream(
             key,
             token_ids,
@@ -292,35 +271,46 @@ class Router:
             return_timing=valid.return_timing,
             public_id=request_id,
         )
-        pending = Pending(stream, trace)
-        pending.principal = req.principal
-        if cfg.request_timeout_s > 0:
-            pending.deadline = asyncio.get_running_loop().time() + cfg.request_timeout_s
-        if cfg.request_idle_timeout_s > 0:
-            pending.idle_timeout_s = cfg.request_idle_timeout_s
-        self._requests[key] = pending
+        loop_time = asyncio.get_running_loop().time()
+        life = RequestLife(
+            self._side,
+            stream,
+            trace,
+            valid,
+            token_ids,
+            self._settled,
+            principal=req.principal,
+            deadline=loop_time + cfg.request_timeout_s if cfg.request_timeout_s > 0 else math.inf,
+            idle_timeout_s=cfg.request_idle_timeout_s or math.inf,
+        )
+        self._requests[key] = life
         if self.observer is not None:
             self.observer.arrived(key, len(token_ids))
-        settled = False
-        try:
-            async for out in self._run(pending, valid, token_ids):
-                if out.finish is not None:
-                    usage = out.finish.usage
-                    trace.set(
-                        **{
-                            "gen_ai.response.finish_reasons": (out.finish.reason,),
-                            "gen_ai.usage.output_tokens": usage.completion_tokens,
-                            "baton.cached_tokens": usage.cached_prompt_tokens,
-                            "baton.migrations": pending.num_migrations,
-                        }
-                    )
-                yield out
-            settled = True
-        finally:
-            if not settled:  # cancelled, deadline, or an error: stop it on the worker
-                pending.is_aborted = True
-                trace.event("abort")
-            self._spawn(self._settle(pending))
+        return life
+
+    def _ended(self, life: RequestLife, is_cut_short: bool) -> None:
+        """The client's stream ended: its trace's outcome; the life settles (background)."""
+        finish = life.stream.finish
+        if finish is not None:
+            life.trace.set(
+                **{
+                    "gen_ai.response.finish_reasons": (finish.reason,),
+                    "gen_ai.usage.output_tokens": finish.usage.completion_tokens,
+                    "baton.cached_tokens": finish.usage.cached_prompt_tokens,
+                    "baton.migrations": life.num_migrations,
+                }
+            )
+        self._spawn(life.settle(is_cut_short))
+
+    def _settled(self, life: RequestLife) -> None:
+        """A life settled (its ``on_settled``, once): the id is free, the quota back."""
+        stream = life.stream
+        self._requests.pop(stream.request_id, None)
+        self.quotas.release(life.principal)
+        if self.observer is not None:
+            self.observer.ended(
+                stream.request_id, stream.num_output_tokens, stream.num_cached_tokens
+            )
 
     async def abort(self, request_id: str, principal: str | None = None) -> bool:
         """Abort a request in flight; False if there is none with that id. A client's
@@ -339,82 +329,10 @@ class Router:
         key = (
             request_id if principal is None else self._id_prefix + scoped_id(principal, request_id)
         )
-        pending = self._requests.get(key)
-        if pending is None or pending.stream.is_finished:
+        life = self._requests.get(key)
+        if life is None or (principal is not None and principal != life.principal):
             return False
-        if principal is not None and principal != pending.principal:
-            return False
-        pending.is_aborted = True
-        await pending.events.put(("", None))  # wakes the stream, which ends with ABORT
-        return True
-
-    async def _run(
-        self, pending: Pending, valid: ValidRequest, token_ids: list[int]
-    ) -> AsyncIterator[GenerateEvent]:
-        """The request on its workers; a lost worker's request migrates (router/migration.py)."""
-        decision = self.routing.route(pending.trace, valid, token_ids)
-        while True:
-            try:
-                async for out in self.attempts.run(pending, valid, token_ids, decision):
-                    yield out
-                return
-            except WorkerLost as lost:
-                decision = self._migrate(pending, valid, token_ids, lost)
-                if decision is None:  # aborted meanwhile
-                    yield pending.stream.abort_event()
-                    return
-
-    def _migrate(
-        self, pending: Pending, valid: ValidRequest, token_ids: list[int], lost: WorkerLost
-    ) -> RouteDecision | None:
-        """Where the request continues after ``lost``; None if it was aborted meanwhile.
-        Raises UNAVAILABLE past ``router.migration_limit`` or with nowhere to go."""
-        stream = pending.stream
-        handles = pending.migrated()
-        if handles:  # P's KV that no decode worker will read now: free it
-            self._spawn(decline(handles, None, self.decode))
-        if (reserved := pending.take_reserved()) is not None:  # layer-wise: not needed now
-            self._spawn(abort_on(reserved, stream.request_id))
-        pending.num_migrations += 1
-        check_limit(lost, pending.num_migrations, self.config.migration_limit)
-        if pending.is_aborted:
-            return None
-        outputs = stream.output_token_ids
-        pending.trace.event(
-            "migration",
-            **{
-                "baton.worker.name": lost.worker,
-                "baton.migration.cause": lost.cause,
-                "baton.migration.error": lost.error,
-                "baton.migration.output_tokens": len(outputs),
-            },
-        )
-        try:
-            route_again = partial(self.routing.route, pending.trace, valid)
-            decision = reroute(route_again, token_ids, outputs)
-        except RouterError as exc:
-            raise no_worker_left(lost, exc.message) from None
-        MIGRATIONS.labels("router", self.config.model_name, "router", lost.cause).inc()
-        logger.warning(
-            "%s: worker %s lost (%s: %s); migrating to %s after %d tokens (%d/%d)%s",
-            *(stream.request_id, lost.worker, lost.cause, lost.error, decision.decode),
-            *(len(outputs), pending.num_migrations, self.config.migration_limit),
-            f" [trace {pending.trace.trace_id}]" if pending.trace.trace_id else "",
-        )
-        return decision
-
-    async def _settle(self, pending: Pending) -> None:
-        """After the client's stream ended: the worker side too; then the id is free."""
-        try:
-            await pending.settle(self.decode)
-        finally:
-            stream = pending.stream
-            self._requests.pop(stream.request_id, None)
-            self.quotas.release(pending.principal)
-            if self.observer is not None:
-                self.observer.ended(
-                    stream.request_id, stream.num_output_tokens, stream.num_cached_tokens
-                )
+        return life.abort()  # the stream ends with ABORT
 
     def _spawn(self, coro) -> None:
         """A background task, referenced until done (asyncio keeps only weak references)."""
@@ -436,10 +354,11 @@ class Router:
         view.update(batch.report, batch.events)
         if self.observer is not None:
             self.observer.batch(view, batch)
+        requests, name = self._requests, view.name
         for event in batch.events:
-            pending = self._requests.get(event.request_id)
-            if pending is not None:
-                pending.events.put_nowait((view.name, event))
+            life = requests.get(event.request_id)
+            if life is not None:
+                life.inbox.put_event(name, event)
             elif self.peers is not None and self.peers.on_event(view.name, event):
                 pass  # a peer export's handles (router/peer_prefix.py)
             elif event.kv_handles:
@@ -467,23 +386,7 @@ class Router:
         """Wake the requests ``view`` runs with its loss: each migrates (router/migration.py)."""
         moved = []
         for request_id in list(view.active):
-            pending = self._requests.get(request_id)
-            if pending is not None and pending.owner is view:
-                pending.events.put_nowait((view.name, None))
+            life = self._requests.get(request_id)
+            if life is not None and life.lose(view):
                 moved.append(request_id)
         return moved
-
-
-def scoped_id(principal: str, request_id: str) -> str:
-    """The router's and the workers' id of a caller's request: the caller's own id, under
-    its key's name when keys are configured (router/auth.py), so that two callers' ids
-    never meet."""
-    return f"{principal}/{request_id}" if principal else request_id
-
-
-def _checked(check, *args):
-    """``check(*args)``, its InvalidRequest as INVALID_ARGUMENT."""
-    try:
-        return check(*args)
-    except InvalidRequest as exc:
-        raise RouterError(ErrorCode.INVALID_ARGUMENT, str(exc)) from None

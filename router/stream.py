@@ -62,8 +62,9 @@ class RequestStream:
         self.output_token_ids: list[int] = []  # sent to the client (a migration resumes here)
         self.num_cached_tokens = 0
         self.is_finished = False
+        self.finish: Finish | None = None  # the last event's, once the output ended
         # Prompt logprobs go to the client once (a migrated request's new worker is not
-        # asked again: Attempts strips them from a resumed request's params).
+        # asked again: attempt.plan strips them from a resumed request's params).
         self.has_sent_prompt_logprobs = False
         self._detok = IncrementalDetokenizer(
             tokenizer, prompt_token_ids, params.stop, params.skip_special_tokens
@@ -155,7 +156,7 @@ class RequestStream:
         stop_token_id: int | None = None,
     ) -> GenerateEvent:
         self.is_finished = True
-        finish = Finish(
+        self.finish = finish = Finish(
             reason=reason,
             usage=Usage(
                 prompt_tokens=len(self.prompt_token_ids),

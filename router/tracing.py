@@ -106,9 +106,11 @@ class _NoTrace:
     def span(self, name: str, **attributes) -> Iterator[None]:
         yield None
 
-    @contextlib.contextmanager
-    def attempt(self, mode: str, worker: str) -> Iterator[str]:
-        yield ""
+    def open_attempt(self, mode: str, worker: str) -> tuple[None, str]:
+        return None, ""
+
+    def close_attempt(self, span: None, exc: BaseException | None = None) -> None:
+        pass
 
     def event(self, name: str, **attributes) -> None:
         pass

@@ -1,5 +1,5 @@
 """Events that queued up for one request while its client's stream was busy go out as one
-chunk (``Pending.stream_from``); idle, each engine step is a chunk of its own.
+chunk (``RequestLife.run``); idle, each engine step is a chunk of its own.
 
 A "burst" worker sends every step of a request as its own batch without letting the
 event loop run in between, as a router under load finds them: all of them are queued
@@ -15,8 +15,8 @@ import asyncio
 import pytest
 
 from cluster.tools.make_model import build_tokenizer
-from router.event_queue import EventQueue
 from router.events import Delta, Finish, GenerateEvent, Usage
+from router.inbox import ABORT, Inbox, WorkerEvent, WorkerGone
 from router.requests import GenerateRequest, OutputOptions, StoppingOptions
 from router.stream import merge_events
 from tests.router.test_typed_flow import (
@@ -145,28 +145,32 @@ def test_merge_events_keeps_order_prompt_logprobs_and_the_last_finish():
     assert merge_events([one]) is one
 
 
-def test_the_event_queue_is_fifo_and_times_out_without_a_task():
-    event = TokenEvent("r", (1,), False)
+def test_the_inbox_is_fifo_and_times_out_without_a_task():
+    event = WorkerEvent("w", TokenEvent("r", (1,), False))
 
     async def body():
-        queue = EventQueue()
+        inbox = Inbox()
         with pytest.raises(asyncio.TimeoutError):
-            await queue.get(0.01)
-        queue.put_nowait(("w", event))
-        await queue.put(("", None))
-        assert len(queue) == 2 and queue.peek() == ("w", event)
-        assert await queue.get(0.01) == ("w", event)
-        assert queue.get_nowait() == ("", None) and queue.peek() is None
+            await inbox.get(0.01)
+        inbox.put(event)
+        inbox.put(ABORT)
+        assert len(inbox) == 2 and inbox.queued[0] == event
+        assert await inbox.get(0.01) == event
+        assert inbox.queued.popleft() is ABORT and not inbox.queued
         # A reader waiting is woken by the next put, before its timeout.
         loop = asyncio.get_running_loop()
-        loop.call_later(0.01, queue.put_nowait, ("w", event))
-        assert await queue.get(5.0) == ("w", event)
+        loop.call_later(0.01, inbox.put, event)
+        assert await inbox.get(5.0) == event
         # Cancelled while waiting: nothing is lost, the next reader gets the next item.
-        waiting = asyncio.ensure_future(queue.get())
+        waiting = asyncio.ensure_future(inbox.get())
         await asyncio.sleep(0)
         waiting.cancel()
         await asyncio.gather(waiting, return_exceptions=True)
-        queue.put_nowait(("w", None))
-        assert await queue.get(0.1) == ("w", None)
+        inbox.put(WorkerGone("w"))
+        assert await inbox.get(0.1) == WorkerGone("w")
+        inbox.put_event("w", event.event)
+        assert inbox.queued[0] == event and type(inbox.queued[0]) is WorkerEvent
+        inbox.clear()
+        assert not inbox.queued and not inbox
 
     asyncio.run(body())
