@@ -15,7 +15,6 @@ from __future__ import annotations
 import os
 import signal
 import tempfile
-import threading
 import time
 from pathlib import Path
 
@@ -32,6 +31,7 @@ from tests.e2e.test_parallel_cluster import (
     STREAMS,
     _rank_pids,
     _wait_serving,
+    streams_on_every_decode_worker,
 )
 
 
@@ -109,28 +109,7 @@ def test_a_dead_dp_rank_fails_its_group_which_migrates_and_restarts_together(
     served = start_cluster(_config(model_dir, groups=2, prefill_tp=1), tmp_path)
     try:
         stub = served.stub()
-        results: dict[int, object] = {}
-
-        def consume(i: int) -> None:
-            req = request(STREAMS[i], max_tokens=STREAM_TOKENS)
-            req.output.return_timing = True
-            try:
-                results[i] = collect(stub, req, timeout=180)
-            except grpc.RpcError as exc:
-                results[i] = exc
-
-        threads = [threading.Thread(target=consume, args=(i,)) for i in range(len(STREAMS))]
-        for t in threads:
-            t.start()
-        deadline = time.monotonic() + 60
-        while time.monotonic() < deadline:  # every decode worker busy
-            status = stub.GetClusterStatus(pb.GetClusterStatusRequest(), timeout=5)
-            decode = next(p for p in status.pools if p.role == "decode")
-            if all(w.num_running > 0 for w in decode.workers):
-                break
-            time.sleep(0.05)
-        else:
-            raise AssertionError(f"the streams did not reach every decode worker: {status}")
+        threads, results = streams_on_every_decode_worker(stub, timeout=180, busy_within=60)
         os.kill(_worker_pid(served, "decode-3"), signal.SIGKILL)  # the 2nd group's rank 1
         deadline = time.monotonic() + 30
         while True:  # both workers of the dead rank's group leave routing

@@ -177,6 +177,35 @@ STREAMS = [f"Stream {i}: {'different words ' * i}" for i in range(8)]
 STREAM_TOKENS = 400  # long enough to be mid-stream when the rank is killed
 
 
+def streams_on_every_decode_worker(
+    stub, *, timeout: float, busy_within: float
+) -> tuple[list[threading.Thread], dict[int, object]]:
+    """Start one client thread per ``STREAMS`` prompt (``STREAM_TOKENS`` each; a thread's
+    result is ``collect``'s, or the ``grpc.RpcError`` it ended with) and return once every
+    decode worker runs at least one of them, so that a kill lands mid-stream."""
+    results: dict[int, object] = {}
+
+    def consume(i: int) -> None:
+        req = request(STREAMS[i], max_tokens=STREAM_TOKENS)
+        req.output.return_timing = True
+        try:
+            results[i] = collect(stub, req, timeout=timeout)
+        except grpc.RpcError as exc:
+            results[i] = exc
+
+    threads = [threading.Thread(target=consume, args=(i,)) for i in range(len(STREAMS))]
+    for t in threads:
+        t.start()
+    deadline = time.monotonic() + busy_within
+    while time.monotonic() < deadline:
+        status = stub.GetClusterStatus(pb.GetClusterStatusRequest(), timeout=5)
+        decode = next(p for p in status.pools if p.role == "decode")
+        if all(w.num_running > 0 for w in decode.workers):
+            return threads, results
+        time.sleep(0.05)
+    raise AssertionError(f"the streams did not reach every decode worker: {status}")
+
+
 @pytest.fixture(scope="module")
 def stream_reference(tiny_model_dir) -> list[list[int]]:
     from workers import LLM, SamplingParams
@@ -209,30 +238,9 @@ def assert_dead_decode_rank_migrates(served, reference, stream_reference) -> Non
     pids = _rank_pids(served)
     # Rank 1 of each decode replica: with PP=2 the first stage (rank 0 is the last).
     assert len(pids) == 2, pids
-    results: dict[int, object] = {}
     (url,) = served.metrics_urls()
     before = Scrape(url)
-
-    def consume(i: int) -> None:
-        req = request(STREAMS[i], max_tokens=STREAM_TOKENS)
-        req.output.return_timing = True
-        try:
-            results[i] = collect(stub, req, timeout=120)
-        except grpc.RpcError as exc:
-            results[i] = exc
-
-    threads = [threading.Thread(target=consume, args=(i,)) for i in range(len(STREAMS))]
-    for t in threads:
-        t.start()
-    deadline = time.monotonic() + 30
-    while time.monotonic() < deadline:  # both decode replicas busy
-        status = stub.GetClusterStatus(pb.GetClusterStatusRequest(), timeout=5)
-        decode = next(p for p in status.pools if p.role == "decode")
-        if all(w.num_running > 0 for w in decode.workers):
-            break
-        time.sleep(0.05)
-    else:
-        raise AssertionError(f"the streams did not reach both decode replicas: {status}")
+    threads, results = streams_on_every_decode_worker(stub, timeout=120, busy_within=30)
     os.kill(pids[0], signal.SIGKILL)
     (dead_name,) = _wait_restarting(stub, "decode")  # out of routing within seconds
     for t in threads:
