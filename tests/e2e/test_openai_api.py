@@ -206,12 +206,15 @@ def test_error_statuses(served):
 
 
 def test_queue_full_is_429(served):
-    """48 requests admitted at most (cluster_config); 64 at once: some get 429."""
+    """48 requests admitted at most (cluster_config); 64 at once: some get 429. Each asks
+    for 400 tokens so that the first ones are still running when the last are sent, even
+    when a loaded machine starts the 64 client threads slowly (with 150 all 64 once
+    finished without a 429)."""
     c = client(served)
 
     def one(i: int) -> str:
         try:
-            c.completions.create(model="tiny", prompt=f"Flood {i}", max_tokens=150, **GREEDY)
+            c.completions.create(model="tiny", prompt=f"Flood {i}", max_tokens=400, **GREEDY)
             return "ok"
         except openai.RateLimitError as exc:
             assert exc.status_code == 429
