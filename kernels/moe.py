@@ -24,6 +24,13 @@ matmuls' own row-blocking. (One scatter per layer, not an ``index_add_`` per exp
 loaded 2-core machine each parallel region of those cost about a millisecond.)
 ``grouped_moe`` is that loop over any expert weights (a callable per expert): quantized
 experts run through it (``kernels/moe_quant.py``).
+
+On CPU, decode steps of a single-rank MoE model run this computation in C++ instead
+(``kernels/csrc/moe_block.h``, in the decoder-layer stack of
+``workers/models/fused_decode.py``), op for op: the same ATen calls on the same row groups,
+so the two give the same bits. A change to ``select_experts``, ``fused_moe`` or
+``grouped_moe``'s arithmetic must be made there too; tests/workers/test_fused_decode_moe.py
+fails on any difference.
 """
 
 from __future__ import annotations
@@ -32,6 +39,7 @@ from collections.abc import Callable
 
 import torch
 
+from kernels import cpu_linear
 from kernels.activation import silu_and_mul
 
 
@@ -188,3 +196,35 @@ def grouped_moe(
     pairs = torch.zeros(num_tokens * top_k, hidden_size, dtype=torch.float32, device=hidden.device)
     pairs[order] = out_rows
     return pairs.view(num_tokens, top_k, hidden_size).sum(dim=1).to(hidden.dtype)
+
+
+# Fewer rows than this go through the dense stacks' mm, more through oneDNN: measured on
+# the 2-vCPU AMD VM on Qwen3-MoE-shaped experts (768 -> 512, 256 -> 768; bench/RESULTS.md),
+# oneDNN's one-row path was 2-4x slower than MKL's, from two rows on it was 2-3x faster.
+PACKED_MIN_ROWS = 2
+
+
+class PackedExperts:
+    """One layer's experts with each expert's ``w13[e]`` / ``w2[e]`` also packed for oneDNN
+    (``kernels/cpu_linear.py``): on CPUs where packing wins (the loader's measurement, as
+    for the dense linears) MKL's sgemm is slowest at the few rows an expert gets in a
+    batched decode step, but oneDNN's one-row path is slower still, so an expert's rows
+    go through oneDNN from ``PACKED_MIN_ROWS`` on and through the dense stacks' mm below
+    (the expert weights are held twice). ``mlp`` is ``grouped_moe``'s per-expert callable;
+    row ``e`` is slot ``e``."""
+
+    def __init__(self, w13: torch.Tensor, w2: torch.Tensor) -> None:
+        self.dense_w13, self.dense_w2 = w13, w2  # [E, 2I, H], [E, H, I]
+        self.w13 = [cpu_linear.pack(w) for w in w13]  # [2I, H] each, packed
+        self.w2 = [cpu_linear.pack(w) for w in w2]  # [H, I] each, packed
+
+    @property
+    def num_rows(self) -> int:
+        return len(self.w13)
+
+    def mlp(self, expert: int, x: torch.Tensor) -> torch.Tensor:
+        """Expert ``expert``'s ``w2 @ silu_and_mul(w13 @ x)`` for its rows ``x`` [count, H]."""
+        if x.shape[0] < PACKED_MIN_ROWS:  # as fused_moe multiplies
+            return silu_and_mul(x @ self.dense_w13[expert].t()) @ self.dense_w2[expert].t()
+        gate_up = cpu_linear.linear(x, self.w13[expert])
+        return cpu_linear.linear(silu_and_mul(gate_up), self.w2[expert])

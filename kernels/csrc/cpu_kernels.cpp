@@ -1,12 +1,14 @@
 // The CPU kernels' Python module (built by kernels/cpu_extension.py): decode attention over
 // the paged KV cache (paged_decode.h), RMSNorm (rms_norm.h), SiLU-and-multiply
-// (activation.h) and the fused decoder-layer stack (decode_stack.h).
+// (activation.h) and the fused decoder-layer stack (decode_stack.h) with its MoE blocks
+// (moe_block.h).
 #include <torch/extension.h>
 
 #include <pybind11/stl.h>
 
 #include "activation.h"
 #include "decode_stack.h"
+#include "moe_block.h"
 #include "paged_decode.h"
 #include "rms_norm.h"
 
@@ -28,6 +30,17 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            py::arg("kind"), py::arg("weight"), py::arg("bias"), py::arg("scale_zeros"),
            py::arg("group_size"))
       .def_readwrite("min_rows", &baton::Linear::min_rows);
+  py::class_<baton::MoeBlock>(m, "MoeBlock")
+      .def(py::init<at::Tensor, std::vector<baton::Linear>, std::vector<baton::Linear>,
+                    std::vector<baton::Linear>, std::vector<baton::Linear>, int64_t, int64_t,
+                    bool, at::Tensor, std::optional<baton::Linear>, std::optional<baton::Linear>,
+                    std::optional<at::Tensor>>(),
+           py::arg("gate"), py::arg("gate_up"), py::arg("down"), py::arg("packed_gate_up"),
+           py::arg("packed_down"), py::arg("packed_min_rows"), py::arg("top_k"),
+           py::arg("renormalize"), py::arg("expert_tokens"), py::arg("shared_gate_up"),
+           py::arg("shared_down"), py::arg("shared_gate"))
+      .def("__call__", &baton::MoeBlock::operator(), py::arg("x"),
+           py::call_guard<py::gil_scoped_release>());
   py::class_<baton::DecodeStack>(m, "DecodeStack")
       .def(py::init<int64_t, int64_t, int64_t, double, double, at::Tensor, at::Tensor>(),
            py::arg("num_heads"), py::arg("num_kv_heads"), py::arg("head_dim"), py::arg("eps"),
@@ -36,6 +49,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            py::arg("gate_up"), py::arg("down"), py::arg("input_norm"), py::arg("post_norm"),
            py::arg("q_norm"), py::arg("k_norm"), py::arg("cache_layer"), py::arg("k_scale"),
            py::arg("v_scale"))
+      .def("add_moe_layer", &baton::DecodeStack::add_moe_layer, py::arg("qkv"), py::arg("o"),
+           py::arg("moe"), py::arg("input_norm"), py::arg("post_norm"), py::arg("q_norm"),
+           py::arg("k_norm"), py::arg("cache_layer"), py::arg("k_scale"), py::arg("v_scale"))
       .def_property_readonly("num_layers", &baton::DecodeStack::num_layers)
       .def("forward", &baton::DecodeStack::forward, py::arg("hidden"), py::arg("positions"),
            py::arg("kv_cache"), py::arg("slot_mapping"), py::arg("block_tables"),

@@ -8,7 +8,8 @@
 // CPU op set's own, rms_norm.h and activation.h), so a step costs one call from Python.
 //
 // Scope: single-token decodes of a Llama-family layer (Llama, Mistral, Qwen2's q/k/v bias,
-// Qwen3's per-head q/k norms) on one rank, float32 or bfloat16, a KV cache of the model's
+// Qwen3's per-head q/k norms), its MLP dense or a sparse MoE block (moe_block.h: Mixtral,
+// Qwen2/Qwen3-MoE), on one rank, float32 or bfloat16, a KV cache of the model's
 // dtype or packed FP8 rows (kernels/fp8_kv.py); the caller (Python) sends anything else
 // through the eager layers.
 //
@@ -40,83 +41,18 @@
 #include <vector>
 
 #include "activation.h"
+#include "linear.h"
+#include "moe_block.h"
 #include "paged_decode.h"
 #include "rms_norm.h"
 
 namespace baton {
 
-// One linear layer's multiply, as the eager layer's ``matmul`` does it.
-struct Linear {
-  enum class Kind { kDense, kOneDnn, kInt4 };
-
-  Linear(const std::string& kind, at::Tensor weight, std::optional<at::Tensor> bias,
-         std::optional<at::Tensor> scale_zeros, int64_t group_size)
-      : weight(std::move(weight)), bias(std::move(bias)), scale_zeros(std::move(scale_zeros)),
-        group_size(group_size) {
-    if (kind == "dense") {
-      this->kind = Kind::kDense;
-    } else if (kind == "onednn") {
-      this->kind = Kind::kOneDnn;
-    } else if (kind == "int4") {
-      TORCH_CHECK(this->scale_zeros.has_value(), "an int4 linear needs its scale_zeros");
-      this->kind = Kind::kInt4;
-    } else {
-      TORCH_CHECK(false, "unknown linear kind '", kind, "' (dense, onednn, int4)");
-    }
-  }
-
-  // Batch-invariant models (model.deterministic, kernels/batch_invariant.py): fewer rows
-  // than min_rows are multiplied beside copies of the first, as RowPadded does in Python
-  // (one row alone may take a matrix-vector path that sums in another order).
-  at::Tensor operator()(const at::Tensor& x) const {
-    const int64_t rows = x.size(0);
-    if (rows == 0 || rows >= min_rows) return multiply(x);
-    return multiply(x.narrow(0, 0, 1).expand({min_rows, x.size(1)}).contiguous()).narrow(0, 0, rows);
-  }
-
-  at::Tensor multiply(const at::Tensor& x) const {
-    switch (kind) {
-      case Kind::kDense:
-        return at::linear(x, weight, bias);
-      case Kind::kOneDnn: {
-        // torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], ""), as
-        // kernels/cpu_linear.py calls it; the op has no public C++ header, so boxed.
-        static const auto op = c10::Dispatcher::singleton().findSchemaOrThrow(
-            "mkldnn::_linear_pointwise", "");
-        std::vector<c10::IValue> stack;
-        stack.reserve(6);
-        stack.emplace_back(x);
-        stack.emplace_back(weight);
-        stack.emplace_back(bias.has_value() ? c10::IValue(*bias) : c10::IValue());
-        stack.emplace_back(std::string("none"));
-        stack.emplace_back(c10::List<std::optional<at::Scalar>>());
-        stack.emplace_back(std::string(""));
-        op.callBoxed(&stack);
-        return stack[0].toTensor();
-      }
-      case Kind::kInt4: {
-        // As kernels/int4_linear.py int4_linear_cpu: bfloat16 activations, the result
-        // back in x's dtype, then the bias.
-        auto out = at::_weight_int4pack_mm_for_cpu(x.to(at::kBFloat16), weight, group_size,
-                                                   *scale_zeros)
-                       .to(x.scalar_type());
-        if (bias.has_value()) out = out + *bias;
-        return out;
-      }
-    }
-    return at::Tensor();
-  }
-
-  Kind kind = Kind::kDense;
-  at::Tensor weight;
-  std::optional<at::Tensor> bias;
-  std::optional<at::Tensor> scale_zeros;
-  int64_t group_size = 0;
-  int64_t min_rows = 1;
-};
-
 struct DecoderLayer {
-  Linear qkv, o, gate_up, down;
+  Linear qkv, o;
+  // The MLP: a dense one (gate_up, down) or a sparse MoE block (moe_block.h).
+  std::optional<Linear> gate_up, down;
+  std::optional<MoeBlock> moe;
   at::Tensor input_norm, post_norm;       // [hidden]
   std::optional<at::Tensor> q_norm, k_norm;  // [head_dim] (Qwen3)
   int64_t cache_layer;                    // this layer's index in the KV cache
@@ -184,12 +120,19 @@ class DecodeStack {
                  at::Tensor post_norm, std::optional<at::Tensor> q_norm,
                  std::optional<at::Tensor> k_norm, int64_t cache_layer,
                  std::optional<double> k_scale, std::optional<double> v_scale) {
-    const float none = std::numeric_limits<float>::quiet_NaN();
-    layers_.push_back(DecoderLayer{std::move(qkv), std::move(o), std::move(gate_up), std::move(down),
-                                   input_norm.contiguous(), post_norm.contiguous(),
-                                   std::move(q_norm), std::move(k_norm), cache_layer,
-                                   k_scale ? static_cast<float>(*k_scale) : none,
-                                   v_scale ? static_cast<float>(*v_scale) : none});
+    push(std::move(qkv), std::move(o), std::move(gate_up), std::move(down), std::nullopt,
+         std::move(input_norm), std::move(post_norm), std::move(q_norm), std::move(k_norm),
+         cache_layer, k_scale, v_scale);
+  }
+
+  // A layer whose MLP is a sparse MoE block (moe_block.h).
+  void add_moe_layer(Linear qkv, Linear o, MoeBlock moe, at::Tensor input_norm,
+                     at::Tensor post_norm, std::optional<at::Tensor> q_norm,
+                     std::optional<at::Tensor> k_norm, int64_t cache_layer,
+                     std::optional<double> k_scale, std::optional<double> v_scale) {
+    push(std::move(qkv), std::move(o), std::nullopt, std::nullopt, std::move(moe),
+         std::move(input_norm), std::move(post_norm), std::move(q_norm), std::move(k_norm),
+         cache_layer, k_scale, v_scale);
   }
 
   int64_t num_layers() const { return static_cast<int64_t>(layers_.size()); }
@@ -219,6 +162,18 @@ class DecodeStack {
   }
 
  private:
+  void push(Linear qkv, Linear o, std::optional<Linear> gate_up, std::optional<Linear> down,
+            std::optional<MoeBlock> moe, at::Tensor input_norm, at::Tensor post_norm,
+            std::optional<at::Tensor> q_norm, std::optional<at::Tensor> k_norm,
+            int64_t cache_layer, std::optional<double> k_scale, std::optional<double> v_scale) {
+    const float none = std::numeric_limits<float>::quiet_NaN();
+    layers_.push_back(DecoderLayer{std::move(qkv), std::move(o), std::move(gate_up),
+                                   std::move(down), std::move(moe), input_norm.contiguous(),
+                                   post_norm.contiguous(), std::move(q_norm), std::move(k_norm),
+                                   cache_layer, k_scale ? static_cast<float>(*k_scale) : none,
+                                   v_scale ? static_cast<float>(*v_scale) : none});
+  }
+
   template <typename T>
   at::Tensor run(const at::Tensor& embedded, const at::Tensor& positions, const at::Tensor& kv_cache,
                  const at::Tensor& slot_mapping, const at::Tensor& block_tables,
@@ -288,9 +243,13 @@ class DecodeStack {
       at::Tensor o = layer.o(attn.reshape({n, q_size})).contiguous();
       add_rms_norm<T>(residual.data_ptr<T>(), o.data_ptr<T>(), layer.post_norm.data_ptr<T>(),
                       normed.data_ptr<T>(), n, h, h, h, eps);
-      at::Tensor gate_up = layer.gate_up(normed);  // [N, 2 * intermediate]
+      if (layer.moe.has_value()) {
+        sub = (*layer.moe)(normed).contiguous();
+        continue;
+      }
+      at::Tensor gate_up = (*layer.gate_up)(normed);  // [N, 2 * intermediate]
       at::Tensor act = silu_and_mul(gate_up);  // the CPU op set's (activation.h)
-      sub = layer.down(act).contiguous();
+      sub = (*layer.down)(act).contiguous();
     }
     at::Tensor result = at::empty_like(residual);
     add_rms_norm<T>(residual.data_ptr<T>(), sub.defined() ? sub.data_ptr<T>() : nullptr,

@@ -29,10 +29,11 @@ from torch import nn
 from kernels import KernelOps
 from kernels.moe import select_experts_grouped
 from workers.models.arch_config import ArchConfig
+from workers.models.expert_names import ExpertNames
 from workers.models.layers import default_weight_loader
 from workers.models.llama import LlamaForCausalLM, LlamaMLP
 from workers.models.mla import MlaAttention
-from workers.models.moe import ExpertNames, SparseMoeBlock, count_expert_tokens
+from workers.models.moe import SparseMoeBlock, count_expert_tokens
 from workers.models.parallel import ParallelContext
 
 

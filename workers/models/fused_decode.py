@@ -11,10 +11,12 @@ head stay in Python.
 ``FusedDecode.takes`` says so (a batch of single-token decodes, a KV cache of the model's
 dtype or FP8) and every other step (prefill, chunked prefill, speculative verification)
 through the eager layers. It attaches only where the stack computes exactly what
-the eager model does: a Llama, Mistral, Qwen2 or Qwen3 model on one rank and one pipeline
-stage, float32 or bfloat16, each linear layer multiplying through ``F.linear``, oneDNN's
-packed weight or the int4 CPU kernel. Elsewhere it returns the reason and the model runs
-eager. Its steps give the same bits as the eager ones (same matmuls, the C++ norms and
+the eager model does: a Llama, Mistral, Qwen2 or Qwen3 model, or a Mixtral, Qwen2-MoE or
+Qwen3-MoE model whose sparse blocks hold every expert in dense weights and compute through
+the reference ``fused_moe`` (``kernels/csrc/moe_block.h``; not quantized experts, not expert
+parallel), on one rank and one pipeline stage, float32 or bfloat16, each linear layer
+multiplying through ``F.linear``, oneDNN's packed weight or the int4 CPU kernel. Elsewhere
+it returns the reason and the model runs eager. Its steps give the same bits as the eager ones (same matmuls, the C++ norms and
 decode attention of the CPU op set, the same roundings elsewhere: tested), so which path
 a step takes never changes a token. ``BATON_FUSED_DECODE=0`` keeps every model eager.
 
@@ -33,9 +35,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from kernels import cpu_extension, cpu_linear
+from kernels import moe as moe_reference
 from kernels.attention_metadata import AttentionMetadata
 from kernels.batch_invariant import MIN_ROWS, RowPadded
 from kernels.int4_linear import Int4CpuMatmul
+from workers.models.moe import SparseMoeBlock
 
 logger = logging.getLogger(__name__)
 
@@ -100,16 +104,66 @@ def _linear(layer: nn.Module, module: Any) -> Any:
     raise ValueError(f"a linear layer multiplies through {matmul!r}, which the stack lacks")
 
 
+def _moe_block(block: SparseMoeBlock, module: Any) -> Any:
+    """The C++ ``MoeBlock`` computing ``block`` as its eager forward does; ValueError where
+    it cannot (expert parallel, the rebalancer's slots, quantized experts, another
+    ``fused_moe`` than the reference)."""
+    experts = block.experts
+    if block.dispatch is not None or block.expert_map is not None:
+        raise ValueError("expert parallel or rebalanced MoE layers")
+    if experts.quantized is not None:
+        raise ValueError("quantized MoE experts (they run through grouped_moe)")
+    if block.first_slot != 0 or experts.num_local_experts != experts.num_experts:
+        raise ValueError("a MoE layer that holds only some of its experts")
+    # at::linear over a dense [out, in] weight is the reference's x @ w.t() (one mm).
+    gate_up = [module.Linear("dense", w, None, None, 0) for w in experts.w13.detach()]
+    down = [module.Linear("dense", w, None, None, 0) for w in experts.w2.detach()]
+    packed_gate_up, packed_down, packed_min_rows = [], [], 0
+    if experts.packed is not None:  # oneDNN per expert from some rows on, as its mlp
+        packed_gate_up = [module.Linear("onednn", w, None, None, 0) for w in experts.packed.w13]
+        packed_down = [module.Linear("onednn", w, None, None, 0) for w in experts.packed.w2]
+        packed_min_rows = moe_reference.PACKED_MIN_ROWS
+    elif block.ops.fused_moe is not moe_reference.fused_moe:
+        raise ValueError(f"the MoE experts run through {block.ops.fused_moe!r}")
+    shared_gate_up = shared_down = shared_gate = None
+    if block.shared_expert is not None:
+        assert block.shared_expert_gate is not None
+        shared_gate_up = _linear(block.shared_expert.gate_up_proj, module)
+        shared_down = _linear(block.shared_expert.down_proj, module)
+        shared_gate = block.shared_expert_gate.weight.detach()
+    return module.MoeBlock(
+        block.gate.weight.detach(),
+        gate_up,
+        down,
+        packed_gate_up,
+        packed_down,
+        packed_min_rows,
+        block.top_k,
+        block.renormalize,
+        block.expert_tokens,  # the block's own buffer: the C++ block counts into it
+        shared_gate_up,
+        shared_down,
+        shared_gate,
+    )
+
+
 def _why_not(model: nn.Module) -> str | None:
     """Why the stack cannot compute ``model`` exactly, or None when it can."""
     from workers.models.llama import LlamaForCausalLM, MistralForCausalLM
+    from workers.models.mixtral import MixtralForCausalLM
     from workers.models.qwen2 import Qwen2ForCausalLM
+    from workers.models.qwen2_moe import Qwen2MoeForCausalLM
     from workers.models.qwen3 import Qwen3ForCausalLM
+    from workers.models.qwen3_moe import Qwen3MoeForCausalLM
 
     if type(model) not in (
-        LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM
+        LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM,
+        MixtralForCausalLM, Qwen2MoeForCausalLM, Qwen3MoeForCausalLM,
     ):  # fmt: skip
-        return f"{type(model).__name__} is not a Llama, Mistral, Qwen2 or Qwen3 model"
+        return (
+            f"{type(model).__name__} is not a Llama, Mistral, Qwen2, Qwen3, Mixtral, "
+            "Qwen2-MoE or Qwen3-MoE model"
+        )
     inner = model.model
     parallel = inner.parallel
     if parallel.tp_size != 1 or not (parallel.is_first_stage and parallel.is_last_stage):
@@ -170,11 +224,15 @@ def _build(model: nn.Module, module: Any) -> Any:
     for layer in layers:
         attn = layer.self_attn
         q_norm, k_norm = getattr(attn, "q_norm", None), getattr(attn, "k_norm", None)
-        stack.add_layer(
+        if isinstance(layer.mlp, SparseMoeBlock):
+            add, mlp = stack.add_moe_layer, (_moe_block(layer.mlp, module),)
+        else:
+            add = stack.add_layer
+            mlp = (_linear(layer.mlp.gate_up_proj, module), _linear(layer.mlp.down_proj, module))
+        add(
             _linear(attn.qkv_proj, module),
             _linear(attn.o_proj, module),
-            _linear(layer.mlp.gate_up_proj, module),
-            _linear(layer.mlp.down_proj, module),
+            *mlp,
             layer.input_layernorm.weight.detach(),
             layer.post_attention_layernorm.weight.detach(),
             None if q_norm is None else q_norm.weight.detach(),

@@ -38,6 +38,7 @@ from workers.models.layers import (
     pack_linear_weights,
     pack_lm_head_bfloat16,
 )
+from workers.models.moe import pack_expert_weights
 from workers.models.parallel import ParallelContext
 from workers.models.quant.experts import quantize_experts
 from workers.models.registry import get_model_class
@@ -137,6 +138,7 @@ def load_model(
             choice = measure_linear_packing(model) if pack_linear == "auto" else None
             if pack_linear is True or (choice is not None and choice.use_packed):
                 num_packed = pack_linear_weights(model)
+                num_packed += 2 * pack_expert_weights(model)  # MoE layers' w13 / w2 stacks
                 logger.info(
                     "%d linear weights packed for oneDNN (%s): %s", num_packed, dtype,
                     "asked for" if choice is None else f"measured {choice.describe()}",

@@ -22,21 +22,18 @@ Quantized (``quantization: fp8 | int4`` on load): after loading, each rank's sta
 ``kernels/moe_quant.py``'s (``workers/models/quant/experts.py``), and the layer runs them
 through ``kernels.moe.grouped_moe``, one call per active expert (docs/moe.md).
 
-Checkpoint layouts (``ExpertNames`` maps both onto ``w13`` / ``w2``):
-- per expert, as on the Hub and as transformers' ``save_pretrained`` writes them:
-  ``{block}.experts.{e}.{gate|up|down}.weight``, [I, H] / [I, H] / [H, I] (Mixtral:
-  block ``block_sparse_moe``, w1 / w3 / w2; Qwen: block ``mlp``, gate_proj / up_proj /
-  down_proj), and the router ``{block}.gate.weight``;
-- stacked, as transformers 5 holds them in memory (``save_original_format=False``):
-  ``mlp.experts.gate_up_proj`` [E, 2I, H] (gate rows over up rows) and
-  ``mlp.experts.down_proj`` [E, H, I], the router ``mlp.gate.weight``.
+Packed (CPU, where the loader's measurement packs the linear weights for oneDNN):
+``pack_expert_weights`` gives each single-rank layer's experts a oneDNN copy too
+(``kernels.moe.PackedExperts``), used from ``PACKED_MIN_ROWS`` rows of an expert on. Decode
+steps of single-rank layers run in C++ (``kernels/csrc/moe_block.h``, through
+``workers/models/fused_decode.py``), with the same bits.
+
+Checkpoint layouts: ``workers/models/expert_names.py`` (``ExpertNames``).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import re
-from dataclasses import dataclass
 from typing import ClassVar
 
 import torch
@@ -44,9 +41,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from kernels import KernelOps
-from kernels.moe import grouped_moe, select_experts
+from kernels.moe import PackedExperts, grouped_moe, select_experts
 from kernels.moe_quant import QuantizedExperts
 from workers.models.arch_config import ArchConfig
+from workers.models.expert_names import ExpertNames, ExpertShard
 from workers.models.expert_parallel import ExpertPlacement, make_dispatcher
 from workers.models.expert_rebalance import ExpertMap
 from workers.models.layers import _check_shape, default_weight_loader, new_param
@@ -64,11 +62,6 @@ class ReplicatedLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return F.linear(x, self.weight)  # [num_tokens, output_size]
-
-
-# A shard_id of FusedExperts.weight_loader: (piece, global expert id); expert None: the
-# stacked tensor of every expert ("gate_up" [E, 2I, H], "down" [E, H, I]).
-ExpertShard = tuple[str, int | None]
 
 
 class FusedExperts(nn.Module):
@@ -111,12 +104,20 @@ class FusedExperts(nn.Module):
             self.w2.data[-num_spare:].zero_()
         # model.quantization fp8 / int4: the stacks that replace w13 / w2 after loading.
         self.quantized: QuantizedExperts | None = None
+        # CPU, linear weights packed for oneDNN: each expert's packed w13 / w2 instead.
+        self.packed: PackedExperts | None = None
 
     def set_quantized(self, quantized: QuantizedExperts) -> None:
         """Compute with ``quantized`` (this rank's rows of ``w13`` / ``w2``, quantized by
         ``workers/models/quant/experts.py``) from now on and free the dense stacks."""
         del self.w13, self.w2
         self.quantized = quantized
+
+    def set_packed(self, packed: PackedExperts) -> None:
+        """Compute with ``packed`` (these rows of ``w13`` / ``w2``, each expert also packed
+        for oneDNN) from now on; single-rank layers only (the rebalancer and the
+        dispatchers copy the stacks, which packing would leave stale)."""
+        self.packed = packed
 
     def stacked(self) -> tuple[torch.Tensor, ...]:
         """The tensors holding the experts (dense, or quantized values and scales), each
@@ -254,6 +255,11 @@ class SparseMoeBlock(nn.Module):
             return grouped_moe(
                 hidden, topk_weights, topk_ids, quantized.num_rows, quantized.mlp, self.first_slot
             )
+        packed = self.experts.packed
+        if packed is not None:  # CPU, oneDNN per expert (pack_expert_weights)
+            return grouped_moe(
+                hidden, topk_weights, topk_ids, packed.num_rows, packed.mlp, self.first_slot
+            )
         return self.ops.fused_moe(
             hidden,
             self.experts.w13,
@@ -268,6 +274,29 @@ class SparseMoeBlock(nn.Module):
         their intermediate slices, as ``RowParallelLinear`` does; a no-op on one rank.
         (Expert parallelism sums through its dispatcher instead.)"""
         return self.parallel.all_reduce(out)
+
+
+def pack_expert_weights(model: nn.Module) -> int:
+    """Pack each expert of every single-rank MoE layer of ``model`` for oneDNN
+    (``kernels.moe.PackedExperts``), as ``pack_linear_weights`` packs the dense linears: CPU,
+    after loading, where the loader's measurement keeps packing. Tensor or expert parallel
+    layers (a dispatcher, the rebalancer's slots: they read the stacks) and quantized
+    experts keep theirs.
+    Mutates the model; returns how many layers were packed."""
+    blocks = [
+        m
+        for m in model.modules()
+        if isinstance(m, SparseMoeBlock)
+        and m.parallel.tp_size == 1  # single-rank replicas only (the stack's scope)
+        and m.dispatch is None
+        and m.expert_map is None
+        and m.experts.quantized is None
+        and m.experts.packed is None
+    ]
+    for block in blocks:
+        experts = block.experts
+        experts.set_packed(PackedExperts(experts.w13.detach(), experts.w2.detach()))
+    return len(blocks)
 
 
 def check_redundant(num_redundant: int, num_experts: int, ep_size: int) -> None:
@@ -311,58 +340,6 @@ def make_moe_mlp(
     if config.is_moe_layer(layer_idx):
         return SparseMoeBlock(config, parallel, ops, layer_idx=layer_idx)
     return LlamaMLP(config, parallel, ops)
-
-
-@dataclass(frozen=True)
-class ExpertNames:
-    """How an architecture's checkpoints name the MoE block's tensors (module docstring),
-    and their mapping onto this model's parameters (``mlp.gate.weight``,
-    ``mlp.experts.w13`` / ``w2``). Missing tensors are reported by their per-expert names,
-    whichever layout the checkpoint has."""
-
-    block: str  # "block_sparse_moe" (Mixtral) or "mlp"
-    gate: str  # an expert's gate projection: "w1" / "gate_proj"
-    up: str  # "w3" / "up_proj"
-    down: str  # "w2" / "down_proj"
-    num_experts: int
-
-    def to_param(self, name: str) -> tuple[str, ExpertShard | None, tuple[str, ...]] | None:
-        """Checkpoint tensor ``name`` -> (parameter name, shard_id, the per-expert names it
-        covers), or None when it is no expert or router tensor."""
-        block, num = re.escape(self.block), self.num_experts
-        if m := re.fullmatch(rf"(.*)\.(?:{block}|mlp)\.gate\.weight", name):
-            return f"{m[1]}.mlp.gate.weight", None, (f"{m[1]}.{self.block}.gate.weight",)
-        pieces = {self.gate: "gate", self.up: "up", self.down: "down"}
-        names = "|".join(map(re.escape, pieces))
-        if m := re.fullmatch(rf"(.*)\.{block}\.experts\.(\d+)\.({names})\.weight", name):
-            param = "w2" if pieces[m[3]] == "down" else "w13"
-            return f"{m[1]}.mlp.experts.{param}", (pieces[m[3]], int(m[2])), (name,)
-        if m := re.fullmatch(r"(.*)\.mlp\.experts\.(gate_up_proj|down_proj)", name):
-            prefix, kinds = m[1], (self.gate, self.up) if m[2] == "gate_up_proj" else (self.down,)
-            covered = tuple(self.expert_name(prefix, e, k) for e in range(num) for k in kinds)
-            if m[2] == "gate_up_proj":
-                return f"{prefix}.mlp.experts.w13", ("gate_up", None), covered
-            return f"{prefix}.mlp.experts.w2", ("down", None), covered
-        return None
-
-    def expected(self, names: set[str]) -> set[str]:
-        """The checkpoint names that fill parameters ``names``: a router and the stacked
-        experts by their per-expert names, every other name as it is."""
-        out = set()
-        for name in names:
-            if m := re.fullmatch(r"(.*)\.mlp\.gate\.weight", name):
-                out.add(f"{m[1]}.{self.block}.gate.weight")
-            elif m := re.fullmatch(r"(.*)\.mlp\.experts\.(w13|w2)", name):
-                kinds = (self.gate, self.up) if m[2] == "w13" else (self.down,)
-                out.update(
-                    self.expert_name(m[1], e, k) for e in range(self.num_experts) for k in kinds
-                )
-            else:
-                out.add(name)
-        return out
-
-    def expert_name(self, prefix: str, expert: int, kind: str) -> str:
-        return f"{prefix}.{self.block}.experts.{expert}.{kind}.weight"
 
 
 class MoeForCausalLM(LlamaForCausalLM):
