@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import collections
 import os
+import random
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -138,6 +140,27 @@ def tiny_model_dir(tmp_path_factory) -> Path:
     from cluster.tools.make_model import make_model
 
     return make_model(tmp_path_factory.mktemp("e2e") / "tiny-llama", "llama", "tiny")
+
+
+# Below Linux's ephemeral range (32768-60999: every outgoing connection, Ray's and gRPC's
+# included, takes its local port there) and above Ray's worker ports (10002-19999).
+_FIXED_PORTS = range(20000, 32768)
+
+
+def free_port() -> int:
+    """A port for a listener the cluster binds itself a moment later (the HTTP API: port 0
+    would turn it off). Drawn outside the ranges the machine hands out on its own, so that
+    nothing else takes it in between, as a kernel-chosen port once was."""
+    draw = random.SystemRandom()
+    for _ in range(200):
+        port = draw.choice(_FIXED_PORTS)
+        with socket.socket() as sock:
+            try:
+                sock.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError(f"no free port in {_FIXED_PORTS}")
 
 
 def cluster_config(model_dir: Path, **router) -> dict:

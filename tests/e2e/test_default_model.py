@@ -8,8 +8,7 @@ from __future__ import annotations
 
 import openai
 
-from tests.e2e.conftest import cluster_config, start_cluster, stop_cluster
-from tests.e2e.test_openai_api import free_port
+from tests.e2e.conftest import cluster_config, free_port, start_cluster, stop_cluster
 
 
 def test_the_default_model_answers_a_real_question(tmp_path):

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import signal
-import socket
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -23,18 +22,11 @@ import ray  # noqa: F401  (required by the served cluster: a broken install fail
 from pydantic import BaseModel, ConfigDict, Field
 
 from proto.baton.v1 import inference_pb2 as pb
-from tests.e2e.conftest import cluster_config, start_cluster, stop_cluster
+from tests.e2e.conftest import cluster_config, free_port, start_cluster, stop_cluster
 from tests.e2e.test_cluster import PROMPTS, collect, request, wait_blocks_released
 
 API_KEY = "e2e-key-0123456789"  # gRPC needs it too (docs/security.md)
 GREEDY = {"temperature": 0.0, "extra_body": {"ignore_eos": True}}
-
-
-def free_port() -> int:
-    """A port free now (uvicorn binds it a moment later; 0 would turn HTTP off)."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 @pytest.fixture(scope="module")

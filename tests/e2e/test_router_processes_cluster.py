@@ -20,9 +20,8 @@ import pytest
 
 from proto.baton.v1 import inference_pb2 as pb
 from proto.baton.v1 import inference_pb2_grpc as pb_grpc
-from tests.e2e.conftest import cluster_config, start_cluster, stop_cluster
+from tests.e2e.conftest import cluster_config, free_port, start_cluster, stop_cluster
 from tests.e2e.test_cluster import PROMPTS, request
-from tests.e2e.test_openai_api import free_port
 
 pytestmark = pytest.mark.slow  # a Ray cluster of its own: about a minute
 

@@ -9,21 +9,13 @@ engine's, the new worker served hand-offs, and at the end no KV block is in use.
 
 from __future__ import annotations
 
-import socket
 import threading
 
 from proto.baton.v1 import inference_pb2 as pb
-from tests.e2e.conftest import cluster_config, start_cluster, stop_cluster
+from tests.e2e.conftest import cluster_config, free_port, start_cluster, stop_cluster
 from tests.e2e.test_cluster import PROMPTS, TOKEN_PROMPT, collect, request, wait_blocks_released
 
 ADMIN_KEY = "e2e-admin-key-0123456789"
-
-
-def free_port() -> int:
-    """A port free now for the HTTP API (0 would turn it off)."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 class Streams:

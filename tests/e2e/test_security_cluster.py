@@ -25,9 +25,8 @@ import yaml
 
 from proto.baton.v1 import inference_pb2 as pb
 from proto.baton.v1 import inference_pb2_grpc as pb_grpc
-from tests.e2e.conftest import cluster_config, start_cluster, stop_cluster
+from tests.e2e.conftest import cluster_config, free_port, start_cluster, stop_cluster
 from tests.e2e.test_cluster import wait_blocks_released
-from tests.e2e.test_openai_api import free_port
 from tests.pki import make_pki
 
 ALICE, BOB = "alice-key-0123456789abcdef", "bob-key-0123456789abcdef"

@@ -20,9 +20,8 @@ import pytest
 import ray  # noqa: F401  (required by the served cluster: a broken install fails, not skips)
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
 
-from tests.e2e.conftest import cluster_config, start_cluster, stop_cluster
+from tests.e2e.conftest import cluster_config, free_port, start_cluster, stop_cluster
 from tests.e2e.test_cluster import PROMPTS, collect, request
-from tests.e2e.test_openai_api import free_port
 
 CALLER_TRACE = "0af7651916cd43dd8448eb211c80319c"
 CALLER = f"00-{CALLER_TRACE}-b7ad6b7169203331-01"
