@@ -41,6 +41,7 @@ import torch
 
 from kernels import cpu_linear
 from kernels.activation import silu_and_mul
+from kernels.timing import fastest
 
 
 def select_experts(
@@ -210,21 +211,86 @@ class PackedExperts:
     for the dense linears) MKL's sgemm is slowest at the few rows an expert gets in a
     batched decode step, but oneDNN's one-row path is slower still, so an expert's rows
     go through oneDNN from ``PACKED_MIN_ROWS`` on and through the dense stacks' mm below
-    (the expert weights are held twice). ``mlp`` is ``grouped_moe``'s per-expert callable;
-    row ``e`` is slot ``e``."""
+    (the expert weights are held twice). Up to ``matvec_max_rows`` rows (0: none; set by
+    ``choose_matvec_rows``) they go through ``matvec`` instead, the C++ kernels'
+    ``expert_matvec`` (``kernels/csrc/matvec.h``) over the dense float32 stacks, which
+    reads a weight near the memory bandwidth where one-row sgemm does not.
+    ``mlp`` is ``grouped_moe``'s per-expert callable; row ``e`` is slot ``e``."""
 
     def __init__(self, w13: torch.Tensor, w2: torch.Tensor) -> None:
         self.dense_w13, self.dense_w2 = w13, w2  # [E, 2I, H], [E, H, I]
         self.w13 = [cpu_linear.pack(w) for w in w13]  # [2I, H] each, packed
         self.w2 = [cpu_linear.pack(w) for w in w2]  # [H, I] each, packed
+        self.matvec: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None
+        self.matvec_max_rows = 0
 
     @property
     def num_rows(self) -> int:
         return len(self.w13)
 
+    def use_matvec(
+        self, matvec: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], max_rows: int
+    ) -> None:
+        """Send an expert's rows up to ``max_rows`` (0: none) through ``matvec(x, w)`` =
+        ``x @ w.t()`` over the dense float32 weights."""
+        if max_rows and self.dense_w13.dtype != torch.float32:
+            raise ValueError(f"the expert matvec is float32 only, not {self.dense_w13.dtype}")
+        self.matvec, self.matvec_max_rows = matvec, max_rows
+
     def mlp(self, expert: int, x: torch.Tensor) -> torch.Tensor:
         """Expert ``expert``'s ``w2 @ silu_and_mul(w13 @ x)`` for its rows ``x`` [count, H]."""
+        if x.shape[0] <= self.matvec_max_rows:  # as kernels/csrc/moe_block.h multiplies
+            assert self.matvec is not None
+            gate_up = self.matvec(x, self.dense_w13[expert])
+            return self.matvec(silu_and_mul(gate_up), self.dense_w2[expert])
         if x.shape[0] < PACKED_MIN_ROWS:  # as fused_moe multiplies
             return silu_and_mul(x @ self.dense_w13[expert].t()) @ self.dense_w2[expert].t()
         gate_up = cpu_linear.linear(x, self.w13[expert])
         return cpu_linear.linear(silu_and_mul(gate_up), self.w2[expert])
+
+
+def choose_matvec_rows(
+    layers: list[PackedExperts],
+    matvec: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+    most_rows: int,
+    repeats: int = 5,
+) -> tuple[int, list[tuple[float, float]]]:
+    """Up to how many rows ``matvec`` beats the multiply ``PackedExperts.mlp`` would use
+    otherwise, timed here on the model's own experts (a pass over up to three layers'
+    weights, more than a cache holds, as a decode step reads them): the largest ``r`` in
+    1..``most_rows`` such that it wins at every row count up to ``r`` (0: never).
+
+    Returns it with the ``(other, matvec)`` seconds of a pass at each row count timed."""
+    sample = layers[:3]
+    gen = torch.Generator().manual_seed(0)
+    hidden = sample[0].dense_w13.shape[2]
+    timings: list[tuple[float, float]] = []
+    best = 0
+    with torch.inference_mode():
+        for rows in range(1, most_rows + 1):
+            x = torch.randn(rows, hidden, generator=gen)
+
+            def other(x: torch.Tensor = x) -> None:
+                for layer in sample:
+                    for e in range(layer.num_rows):
+                        PackedExperts.mlp(layer, e, x)
+
+            def ours(x: torch.Tensor = x) -> None:
+                for layer in sample:
+                    for e in range(layer.num_rows):
+                        gate_up = matvec(x, layer.dense_w13[e])
+                        matvec(silu_and_mul(gate_up), layer.dense_w2[e])
+
+            saved = [(layer.matvec, layer.matvec_max_rows) for layer in sample]
+            for layer in sample:
+                layer.matvec_max_rows = 0  # time the multiply it would replace
+            try:
+                t_other, t_ours = fastest([other, ours], repeats)
+            finally:
+                for layer, (fn, most) in zip(sample, saved, strict=True):
+                    layer.matvec, layer.matvec_max_rows = fn, most
+            timings.append((t_other, t_ours))
+            if t_ours >= t_other:
+                break
+            best = rows
+    return best, timings

@@ -1,13 +1,14 @@
 // The CPU kernels' Python module (built by kernels/cpu_extension.py): decode attention over
 // the paged KV cache (paged_decode.h), RMSNorm (rms_norm.h), SiLU-and-multiply
 // (activation.h) and the fused decoder-layer stack (decode_stack.h) with its MoE blocks
-// (moe_block.h).
+// (moe_block.h), and the MoE experts' few-row multiply (matvec.h).
 #include <torch/extension.h>
 
 #include <pybind11/stl.h>
 
 #include "activation.h"
 #include "decode_stack.h"
+#include "matvec.h"
 #include "moe_block.h"
 #include "paged_decode.h"
 #include "rms_norm.h"
@@ -24,6 +25,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "(weight * rms_norm(x + residual), x + residual) (CPU)", py::arg("x"), py::arg("residual"),
         py::arg("weight"), py::arg("eps"));
   m.def("silu_and_mul", &baton::silu_and_mul, "silu(x[..., :d]) * x[..., d:] (CPU)", py::arg("x"));
+  m.def("expert_matvec", &baton::expert_matvec, "x @ w.t() for 1..4 float32 rows (CPU)",
+        py::arg("x"), py::arg("w"), py::call_guard<py::gil_scoped_release>());
+  m.attr("MATVEC_MAX_ROWS") = baton::kMatvecMaxRows;
   py::class_<baton::Linear>(m, "Linear")
       .def(py::init<const std::string&, at::Tensor, std::optional<at::Tensor>,
                     std::optional<at::Tensor>, int64_t>(),
@@ -39,6 +43,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            py::arg("packed_down"), py::arg("packed_min_rows"), py::arg("top_k"),
            py::arg("renormalize"), py::arg("expert_tokens"), py::arg("shared_gate_up"),
            py::arg("shared_down"), py::arg("shared_gate"))
+      .def_readwrite("matvec_max_rows", &baton::MoeBlock::matvec_max_rows)
       .def("__call__", &baton::MoeBlock::operator(), py::arg("x"),
            py::call_guard<py::gil_scoped_release>());
   py::class_<baton::DecodeStack>(m, "DecodeStack")

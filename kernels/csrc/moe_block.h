@@ -14,7 +14,8 @@
 //   pairs grouped by expert, stable (tokens ascending); per *active* expert e, its rows
 //   y_e  = down_e(silu(g) * u), [g | u] = gate_up_e(x_e)   (kernels/activation.py's SiLU;
 //   the two multiplies dense mm over w13[e] / w2[e], or from some rows on oneDNN over
-//   their packed forms, as kernels/moe.py's PackedExperts chooses)
+//   their packed forms, or up to a few rows matvec.h's expert_matvec over w13[e] / w2[e],
+//   as kernels/moe.py's PackedExperts chooses)
 //   out  = sum over each token's k slots, in slot order, of float32(y) * weight (float32)
 //   (+ Qwen2-MoE's shared expert: sigmoid(linear(x, shared_gate)) * down(silu_and_mul(
 //    gate_up(x))), its linears and SiLU those of the dense MLP)
@@ -36,6 +37,7 @@
 
 #include "activation.h"
 #include "linear.h"
+#include "matvec.h"
 
 namespace baton {
 
@@ -114,13 +116,21 @@ struct MoeBlock {
     for (int64_t e = 0; e < num_experts; ++e) {
       const int64_t begin = starts[e], count = starts[e + 1] - begin;
       if (count == 0) continue;
-      const bool packed = !packed_gate_up.empty() && count >= packed_min_rows;
-      const Linear& first = packed ? packed_gate_up[e] : gate_up[e];
-      const Linear& second = packed ? packed_down[e] : down[e];
-      at::Tensor gu = first(rows.narrow(0, begin, count));  // [count, 2I]
-      const int64_t inter = gu.size(1) / 2;
-      at::Tensor act = at::silu(gu.narrow(1, 0, inter)) * gu.narrow(1, inter, inter);
-      at::Tensor y = second(act).contiguous();  // [count, H]
+      at::Tensor y;  // [count, H]
+      if (count <= matvec_max_rows) {  // matvec.h over the dense weights, as PackedExperts
+        at::Tensor gu = expert_matvec(rows.narrow(0, begin, count), gate_up[e].weight);
+        const int64_t inter = gu.size(1) / 2;
+        at::Tensor act = at::silu(gu.narrow(1, 0, inter)) * gu.narrow(1, inter, inter);
+        y = expert_matvec(act, down[e].weight);
+      } else {
+        const bool packed = !packed_gate_up.empty() && count >= packed_min_rows;
+        const Linear& first = packed ? packed_gate_up[e] : gate_up[e];
+        const Linear& second = packed ? packed_down[e] : down[e];
+        at::Tensor gu = first(rows.narrow(0, begin, count));  // [count, 2I]
+        const int64_t inter = gu.size(1) / 2;
+        at::Tensor act = at::silu(gu.narrow(1, 0, inter)) * gu.narrow(1, inter, inter);
+        y = second(act).contiguous();
+      }
       AT_DISPATCH_FLOATING_TYPES_AND(at::ScalarType::BFloat16, y.scalar_type(), "moe_block", [&] {
         const scalar_t* yp = y.data_ptr<scalar_t>();
         for (int64_t r = 0; r < count; ++r) {
@@ -143,6 +153,9 @@ struct MoeBlock {
   at::Tensor gate;
   std::vector<Linear> gate_up, down, packed_gate_up, packed_down;
   int64_t packed_min_rows;
+  // An expert's rows up to this many go through expert_matvec (matvec.h) over the dense
+  // float32 weights instead (0: never), as PackedExperts.matvec_max_rows says.
+  int64_t matvec_max_rows = 0;
   int64_t top_k;
   bool renormalize;
   at::Tensor expert_tokens;  // mutated: the pairs routed to each expert

@@ -54,6 +54,19 @@ def test_moe_decode_steps_equal_the_eager_layers_bitwise(arch, pack_linear, tmp_
 
 
 @pytest.mark.parametrize("arch", ["mixtral", "qwen3_moe"])
+def test_moe_decode_steps_through_the_expert_matvec_equal_the_eager_layers_bitwise(arch, tmp_path):
+    """With every expert's one to four rows through the C++ ``expert_matvec`` (whatever the
+    load-time timing chose), the stack and the eager layers still agree to the bit."""
+    make_hf_model(arch, tmp_path)
+    model, config = load_model(tmp_path, torch.float32, CPU, pack_linear=True)
+    for layer in model.model.layers:
+        if isinstance(layer.mlp, SparseMoeBlock):
+            layer.mlp.experts.packed.use_matvec(MODULE.expert_matvec, MODULE.MATVEC_MAX_ROWS)
+    assert attach_fused_decode(model) is None
+    _fused_against_eager(model, config)
+
+
+@pytest.mark.parametrize("arch", ["mixtral", "qwen3_moe"])
 def test_bfloat16_moe_decode_steps_equal_the_eager_layers_bitwise(arch, tmp_path):
     make_hf_model(arch, tmp_path)
     model, config = load_model(tmp_path, torch.bfloat16, CPU)
@@ -84,15 +97,21 @@ def test_the_stack_counts_expert_load_as_the_eager_block(arch, tmp_path):
         assert torch.equal(f - b, e - f)
 
 
-@pytest.mark.parametrize("pack_linear", [True, False], ids=["onednn", "f_linear"])
-def test_a_moe_block_alone_equals_the_eager_block(pack_linear, tmp_path):
+@pytest.mark.parametrize(
+    ("pack_linear", "matvec_rows"),
+    [(True, 0), (True, 2), (False, 0)],
+    ids=["onednn", "onednn_matvec", "f_linear"],
+)
+def test_a_moe_block_alone_equals_the_eager_block(pack_linear, matvec_rows, tmp_path):
     """One MoE block (with its shared expert), called directly on 1, 3 and 40 tokens (an
-    expert with one row, with a few, with many: the packed experts' dense and oneDNN
-    multiplies both), equals SparseMoeBlock.forward to the bit."""
+    expert with one row, with a few, with many: the packed experts' dense, oneDNN and
+    C++ matvec multiplies), equals SparseMoeBlock.forward to the bit."""
     make_hf_model("qwen2_moe", tmp_path)
     model, _ = load_model(tmp_path, torch.float32, CPU, pack_linear=pack_linear, fused_decode=False)
     block = model.model.layers[SPARSE_LAYERS["qwen2_moe"][0]].mlp
     assert (block.experts.packed is not None) == pack_linear
+    if pack_linear:
+        block.experts.packed.use_matvec(MODULE.expert_matvec, matvec_rows)
     cpp = _moe_block(block, MODULE)
     gen = torch.Generator().manual_seed(5)
     for num_tokens in (1, 3, 40):

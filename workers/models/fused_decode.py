@@ -131,7 +131,7 @@ def _moe_block(block: SparseMoeBlock, module: Any) -> Any:
         shared_gate_up = _linear(block.shared_expert.gate_up_proj, module)
         shared_down = _linear(block.shared_expert.down_proj, module)
         shared_gate = block.shared_expert_gate.weight.detach()
-    return module.MoeBlock(
+    cpp = module.MoeBlock(
         block.gate.weight.detach(),
         gate_up,
         down,
@@ -145,6 +145,9 @@ def _moe_block(block: SparseMoeBlock, module: Any) -> Any:
         shared_down,
         shared_gate,
     )
+    if experts.packed is not None:  # the few-row expert_matvec, as its mlp (0: none)
+        cpp.matvec_max_rows = experts.packed.matvec_max_rows
+    return cpp
 
 
 def _why_not(model: nn.Module) -> str | None:

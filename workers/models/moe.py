@@ -24,7 +24,9 @@ through ``kernels.moe.grouped_moe``, one call per active expert (docs/moe.md).
 
 Packed (CPU, where the loader's measurement packs the linear weights for oneDNN):
 ``pack_expert_weights`` gives each single-rank layer's experts a oneDNN copy too
-(``kernels.moe.PackedExperts``), used from ``PACKED_MIN_ROWS`` rows of an expert on. Decode
+(``kernels.moe.PackedExperts``), used from ``PACKED_MIN_ROWS`` rows of an expert on, and
+(float32) the C++ ``expert_matvec`` for an expert's one or few rows where it wins here
+(``use_expert_matvec``, timed at load). Decode
 steps of single-rank layers run in C++ (``kernels/csrc/moe_block.h``, through
 ``workers/models/fused_decode.py``), with the same bits.
 
@@ -34,14 +36,15 @@ Checkpoint layouts: ``workers/models/expert_names.py`` (``ExpertNames``).
 from __future__ import annotations
 
 import dataclasses
+import logging
 from typing import ClassVar
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kernels import KernelOps
-from kernels.moe import PackedExperts, grouped_moe, select_experts
+from kernels import KernelOps, cpu_extension
+from kernels.moe import PackedExperts, choose_matvec_rows, grouped_moe, select_experts
 from kernels.moe_quant import QuantizedExperts
 from workers.models.arch_config import ArchConfig
 from workers.models.expert_names import ExpertNames, ExpertShard
@@ -50,6 +53,8 @@ from workers.models.expert_rebalance import ExpertMap
 from workers.models.layers import _check_shape, default_weight_loader, new_param
 from workers.models.llama import LlamaForCausalLM, LlamaMLP
 from workers.models.parallel import ParallelContext, divide
+
+logger = logging.getLogger(__name__)
 
 
 class ReplicatedLinear(nn.Module):
@@ -296,7 +301,28 @@ def pack_expert_weights(model: nn.Module) -> int:
     for block in blocks:
         experts = block.experts
         experts.set_packed(PackedExperts(experts.w13.detach(), experts.w2.detach()))
+    layers = [block.experts.packed for block in blocks if block.experts.packed is not None]
+    if layers and layers[0].dense_w13.dtype == torch.float32:
+        use_expert_matvec(layers)
     return len(blocks)
+
+
+def use_expert_matvec(layers: list[PackedExperts]) -> int:
+    """Send the experts' few-row multiplies through the C++ ``expert_matvec`` up to as many
+    rows as it wins by on this machine (``kernels.moe.choose_matvec_rows``, timed here, and
+    logged); nothing where the C++ kernels are unavailable. Returns that row count."""
+    module = cpu_extension.load()
+    if module is None:
+        return 0
+    most, timings = choose_matvec_rows(layers, module.expert_matvec, module.MATVEC_MAX_ROWS)
+    for packed in layers:
+        packed.use_matvec(module.expert_matvec, most)
+    logger.info(
+        "MoE experts: the C++ matvec up to %d rows (measured per pass, other / matvec: %s)",
+        most, ", ".join(f"{r + 1}: {a * 1e3:.2f} / {b * 1e3:.2f} ms"
+                        for r, (a, b) in enumerate(timings)),
+    )  # fmt: skip
+    return most
 
 
 def check_redundant(num_redundant: int, num_experts: int, ep_size: int) -> None:
